@@ -1,0 +1,332 @@
+"""Read GGUF files: metadata, tensor directory, and memory-mapped tensor bytes.
+
+We parse the format ourselves instead of using ``gguf.GGUFReader``: that reader
+builds a numpy view per array element, which costs seconds for a 49k-token
+vocabulary. Here a string array is decoded in one pass over the mapped bytes, and
+tensor data is never copied until a weight format asks for it.
+
+Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count,
+u64 metadata count, the metadata key/values, the tensor infos (name, dims, type,
+offset), padding to ``general.alignment``, then the tensor data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+
+class GGMLType(IntEnum):
+    """Tensor element types (the subset of ggml's numbering that appears in files)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+
+
+# (elements per block, bytes per block) for the types whose size we know.
+BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.F64: (1, 8),
+    GGMLType.I8: (1, 1),
+    GGMLType.I16: (1, 2),
+    GGMLType.I32: (1, 4),
+    GGMLType.I64: (1, 8),
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22),
+    GGMLType.Q5_1: (32, 24),
+    GGMLType.Q8_0: (32, 34),
+    GGMLType.Q8_1: (32, 40),
+    GGMLType.Q2_K: (256, 84),
+    GGMLType.Q3_K: (256, 110),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q5_K: (256, 176),
+    GGMLType.Q6_K: (256, 210),
+    GGMLType.Q8_K: (256, 292),
+    GGMLType.IQ4_NL: (32, 18),
+    GGMLType.IQ4_XS: (256, 136),
+    GGMLType.MXFP4: (32, 17),
+}
+
+
+class _ValueType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+_SCALAR_FORMATS = {
+    _ValueType.UINT8: ("<B", np.uint8),
+    _ValueType.INT8: ("<b", np.int8),
+    _ValueType.UINT16: ("<H", np.uint16),
+    _ValueType.INT16: ("<h", np.int16),
+    _ValueType.UINT32: ("<I", np.uint32),
+    _ValueType.INT32: ("<i", np.int32),
+    _ValueType.FLOAT32: ("<f", np.float32),
+    _ValueType.BOOL: ("<?", np.bool_),
+    _ValueType.UINT64: ("<Q", np.uint64),
+    _ValueType.INT64: ("<q", np.int64),
+    _ValueType.FLOAT64: ("<d", np.float64),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor directory.
+
+    ``shape`` is in PyTorch order (outermost first), i.e. GGUF's ``ne`` reversed:
+    a GGUF matrix with ne = [in_features, out_features] has shape (out, in).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # absolute offset of the first byte in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLType(self.ggml_type).name
+        except ValueError:
+            return f"type#{self.ggml_type}"
+
+
+class _Cursor:
+    """Sequential little-endian reader over a buffer, raising GGUFError on overrun."""
+
+    def __init__(self, buf: Any, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+        self.size = len(buf)
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError(f"{self.path}: truncated GGUF header (needed {n} bytes at {self.pos})")
+
+    def scalar(self, fmt: str) -> Any:
+        n = struct.calcsize(fmt)
+        self._need(n)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self._need(n)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def string_array(self, count: int) -> list[str]:
+        out: list[str] = []
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self._need(8)
+            (n,) = unpack("<Q", buf, pos)
+            pos += 8
+            if pos + n > size:
+                self.pos = pos
+                self._need(n)
+            out.append(bytes(buf[pos : pos + n]).decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int) -> Any:
+        try:
+            vt = _ValueType(vtype)
+        except ValueError:
+            raise GGUFError(f"{self.path}: unknown metadata value type {vtype}") from None
+        if vt == _ValueType.STRING:
+            return self.string()
+        if vt == _ValueType.ARRAY:
+            item_type = self.scalar("<I")
+            count = self.scalar("<Q")
+            if item_type == _ValueType.STRING:
+                return self.string_array(count)
+            if item_type == _ValueType.ARRAY:
+                return [self.value(_ValueType.ARRAY) for _ in range(count)]
+            if item_type not in _SCALAR_FORMATS:
+                raise GGUFError(f"{self.path}: unknown array item type {item_type}")
+            dtype = np.dtype(_SCALAR_FORMATS[_ValueType(item_type)][1]).newbyteorder("<")
+            nbytes = count * dtype.itemsize
+            self._need(nbytes)
+            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += nbytes
+            return arr
+        value = self.scalar(_SCALAR_FORMATS[vt][0])
+        return bool(value) if vt == _ValueType.BOOL else value
+
+
+class GGUFFile:
+    """An open GGUF file: ``metadata`` (dict), ``tensors`` (name → TensorInfo), raw bytes.
+
+    The file stays memory-mapped for the object's lifetime; ``tensor_bytes`` returns
+    zero-copy views into it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"model file not found: {self.path}")
+        try:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:  # ValueError: empty file cannot be mapped
+            raise GGUFError(f"{self.path}: cannot map file ({e})") from None
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    def _parse(self) -> None:
+        cur = _Cursor(self._mmap, self.path)
+        if self._mmap[:4] != GGUF_MAGIC:
+            raise GGUFError(f"{self.path}: not a GGUF file (bad magic {bytes(self._mmap[:4])!r})")
+        cur.pos = 4
+        self.version = cur.scalar("<I")
+        if self.version not in (2, 3):
+            raise GGUFError(f"{self.path}: unsupported GGUF version {self.version}")
+        n_tensors = cur.scalar("<Q")
+        n_kv = cur.scalar("<Q")
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.scalar("<I"))
+
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            if n_dims > 8:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dims")
+            ne = [cur.scalar("<Q") for _ in range(n_dims)]
+            ggml_type = cur.scalar("<I")
+            rel_offset = cur.scalar("<Q")
+            infos.append((name, ne, ggml_type, rel_offset))
+
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        self.data_offset = data_start
+        for name, ne, ggml_type, rel_offset in infos:
+            shape = tuple(int(d) for d in reversed(ne))
+            n_el = 1
+            for d in shape:
+                n_el *= d
+            nbytes = _tensor_nbytes(name, n_el, int(ne[0]) if ne else 1, ggml_type)
+            offset = data_start + rel_offset
+            if offset + nbytes > len(self._mmap):
+                raise GGUFError(
+                    f"{self.path}: truncated file: tensor {name!r} ends at byte "
+                    f"{offset + nbytes}, file has {len(self._mmap)}"
+                )
+            self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, nbytes)
+
+    # ------------------------------------------------------------------ access
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The tensor's raw bytes as a read-only uint8 array (a view of the mapping)."""
+        info = self.tensor(name)
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
+        return self.metadata[key]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def close(self) -> None:
+        self._mmap.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tensor_nbytes(name: str, n_elements: int, row_len: int, ggml_type: int) -> int:
+    try:
+        block_elems, block_bytes = BLOCK_GEOMETRY[GGMLType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"tensor {name!r} has unsupported type {ggml_type}") from None
+    if row_len % block_elems:
+        raise GGUFError(
+            f"tensor {name!r}: row length {row_len} is not a multiple of the "
+            f"{GGMLType(ggml_type).name} block size {block_elems}"
+        )
+    return n_elements // block_elems * block_bytes
