@@ -1,0 +1,1 @@
+"""Model files, weight formats and model families."""

@@ -1,0 +1,185 @@
+"""The ``ember`` command: pull, models, tokenize, generate, chat.
+
+Every expected failure (missing or corrupt file, unknown alias, bad option) ends as
+one ``ember: error: ...`` line on stderr and exit status 1 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ember.errors import EmberError
+from ember.models.registry import DEFAULT_MODEL
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (EmberError, ValueError, OSError) as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ember", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pull", help="fetch a registered model into $EMBER_HOME and verify it")
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    s.add_argument("--force", action="store_true", help="fetch again even if present")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("models", help="list registered and installed models")
+    s.set_defaults(func=cmd_models)
+
+    s = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
+    s.add_argument("model", help="alias or path to a .gguf file")
+    s.add_argument("text", nargs="?")
+    s.add_argument("--text-file", type=Path, help="read the text from this file")
+    s.add_argument("--add-bos", action="store_true", help="prepend BOS as the model asks")
+    s.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("generate", help="stream a reply to one prompt")
+    _model_args(s)
+    _sampling_args(s)
+    s.add_argument("--raw", action="store_true", help="complete the text as is (no chat template)")
+    s.add_argument("prompt")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_args(s)
+    _sampling_args(s)
+    s.add_argument("--system", help="system message")
+    s.set_defaults(func=cmd_chat)
+    return p
+
+
+def _model_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="alias or .gguf path")
+    s.add_argument("--weights", default="f32", help="weight format (f32, bf16)")
+    s.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    s.add_argument("--verbose", "-v", action="store_true", help="print load and speed figures")
+
+
+def _sampling_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", "-t", type=float, default=0.7, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=40, help="0 disables")
+    s.add_argument("--top-p", type=float, default=0.95)
+    s.add_argument("--min-p", type=float, default=0.05)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+
+
+def _params(args: argparse.Namespace):
+    from ember.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _llm(args: argparse.Namespace):
+    from ember.llm import LLM
+
+    params = _params(args)  # validate sampling options before the slow load
+    llm = LLM(args.model, weights=args.weights, threads=args.threads)
+    if args.verbose:
+        print(f"[loaded {llm.engine.loaded.name} ({args.weights}) in "
+              f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)
+    return llm, params
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from ember.models.registry import pull
+
+    path = pull(args.model, force=args.force)
+    print(f"{args.model}: {path} ({path.stat().st_size / 1e6:.1f} MB, sha256 verified)")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from ember.models.registry import list_models
+
+    for m in list_models():
+        size = f"{m.size / 1e6:8.1f} MB" if m.size is not None else "       - "
+        where = str(m.path) if m.path else "not installed (ember pull)"
+        print(f"{m.name:<16} {size}  {m.description:<52} {where}")
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from ember.models.gguf import GGUFFile
+    from ember.models.registry import ensure_model
+    from ember.tokenizer import Tokenizer
+
+    if (args.text is None) == (args.text_file is None):
+        raise ValueError("give either TEXT or --text-file")
+    text = args.text if args.text is not None else args.text_file.read_text(encoding="utf-8")
+    tok = Tokenizer.from_gguf(GGUFFile(ensure_model(args.model)))
+    print(json.dumps(tok.encode(text, add_bos=args.add_bos and tok.add_bos)))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm, params = _llm(args)
+    ids = llm.encode(args.prompt) if args.raw else llm.encode_chat(
+        [{"role": "user", "content": args.prompt}])
+    _stream_reply(llm, ids, params, args.verbose)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm, params = _llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("ember chat — empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream_reply(llm, llm.encode_chat(messages), params, args.verbose)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            messages.pop()  # the turn was abandoned; keep history consistent
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool) -> str:
+    start = time.perf_counter()
+    first = None
+    text, n = "", 0
+    for out in llm.stream_ids(prompt_ids, params):
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        text, n = out.text, len(out.token_ids)
+        if out.error:
+            raise EmberError(out.error)
+    sys.stdout.write("\n")
+    if verbose and first is not None:
+        decode = time.perf_counter() - first
+        rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        print(f"[prompt {len(prompt_ids)} tok, first token {first - start:.3f}s, "
+              f"{n} tok, decode {rate:.1f} tok/s]", file=sys.stderr)
+    return text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Paged KV cache: a preallocated pool of fixed-size blocks and per-sequence tables.
+
+The pool holds, per layer, one key and one value tensor of ``num_blocks *
+block_size`` slots. A sequence owns a :class:`BlockTable`: the ids of the blocks
+that hold its positions ``0 .. kv_len-1`` in order. Position ``p`` lives in slot
+``table[p // block_size] * block_size + p % block_size``.
+
+Blocks are reference counted so that several sequences can share a cached prefix
+(the prefix cache holds references too). ``truncate(keep_len)`` is the one rewind
+primitive: it drops positions and returns whole blocks past the new end.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ember.errors import EmberError
+
+
+class OutOfBlocks(EmberError):
+    """The pool has no free block left; the scheduler preempts or waits."""
+
+
+class KVStorage:
+    """The pool's tensors: per layer, keys and values of shape (slots, n_kv_heads, head_dim)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * elem
+
+
+class BlockAllocator:
+    """Free list and reference counts for the pool's block ids."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block = self._free.popleft()
+        self.refcount[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        self.refcount[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; return True when the block became free."""
+        rc = self.refcount[block] - 1
+        if rc < 0:
+            raise AssertionError(f"KV block {block} released more often than acquired")
+        self.refcount[block] = rc
+        if rc == 0:
+            self._free.append(block)
+            return True
+        return False
+
+
+class BlockTable:
+    """One sequence's blocks. ``kv_len`` counts positions whose K/V are written.
+
+    The block ids are kept in a growing tensor so that the slots of the whole context
+    are computed with one vectorized expression, not a Python loop over positions.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.blocks: list[int] = []
+        self._ids = torch.zeros(16, dtype=torch.long)
+        self.kv_len = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def append_block(self, block: int) -> None:
+        """Append a block the caller already holds a reference to."""
+        n = len(self.blocks)
+        if n == self._ids.numel():
+            self._ids = torch.cat([self._ids, torch.zeros_like(self._ids)])
+        self._ids[n] = block
+        self.blocks.append(block)
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """How many more blocks holding ``n_tokens`` positions in total would take."""
+        return max(0, -(-n_tokens // self.block_size) - len(self.blocks))
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for positions ``0 .. n_tokens-1``; all or nothing."""
+        need = self.blocks_needed(n_tokens)
+        if need > self.allocator.num_free:
+            raise OutOfBlocks(
+                f"need {need} more KV blocks, {self.allocator.num_free} free"
+            )
+        for _ in range(need):
+            self.append_block(self.allocator.allocate())
+
+    def slots(self, end: int) -> torch.Tensor:
+        """Slots of positions ``0 .. end-1`` (requires ``end <= capacity``)."""
+        n_blocks = -(-end // self.block_size)
+        ids = self._ids[:n_blocks]
+        offsets = torch.arange(self.block_size)
+        return (ids[:, None] * self.block_size + offsets).reshape(-1)[:end]
+
+    def truncate(self, keep_len: int) -> None:
+        """Rewind to the first ``keep_len`` positions and free whole blocks past them."""
+        if keep_len >= self.kv_len:
+            return
+        keep_blocks = -(-keep_len // self.block_size)
+        for block in self.blocks[keep_blocks:]:
+            self.allocator.decref(block)
+        del self.blocks[keep_blocks:]
+        self.kv_len = keep_len
+
+    def release(self) -> None:
+        """Give every block back (the sequence is finished, aborted or preempted)."""
+        for block in self.blocks:
+            self.allocator.decref(block)
+        self.blocks.clear()
+        self.kv_len = 0

@@ -1,0 +1,135 @@
+"""LLM: the offline Python API — batched generate, streaming, and chat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ember.config import EngineConfig
+from ember.engine.engine import LLMEngine, RequestOutput
+from ember.models.registry import DEFAULT_MODEL
+from ember.sampling.params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """A model plus an engine, driven synchronously from the caller's thread.
+
+    >>> llm = LLM("smollm2-135m")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+    >>> out[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+        self.chat_template = self.engine.loaded.chat_template
+
+    # ------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Raw text gets the model's BOS if its GGUF asks for it; token ids pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos)
+        return list(prompt)
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Render the chat template; its control tokens (and only those) become ids."""
+        if self.chat_template is None:
+            from ember.errors import ChatTemplateError
+
+            raise ChatTemplateError("this model has no chat template; use a raw prompt")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, parse_special=True)
+
+    # ------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched together; outputs in prompt order."""
+        batch = _as_prompt_list(prompts)
+        return self._run([self.encode(p) for p in batch], sampling_params, tenant)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant: str | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation or several (a list of message lists)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run([self.encode_chat(m) for m in convs], sampling_params, tenant)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        tenant: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield outputs as text arrives; each has the new ``delta_text``."""
+        return self.stream_ids(self.encode(prompt), sampling_params, tenant)
+
+    def stream_ids(
+        self, prompt_ids: list[int], sampling_params: SamplingParams | None = None,
+        tenant: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        req = self.engine.add_request(prompt_ids, sampling_params or SamplingParams(),
+                                      tenant=tenant)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == req.request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if not req.is_finished:  # the consumer stopped early (e.g. Ctrl-C)
+                self.engine.abort(req.request_id)
+                self.engine.step()
+
+    def _run(
+        self,
+        prompt_ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        tenant: str | None,
+    ) -> list[RequestOutput]:
+        params = _as_params_list(sampling_params, len(prompt_ids))
+        reqs = [self.engine.add_request(ids, p, tenant=tenant) for ids, p in zip(prompt_ids, params,
+                                                                                   strict=True)]
+        results: dict[str, RequestOutput] = {}
+        try:
+            while len(results) < len(reqs):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        finally:
+            for r in reqs:
+                if r.request_id not in results:
+                    self.engine.abort(r.request_id)
+            if len(results) < len(reqs):
+                self.engine.step()
+        return [results[r.request_id] for r in reqs]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return list(params)

@@ -1,0 +1,163 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style dense models) from GGUF.
+
+Pre-norm blocks: RMSNorm → attention (GQA, RoPE) → residual → RMSNorm → SwiGLU →
+residual; final RMSNorm and an output head that may be tied to the embeddings.
+
+RoPE layout: llama.cpp's converter permutes the Q/K rows of HF checkpoints so that
+a GGUF llama rotates *adjacent* pairs (x[2i], x[2i+1]) — ggml's "normal" rope —
+rather than HF's split halves. Applying HF's layout here would silently scramble
+attention, so the transformers oracle test guards it.
+
+The model knows nothing about requests: it maps a flat batch of token ids plus an
+:class:`AttentionBatch` to logits for the rows asked for, reading and writing K/V
+in the pool it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ember.kv.blocks import KVStorage
+from ember.models.attention import AttentionBatch, paged_attention
+from ember.models.config import ModelConfig
+from ember.models.gguf import GGUFFile
+from ember.models.linear import Linear, WeightFormat, load_dense
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: torch.Tensor
+    qkv: Linear  # fused attn_q | attn_k | attn_v
+    o: Linear
+    ffn_norm: torch.Tensor
+    gate_up: Linear  # fused ffn_gate | ffn_up
+    down: Linear
+
+
+class RotaryEmbedding:
+    """Cos/sin tables for adjacent-pair RoPE over the first ``rope_dim`` head dims."""
+
+    def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
+        half = cfg.rope_dim // 2
+        inv_freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim)
+        if freq_factors is not None:  # llama3-style long-context scaling (rope_freqs.weight)
+            inv_freq = inv_freq / freq_factors.double()
+        self.inv_freq = inv_freq
+        self.rope_dim = cfg.rope_dim
+        self._cos = torch.empty(0, half)
+        self._sin = torch.empty(0, half)
+
+    def _grow(self, n_positions: int) -> None:
+        n = max(n_positions, 2 * self._cos.shape[0], 256)
+        angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+        self._cos, self._sin = angles.cos().float(), angles.sin().float()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (T, heads, head_dim) at ``positions`` (T,)."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._grow(int(positions.max()) + 1)
+        cos = self._cos[positions][:, None, :]
+        sin = self._sin[positions][:, None, :]
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        pairs = rot.unflatten(-1, (-1, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        return rotated if rest.numel() == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LlamaLayer],
+        output_norm: torch.Tensor,
+        output: Linear,
+        rope: RotaryEmbedding,
+    ) -> None:
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+        self.rope = rope
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat) -> LlamaModel:
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            layers.append(
+                LlamaLayer(
+                    attn_norm=load_dense(gguf, p + "attn_norm.weight"),
+                    qkv=fmt.linear(gguf, [p + "attn_q.weight", p + "attn_k.weight",
+                                          p + "attn_v.weight"]),
+                    o=fmt.linear(gguf, [p + "attn_output.weight"]),
+                    ffn_norm=load_dense(gguf, p + "ffn_norm.weight"),
+                    gate_up=fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    down=fmt.linear(gguf, [p + "ffn_down.weight"]),
+                )
+            )
+        embed = load_dense(gguf, "token_embd.weight")
+        head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        output = fmt.linear(gguf, [head_name])
+        freq_factors = load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
+                   RotaryEmbedding(cfg, freq_factors))
+
+    def new_kv_storage(self, num_blocks: int, block_size: int,
+                       dtype: torch.dtype = torch.float32) -> KVStorage:
+        c = self.cfg
+        return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
+
+    def score(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        """Logits at every position of one sequence (teacher forcing), shape (T, vocab).
+
+        Uses a private KV pool; meant for evaluation and tests, not serving.
+        """
+        from ember.kv.blocks import BlockAllocator, BlockTable
+        from ember.models.attention import RowSpec
+
+        n = len(token_ids)
+        n_blocks = -(-n // block_size)
+        table = BlockTable(BlockAllocator(n_blocks), block_size)
+        table.reserve(n)
+        batch = AttentionBatch.build([RowSpec(table.slots(n), 0, n)])
+        kv = self.new_kv_storage(n_blocks, block_size)
+        return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: AttentionBatch,
+        kv: KVStorage,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``tokens`` (T,) through the model, writing their K/V into ``kv``.
+
+        Returns float32 logits for the flat positions in ``logits_index`` (default: the
+        last token of every row), shape (len(logits_index), vocab).
+        """
+        c = self.cfg
+        n = tokens.numel()
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
+        x = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.norm_eps)
+            q, k, v = layer.qkv(h).split((q_dim, kv_dim, kv_dim), dim=-1)
+            q = self.rope(q.view(n, c.n_heads, c.head_dim), batch.positions)
+            k = self.rope(k.view(n, c.n_kv_heads, c.head_dim), batch.positions)
+            kv.k[i].index_copy_(0, batch.slot_mapping, k.to(kv.k[i].dtype))
+            kv.v[i].index_copy_(0, batch.slot_mapping,
+                                v.view(n, c.n_kv_heads, c.head_dim).to(kv.v[i].dtype))
+            attn = paged_attention(q, kv.k[i], kv.v[i], batch)
+            x = x + layer.o(attn.reshape(n, q_dim))
+            h = F.rms_norm(x, (c.hidden_size,), layer.ffn_norm, c.norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        rows = x[batch.row_ends if logits_index is None else logits_index]
+        return self.output(F.rms_norm(rows, (c.hidden_size,), self.output_norm, c.norm_eps))

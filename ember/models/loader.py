@@ -1,0 +1,77 @@
+"""Load a model by alias or path: weights, tokenizer and chat template together."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember.chat_template import ChatTemplate
+from ember.errors import ChatTemplateError
+from ember.models.config import ModelConfig
+from ember.models.gguf import GGUFFile
+from ember.models.linear import weight_format
+from ember.models.llama import LlamaModel
+from ember.models.registry import MODELS, ensure_model, sha256_of
+from ember.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    weights: str
+    load_seconds: float
+
+    @property
+    def name(self) -> str:
+        for spec in MODELS.values():
+            if spec.filename == self.path.name:
+                return spec.alias
+        return self.path.stem
+
+    def fingerprint(self) -> str:
+        """Identity of the numbers this model computes: file checksum + weight format.
+
+        Part of every prefix-cache salt, so a cache can never be reused across models
+        or formats. Registered files use the registry checksum (verified at pull).
+        """
+        for spec in MODELS.values():
+            if spec.filename == self.path.name and self.path.stat().st_size == spec.size:
+                return f"{spec.sha256}:{self.weights}"
+        return f"{sha256_of(self.path)}:{self.weights}"
+
+
+def load_model(name: str, weights: str = "f32") -> LoadedModel:
+    """Load ``name`` (alias or .gguf path), pulling a registered alias if needed."""
+    start = time.perf_counter()
+    fmt = weight_format(weights)
+    path = ensure_model(name)
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gguf)  # raises for unsupported architectures first
+    tokenizer = Tokenizer.from_gguf(gguf)
+    try:
+        template: ChatTemplate | None = ChatTemplate.from_gguf(gguf)
+    except ChatTemplateError:
+        template = None  # base models without a template can still complete raw text
+    model = LlamaModel.from_gguf(gguf, config, fmt)
+    return LoadedModel(path, config, model, tokenizer, template, weights,
+                       time.perf_counter() - start)
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (SMT siblings counted once)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add((base.joinpath("physical_package_id").read_text().strip(),
+                       base.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("?", str(cpu)))
+    return max(1, len(cores))

@@ -1,0 +1,622 @@
+"""Tokenize and detokenize text with the vocabulary stored in a GGUF file.
+
+llama.cpp is the reference: for the same GGUF and text, ``encode`` aims to return the
+ids llama.cpp's ``llama_tokenize`` returns. Two tokenizer kinds are supported:
+
+* ``tokenizer.ggml.model == "gpt2"``: byte-level BPE, run by the HuggingFace
+  ``tokenizers`` library. The pre-tokenizer regexes are chosen from
+  ``tokenizer.ggml.pre`` the way llama.cpp chooses them (e.g. ``smollm`` isolates
+  every digit before applying the GPT-2 regex).
+* ``tokenizer.ggml.model == "llama"``: SentencePiece-style merging by token score
+  with ``<0xXX>`` byte fallback (Gemma, Llama 2), implemented here in Python
+  because the GGUF carries scores, not merges.
+
+Any other tokenizer model raises ``TokenizerError`` naming it.
+
+Special tokens. Before the BPE/SPM step the text is cut at special-token strings,
+like llama.cpp's ``tokenizer_st_partition``: user-defined tokens (token type 4) are
+always cut out, control and unknown tokens (types 3 and 2) only when
+``parse_special=True``. So a user typing ``<|im_end|>`` gets ordinary text pieces,
+while a rendered chat template encoded with ``parse_special=True`` gets the single
+control id. Per-token lstrip/rstrip attributes are not in GGUF and are not applied.
+
+Unencodable bytes. A byte-level BPE vocabulary may lack some of the 256 byte
+tokens (SmolLM2-135M lacks 21: 0x04 0x06 0x13 0x14 0x16 0x1D 0xC0 0xC1 0xF1 0xF2
+0xF5-0xFF). llama.cpp silently drops such bytes. ember produces the same ids (the
+bytes are dropped, nothing else is substituted: mapping them to the unknown id
+would inject e.g. ``<|endoftext|>`` into the prompt) but never silently: every
+drop is logged as a warning on the ``ember.tokenizer`` logger naming the
+characters and positions, ``find_unencodable`` reports them ahead of time, and
+``encode(..., strict=True)`` raises ``TokenizerError`` instead. Of SmolLM2's
+missing bytes, six are ASCII control characters, 0xF1/0xF2 lead the unassigned
+code points U+40000-U+BFFFF (their continuation bytes still encode, so such a
+character decodes as U+FFFD), and the rest never occur in UTF-8. Lone surrogates
+(which cannot be UTF-8 encoded) are replaced by U+FFFD, also with a warning.
+
+Decoding works on bytes: ``token_bytes(id)`` is what a token stands for (as
+llama.cpp's ``token_to_piece`` with ``special=True``), ``decode`` joins them and
+decodes UTF-8 with U+FFFD replacement. ``IncrementalDetokenizer`` streams the same
+text without ever emitting half a character.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from typing import Any
+
+import numpy as np
+
+from ember.errors import TokenizerError
+
+log = logging.getLogger(__name__)
+
+# GGUF token types (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, the
+# special_eog_ids scan). Tokens with these texts are also forced to CONTROL.
+# "</s>" is deliberately absent: Gemma has it as an ordinary HTML-tag token.
+EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+    }
+)
+
+# Pre-tokenizer regexes per llama.cpp pre-type (applied in sequence; matches and
+# the gaps between them both become pieces). Written from llama.cpp's
+# llm_tokenizer_bpe constructor.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a word that is itself a token skips merging
+    add_bos: bool = False  # llama.cpp's default when the GGUF lacks add_bos_token
+
+
+_PRE_TYPES: dict[str, _PreTokenizer] = {}
+for _names, _pre in (
+    (("default",), _PreTokenizer(_DEFAULT)),
+    (
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+        _PreTokenizer((r"\p{N}", _GPT2)),
+    ),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "mellum", "exaone4"), _PreTokenizer((_GPT2,))),
+    (
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2"),
+        _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
+    ),
+    (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
+    (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
+):
+    for _name in _names:
+        _PRE_TYPES[_name] = _pre
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+class Tokenizer:
+    """A GGUF vocabulary: ``encode`` text to ids and ``decode`` ids to text.
+
+    Build with ``Tokenizer.from_gguf``. Attributes: ``vocab_size``, ``bos_id``,
+    ``eos_id``, ``unk_id`` (``None`` when the GGUF names none), ``eog_ids`` (ids that
+    end generation), ``add_bos`` (the GGUF's add_bos_token, or llama.cpp's default
+    for the tokenizer kind), ``unencodable_bytes`` (bytes no token can express).
+    """
+
+    def __init__(self, metadata: dict[str, Any]) -> None:
+        self.model = str(metadata.get("tokenizer.ggml.model", ""))
+        if self.model not in ("gpt2", "llama"):
+            raise TokenizerError(
+                f"unsupported tokenizer model {self.model!r} (ember supports 'gpt2' "
+                "byte-level BPE and 'llama' SentencePiece-style vocabularies)"
+            )
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError("GGUF has no tokenizer.ggml.tokens")
+        self._tokens: list[str] = list(tokens)
+        types = metadata.get("tokenizer.ggml.token_type")
+        if types is None:
+            types = np.full(len(tokens), NORMAL, dtype=np.int32)
+        self._types = np.asarray(types, dtype=np.int32).copy()
+        if len(self._types) != len(self._tokens):
+            raise TokenizerError(
+                f"token_type has {len(self._types)} entries for {len(self._tokens)} tokens"
+            )
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
+        self._force_eog_control()
+        self._read_special_ids(metadata)
+        self._backend: _BpeBackend | _SpmBackend
+        if self.model == "gpt2":
+            self._backend = _BpeBackend(self, metadata)
+        else:
+            self._backend = _SpmBackend(self, metadata)
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos))
+        self._token_bytes = self._backend.token_bytes_table()
+        self.unencodable_bytes: frozenset[int] = self._backend.missing_bytes
+        specials = np.nonzero(np.isin(self._types, (CONTROL, UNKNOWN, USER_DEFINED)))[0]
+        user = [int(i) for i in specials if self._types[i] == USER_DEFINED]
+        self._always = _SpecialMatcher(self._tokens, user)
+        self._with_control = _SpecialMatcher(self._tokens, [int(i) for i in specials])
+
+    @classmethod
+    def from_gguf(cls, gguf_file: Any) -> Tokenizer:
+        """Build the tokenizer from an open ``GGUFFile`` (uses only its metadata)."""
+        return cls(gguf_file.metadata)
+
+    # ------------------------------------------------------------ construction
+    def _force_eog_control(self) -> None:
+        # llama.cpp overrides the type of EOG-looking tokens to CONTROL so user
+        # text can never produce them.
+        for text in EOG_TEXTS:
+            tid = self._token_to_id.get(text)
+            if tid is not None and self._types[tid] != CONTROL:
+                log.warning("token %d %r is not control-type; treating it as control", tid, text)
+                self._types[tid] = CONTROL
+
+    def _read_special_ids(self, metadata: dict[str, Any]) -> None:
+        def special(key: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}_token_id")
+            if value is None:
+                return None
+            if not 0 <= int(value) < len(self._tokens):
+                log.warning("ignoring out-of-range tokenizer.ggml.%s_token_id=%s", key, value)
+                return None
+            return int(value)
+
+        self.bos_id = special("bos")
+        self.eos_id = special("eos")
+        self.unk_id = special("unknown")
+        self.pad_id = special("padding")
+        eog = {self._token_to_id[t] for t in EOG_TEXTS if t in self._token_to_id}
+        eog.update(i for i in (self.eos_id, special("eot"), special("eom")) if i is not None)
+        self.eog_ids: frozenset[int] = frozenset(eog)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The token's vocabulary string as stored in the GGUF (e.g. ``'Ġthe'``)."""
+        return self._tokens[self._check_id(token_id)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes the token stands for; control tokens give their text."""
+        return self._token_bytes[self._check_id(token_id)]
+
+    def token_type(self, token_id: int) -> int:
+        """The GGUF token type (NORMAL, CONTROL, USER_DEFINED, ...)."""
+        return int(self._types[self._check_id(token_id)])
+
+    def is_control(self, token_id: int) -> bool:
+        """True for control and unknown tokens (never produced from plain text)."""
+        return self.token_type(token_id) in (CONTROL, UNKNOWN)
+
+    def _check_id(self, token_id: int) -> int:
+        if not 0 <= token_id < len(self._tokens):
+            raise TokenizerError(f"token id {token_id} outside vocabulary of {len(self._tokens)}")
+        return token_id
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer`` for BPE vocabularies, else ``None``.
+
+        It has no added tokens: it knows nothing of special-token splitting.
+        """
+        return getattr(self._backend, "hf", None)
+
+    # ----------------------------------------------------------------- encode
+    def encode(
+        self,
+        text: str,
+        *,
+        parse_special: bool = False,
+        add_bos: bool = False,
+        strict: bool = False,
+    ) -> list[int]:
+        """Token ids for ``text``.
+
+        ``parse_special``: control-token strings in ``text`` become their ids (use it
+        for rendered chat templates only, never for user text). ``add_bos``: prefix
+        ``bos_id`` (``tokenizer.add_bos`` says whether the model expects it).
+        ``strict``: raise ``TokenizerError`` instead of dropping (with a warning)
+        characters the vocabulary cannot encode.
+        """
+        text = self._clean_surrogates(text, strict)
+        bad = self.find_unencodable(text)
+        if bad:
+            msg = _describe_unencodable(bad)
+            if strict:
+                raise TokenizerError(f"text contains characters the vocabulary lacks: {msg}")
+            log.warning("dropping bytes the vocabulary cannot encode: %s", msg)
+        ids: list[int] = []
+        if add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("add_bos requested but the GGUF names no BOS token")
+            ids.append(self.bos_id)
+        matcher = self._with_control if parse_special else self._always
+        prev_special = True
+        for piece in matcher.partition(text):
+            if isinstance(piece, int):
+                ids.append(piece)
+                prev_special = True
+            else:
+                ids.extend(self._backend.encode(piece, after_special=prev_special))
+                prev_special = False
+        return ids
+
+    def find_unencodable(self, text: str) -> list[tuple[int, str]]:
+        """(index, character) for each character of ``text`` that encoding would lose."""
+        return self._backend.find_unencodable(text)
+
+    @staticmethod
+    def _clean_surrogates(text: str, strict: bool) -> str:
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:
+            pass
+        bad = [(i, c) for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF]
+        msg = _describe_unencodable(bad)
+        if strict:
+            raise TokenizerError(f"text contains lone surrogates: {msg}") from None
+        log.warning("replacing lone surrogates with U+FFFD: %s", msg)
+        return re.sub("[\ud800-\udfff]", "\ufffd", text)
+
+    # ----------------------------------------------------------------- decode
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of ``ids``: token bytes joined, decoded as UTF-8 (invalid → U+FFFD).
+
+        ``skip_special`` drops control and unknown tokens (as llama.cpp's
+        ``special=false``); otherwise they appear as their text.
+        """
+        return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", "replace")
+
+    def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
+        """The raw bytes of ``ids`` (see ``decode``)."""
+        table = self._token_bytes
+        n = len(table)
+        out = []
+        for i in ids:
+            if not 0 <= i < n:
+                raise TokenizerError(f"token id {i} outside vocabulary of {n}")
+            if skip_special and self._types[i] in (CONTROL, UNKNOWN):
+                continue
+            out.append(table[i])
+        return b"".join(out)
+
+
+class _SpecialMatcher:
+    """Cuts text at special-token strings the way llama.cpp's st_partition does.
+
+    llama.cpp walks the special tokens longest first and splits every raw fragment
+    at each occurrence. A trie scan first finds which specials occur at all, so
+    the walk only visits those (Gemma has 6k+ specials).
+    """
+
+    def __init__(self, tokens: Sequence[str], ids: Sequence[int]) -> None:
+        self._tokens = tokens
+        self._trie: dict[str, Any] = {}
+        for tid in ids:
+            text = tokens[tid]
+            if not text:
+                continue
+            node = self._trie
+            for ch in text:
+                node = node.setdefault(ch, {})
+            node[""] = tid  # "" marks the end of a token; later duplicates win
+        first = "".join(sorted(k for k in self._trie))
+        self._starts = re.compile(f"[{re.escape(first)}]") if first else None
+
+    def _occurring(self, text: str) -> set[int]:
+        found: set[int] = set()
+        n = len(text)
+        for m in self._starts.finditer(text) if self._starts else ():
+            node, i = self._trie, m.start()
+            while i < n:
+                node = node.get(text[i])
+                if node is None:
+                    break
+                if "" in node:
+                    found.add(node[""])
+                i += 1
+        return found
+
+    def partition(self, text: str) -> list[str | int]:
+        """``text`` as a list of plain-text pieces (str) and special token ids (int)."""
+        found = self._occurring(text)
+        pieces: list[str | int] = [text] if text else []
+        # Longest (in UTF-8 bytes) first, as llama.cpp sorts; ties by id.
+        order = sorted(found, key=lambda t: (-len(self._tokens[t].encode()), t))
+        for tid in order:
+            needle = self._tokens[tid]
+            split: list[str | int] = []
+            for piece in pieces:
+                if isinstance(piece, int) or needle not in piece:
+                    split.append(piece)
+                    continue
+                parts = piece.split(needle)
+                for k, part in enumerate(parts):
+                    if k:
+                        split.append(tid)
+                    if part:
+                        split.append(part)
+            pieces = split
+        return pieces
+
+
+def _describe_unencodable(bad: list[tuple[int, str]], limit: int = 8) -> str:
+    shown = ", ".join(f"U+{ord(c):04X} at {i}" for i, c in bad[:limit])
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return f"{len(bad)} character(s): {shown}{more}"
+
+
+def _utf8_class(missing: Iterable[int]) -> str:
+    """A regex character class of the code points whose UTF-8 form uses a missing byte.
+
+    Continuation bytes (0x80-0xBF) can sit in almost any non-ASCII character, so if
+    one is missing the class covers all non-ASCII and callers check each hit.
+    """
+    parts: list[str] = []
+    for b in sorted(set(missing)):
+        if b < 0x80:
+            parts.append(re.escape(chr(b)))
+        elif b < 0xC0:
+            parts.append("\x80-\U0010ffff")
+        elif 0xC2 <= b <= 0xDF:
+            lo = (b & 0x1F) << 6
+            parts.append(f"{re.escape(chr(lo))}-{re.escape(chr(lo + 0x3F))}")
+        elif 0xE0 <= b <= 0xEF:
+            lo = max((b & 0x0F) << 12, 0x800)
+            parts.append(f"{re.escape(chr(lo))}-{re.escape(chr(((b & 0x0F) << 12) + 0xFFF))}")
+        elif 0xF0 <= b <= 0xF4:
+            lo = max((b & 0x07) << 18, 0x10000)
+            hi = min(((b & 0x07) << 18) + 0x3FFFF, 0x10FFFF)
+            parts.append(f"{re.escape(chr(lo))}-{re.escape(chr(hi))}")
+        # 0xC0, 0xC1 and 0xF5-0xFF never occur in UTF-8.
+    return f"[{''.join(parts)}]" if parts else ""
+
+
+class _BpeBackend:
+    """Byte-level BPE through ``tokenizers`` (no added tokens: plain text only)."""
+
+    def __init__(self, owner: Tokenizer, metadata: dict[str, Any]) -> None:
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        pre_name = metadata.get("tokenizer.ggml.pre")
+        if pre_name is None:
+            log.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' regexes")
+            pre_name = "default"
+        pre = _PRE_TYPES.get(str(pre_name))
+        if pre is None:
+            raise TokenizerError(
+                f"unsupported BPE pre-tokenizer {pre_name!r} "
+                f"(supported: {', '.join(sorted(_PRE_TYPES))})"
+            )
+        merges = metadata.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise TokenizerError("BPE GGUF has no tokenizer.ggml.merges")
+        self.owner = owner
+        self.add_bos = pre.add_bos
+        bpe = models.BPE(
+            vocab=owner._token_to_id,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=pre.ignore_merges,
+        )
+        self.hf = HFTokenizer(bpe)
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        self.hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+        self.hf.decoder = decoders.ByteLevel()
+        vocab = owner._token_to_id
+        self.missing_bytes = frozenset(b for b, c in _BYTE_TO_CHAR.items() if c not in vocab)
+        cls = _utf8_class(self.missing_bytes)
+        self._suspect = re.compile(cls) if cls else None
+
+    def encode(self, text: str, *, after_special: bool) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def find_unencodable(self, text: str) -> list[tuple[int, str]]:
+        if self._suspect is None:
+            return []
+        missing = self.missing_bytes
+        return [
+            (m.start(), m.group())
+            for m in self._suspect.finditer(text)
+            if any(b in missing for b in m.group().encode())
+        ]
+
+    def token_bytes_table(self) -> list[bytes]:
+        """Bytes per id: byte-level pieces un-mapped; special tokens' raw text."""
+        owner = self.owner
+        table: list[bytes] = []
+        for tid, text in enumerate(owner._tokens):
+            ttype = owner._types[tid]
+            if ttype == NORMAL or ttype == BYTE:
+                try:
+                    table.append(bytes(_CHAR_TO_BYTE[c] for c in text))
+                except KeyError:  # not byte-level text: keep it as UTF-8
+                    table.append(text.encode())
+            elif ttype == UNUSED:
+                table.append(b"")
+            else:
+                table.append(text.encode())
+        return table
+
+
+class _SpmBackend:
+    """llama.cpp's SPM algorithm: merge the adjacent pair whose result has the best
+    score, repeatedly; pieces that are not tokens fall back to ``<0xXX>`` tokens."""
+
+    def __init__(self, owner: Tokenizer, metadata: dict[str, Any]) -> None:
+        self.owner = owner
+        self.add_bos = True
+        self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        scores = metadata.get("tokenizer.ggml.scores")
+        n = len(owner._tokens)
+        self._scores: list[float] = (
+            np.asarray(scores, dtype=np.float64).tolist() if scores is not None else [0.0] * n
+        )
+        vocab = owner._token_to_id
+        self._byte_ids: list[int | None] = []
+        for b in range(256):
+            tid = vocab.get(f"<0x{b:02X}>")
+            if tid is None:  # llama.cpp falls back to the byte as a one-char string
+                tid = vocab.get(chr(b)) if b < 0x80 else None
+            self._byte_ids.append(tid)
+        self.missing_bytes = frozenset(b for b, t in enumerate(self._byte_ids) if t is None)
+
+    def encode(self, text: str, *, after_special: bool) -> list[int]:
+        if self.add_space_prefix and after_special:
+            text = " " + text
+        return self._merge(text.replace(" ", "\u2581"))
+
+    def _merge(self, text: str) -> list[int]:
+        vocab, scores = self.owner._token_to_id, self._scores
+        n = len(text)
+        if n == 0:
+            return []
+        # Symbol i starts at text[i]; ``size[i]`` chars long (0 = merged away).
+        size = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = [*range(1, n), -1]
+        heap: list[tuple[float, int, int, int]] = []
+
+        def push(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            length = size[left] + size[right]
+            tid = vocab.get(text[left : left + length])
+            if tid is not None:
+                # Best score first; on ties the leftmost pair (llama.cpp's order).
+                heappush(heap, (-scores[tid], left, right, length))
+
+        for i in range(1, n):
+            push(i - 1, i)
+        while heap:
+            _, left, right, length = heappop(heap)
+            if size[left] == 0 or size[right] == 0 or size[left] + size[right] != length:
+                continue  # stale: one side changed since this pair was queued
+            size[left] = length
+            size[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            push(prev[left], left)
+            push(left, nxt[left])
+        return self._emit(text, size, nxt)
+
+    def _emit(self, text: str, size: list[int], nxt: list[int]) -> list[int]:
+        vocab, out = self.owner._token_to_id, []
+        i = 0
+        while i >= 0:
+            piece = text[i : i + size[i]]
+            tid = vocab.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                for b in piece.replace("\u2581", " ").encode():
+                    byte_id = self._byte_ids[b]
+                    if byte_id is not None:  # missing ones were reported up front
+                        out.append(byte_id)
+            i = nxt[i]
+        return out
+
+    def find_unencodable(self, text: str) -> list[tuple[int, str]]:
+        if not self.missing_bytes:
+            return []
+        vocab, missing = self.owner._token_to_id, self.missing_bytes
+        # Conservative: a character that is not itself a token may need byte fallback.
+        return [
+            (i, c)
+            for i, c in enumerate(text)
+            if c not in vocab and any(b in missing for b in c.encode())
+        ]
+
+    def token_bytes_table(self) -> list[bytes]:
+        owner = self.owner
+        table: list[bytes] = []
+        for tid, text in enumerate(owner._tokens):
+            ttype = owner._types[tid]
+            if ttype == NORMAL:
+                table.append(text.replace("\u2581", " ").encode())
+            elif ttype == BYTE and len(text) == 6 and text.startswith("<0x"):
+                table.append(bytes([int(text[3:5], 16)]))
+            elif ttype == UNUSED:
+                table.append(b"")
+            else:
+                table.append(text.encode())
+        return table
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text, one token at a time.
+
+    ``push`` returns only complete characters: bytes of a character split across
+    tokens are held until the character completes. Invalid UTF-8 becomes U+FFFD as
+    soon as it is known to be invalid. ``flush`` ends the stream; incomplete trailing
+    bytes then become one U+FFFD. The concatenation of all ``push`` results and
+    ``flush`` equals ``tokenizer.decode(ids, skip_special=skip_special)``. Work per
+    token is proportional to that token's bytes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        tok = self._tokenizer
+        if self._skip_special and tok.is_control(token_id):
+            return ""
+        return self._decoder.decode(tok.token_bytes(token_id), final=False)
+
+    def flush(self) -> str:
+        """End the stream: return held-back bytes as text (incomplete → U+FFFD)."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text

@@ -1,0 +1,47 @@
+"""Shared fixtures: real models are resolved once per session and shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember.models.gguf import GGUFFile
+
+
+def _resolve(alias: str) -> Path:
+    from ember.models.registry import ensure_model
+
+    return ensure_model(alias)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path to the real SmolLM2-135M-Instruct Q4_1 GGUF (pulled into $EMBER_HOME)."""
+    return _resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(smollm2_gguf: Path) -> GGUFFile:
+    return GGUFFile(smollm2_gguf)
+
+
+# ---- BEGIN gemma3_file fixture (added with tests/test_quant.py; provisional) ----
+# Falls back to the background-assembled copy while the registry entry is new;
+# skips when neither is available.
+_GEMMA3_FALLBACK = Path("/tmp/models/gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma3_file() -> GGUFFile:
+    """The real Gemma 3 270M Q4_K_M GGUF (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors)."""
+    try:
+        path = _resolve("gemma3-270m")
+    except Exception:
+        path = _GEMMA3_FALLBACK
+    if not path.is_file():
+        pytest.skip(f"Gemma 3 270M GGUF not available (looked for {path})")
+    return GGUFFile(path)
+
+
+# ---- END gemma3_file fixture ----
