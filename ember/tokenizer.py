@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, the
-# special_eog_ids scan). Tokens with these texts are also forced to CONTROL.
+# special_eog_ids scan). Tokens found by text are also forced to CONTROL.
 # "</s>" is deliberately absent: Gemma has it as an ordinary HTML-tag token.
 EOG_TEXTS = frozenset(
     {
@@ -77,6 +77,14 @@ EOG_TEXTS = frozenset(
         "<end_of_utterance>",
     }
 )
+
+# Fill-in-the-middle markers llama.cpp also stops on (pad, repo and file-separator
+# markers), found by these texts when the GGUF does not give their ids.
+FIM_EOG_TEXTS = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
 
 # Pre-tokenizer regexes per llama.cpp pre-type (applied in sequence; matches and
 # the gaps between them both become pieces). Written from llama.cpp's
@@ -100,23 +108,26 @@ class _PreTokenizer:
     add_bos: bool = False  # llama.cpp's default when the GGUF lacks add_bos_token
 
 
-_PRE_TYPES: dict[str, _PreTokenizer] = {}
-for _names, _pre in (
-    (("default",), _PreTokenizer(_DEFAULT)),
-    (
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-        _PreTokenizer((r"\p{N}", _GPT2)),
-    ),
-    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "mellum", "exaone4"), _PreTokenizer((_GPT2,))),
-    (
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2"),
-        _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
-    ),
-    (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
-    (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
-):
-    for _name in _names:
-        _PRE_TYPES[_name] = _pre
+def _pre_types() -> dict[str, _PreTokenizer]:
+    """``tokenizer.ggml.pre`` name → pre-tokenizer, grouped as llama.cpp groups them."""
+    groups = (
+        (("default",), _PreTokenizer(_DEFAULT)),
+        (
+            ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+            _PreTokenizer((r"\p{N}", _GPT2)),  # every digit alone, then GPT-2
+        ),
+        (("gpt-2", "phi-2", "mpt", "olmo", "jais", "mellum", "exaone4"), _PreTokenizer((_GPT2,))),
+        (
+            ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2"),
+            _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
+        ),
+        (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
+        (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
+    )
+    return {name: pre for names, pre in groups for name in names}
+
+
+_PRE_TYPES = _pre_types()
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -132,7 +143,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_TO_CHAR = _bytes_to_unicode()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+_BYTE_DECODE = str.maketrans({c: chr(b) for b, c in _BYTE_TO_CHAR.items()})
 
 
 class Tokenizer:
@@ -145,6 +156,7 @@ class Tokenizer:
     """
 
     def __init__(self, metadata: dict[str, Any]) -> None:
+        """Build from GGUF metadata (the ``tokenizer.*`` keys); prefer ``from_gguf``."""
         self.model = str(metadata.get("tokenizer.ggml.model", ""))
         if self.model not in ("gpt2", "llama"):
             raise TokenizerError(
@@ -165,7 +177,6 @@ class Tokenizer:
             )
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
-        self._force_eog_control()
         self._read_special_ids(metadata)
         self._backend: _BpeBackend | _SpmBackend
         if self.model == "gpt2":
@@ -175,10 +186,7 @@ class Tokenizer:
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos))
         self._token_bytes = self._backend.token_bytes_table()
         self.unencodable_bytes: frozenset[int] = self._backend.missing_bytes
-        specials = np.nonzero(np.isin(self._types, (CONTROL, UNKNOWN, USER_DEFINED)))[0]
-        user = [int(i) for i in specials if self._types[i] == USER_DEFINED]
-        self._always = _SpecialMatcher(self._tokens, user)
-        self._with_control = _SpecialMatcher(self._tokens, [int(i) for i in specials])
+        self._build_matchers()
 
     @classmethod
     def from_gguf(cls, gguf_file: Any) -> Tokenizer:
@@ -186,14 +194,22 @@ class Tokenizer:
         return cls(gguf_file.metadata)
 
     # ------------------------------------------------------------ construction
-    def _force_eog_control(self) -> None:
-        # llama.cpp overrides the type of EOG-looking tokens to CONTROL so user
+    def _build_matchers(self) -> None:
+        types = self._types.tolist()
+        self._control_ids = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN))
+        user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+        # Plain text: user-defined tokens only. Chat prompts: control/unknown too.
+        self._always = _SpecialMatcher(self._tokens, user)
+        self._with_control = _SpecialMatcher(self._tokens, sorted(self._control_ids) + user)
+
+    def _force_control(self, tid: int) -> None:
+        # llama.cpp overrides the type of end-marker tokens to CONTROL so user
         # text can never produce them.
-        for text in EOG_TEXTS:
-            tid = self._token_to_id.get(text)
-            if tid is not None and self._types[tid] != CONTROL:
-                log.warning("token %d %r is not control-type; treating it as control", tid, text)
-                self._types[tid] = CONTROL
+        if self._types[tid] != CONTROL:
+            log.warning(
+                "token %d %r is not control-type; treating it as control", tid, self._tokens[tid]
+            )
+            self._types[tid] = CONTROL
 
     def _read_special_ids(self, metadata: dict[str, Any]) -> None:
         def special(key: str) -> int | None:
@@ -209,7 +225,17 @@ class Tokenizer:
         self.eos_id = special("eos")
         self.unk_id = special("unknown")
         self.pad_id = special("padding")
-        eog = {self._token_to_id[t] for t in EOG_TEXTS if t in self._token_to_id}
+        by_text = self._token_to_id
+        eog = {by_text[t] for t in EOG_TEXTS if t in by_text}
+        for key, texts in FIM_EOG_TEXTS.items():
+            found = special(key)
+            if found is None:
+                # The first listed text present wins, so the result is deterministic.
+                found = next((by_text[t] for t in texts if t in by_text), None)
+            if found is not None:
+                eog.add(found)
+        for tid in eog:
+            self._force_control(tid)
         eog.update(i for i in (self.eos_id, special("eot"), special("eom")) if i is not None)
         self.eog_ids: frozenset[int] = frozenset(eog)
 
@@ -232,7 +258,7 @@ class Tokenizer:
 
     def is_control(self, token_id: int) -> bool:
         """True for control and unknown tokens (never produced from plain text)."""
-        return self.token_type(token_id) in (CONTROL, UNKNOWN)
+        return token_id in self._control_ids
 
     def _check_id(self, token_id: int) -> int:
         if not 0 <= token_id < len(self._tokens):
@@ -322,7 +348,7 @@ class Tokenizer:
         for i in ids:
             if not 0 <= i < n:
                 raise TokenizerError(f"token id {i} outside vocabulary of {n}")
-            if skip_special and self._types[i] in (CONTROL, UNKNOWN):
+            if skip_special and i in self._control_ids:
                 continue
             out.append(table[i])
         return b"".join(out)
@@ -471,20 +497,31 @@ class _BpeBackend:
 
     def token_bytes_table(self) -> list[bytes]:
         """Bytes per id: byte-level pieces un-mapped; special tokens' raw text."""
-        owner = self.owner
-        table: list[bytes] = []
-        for tid, text in enumerate(owner._tokens):
-            ttype = owner._types[tid]
-            if ttype == NORMAL or ttype == BYTE:
-                try:
-                    table.append(bytes(_CHAR_TO_BYTE[c] for c in text))
-                except KeyError:  # not byte-level text: keep it as UTF-8
-                    table.append(text.encode())
-            elif ttype == UNUSED:
-                table.append(b"")
-            else:
-                table.append(text.encode())
+        tokens, types = self.owner._tokens, self.owner._types.tolist()
+        table = [b"" if ty == UNUSED else t.encode() for t, ty in zip(tokens, types, strict=True)]
+        normal = [i for i, ty in enumerate(types) if ty in (NORMAL, BYTE)]
+        # Un-map all byte-level pieces in one translate/encode pass (49k tokens in
+        # a few ms), then slice: each piece character stands for exactly one byte.
+        joined = "".join(tokens[i] for i in normal).translate(_BYTE_DECODE)
+        try:
+            raw = joined.encode("latin-1")
+        except UnicodeEncodeError:  # a piece that is not byte-level text: go one by one
+            for i in normal:
+                table[i] = _unmap_piece(tokens[i])
+            return table
+        pos = 0
+        for i in normal:
+            n = len(tokens[i])
+            table[i] = raw[pos : pos + n]
+            pos += n
         return table
+
+
+def _unmap_piece(piece: str) -> bytes:
+    try:
+        return piece.translate(_BYTE_DECODE).encode("latin-1")
+    except UnicodeEncodeError:  # not byte-level text: keep it as UTF-8
+        return piece.encode()
 
 
 class _SpmBackend:
@@ -577,10 +614,9 @@ class _SpmBackend:
         ]
 
     def token_bytes_table(self) -> list[bytes]:
-        owner = self.owner
+        """Bytes per id: ``▁`` → space, ``<0xXX>`` → that byte, others their text."""
         table: list[bytes] = []
-        for tid, text in enumerate(owner._tokens):
-            ttype = owner._types[tid]
+        for text, ttype in zip(self.owner._tokens, self.owner._types.tolist(), strict=True):
             if ttype == NORMAL:
                 table.append(text.replace("\u2581", " ").encode())
             elif ttype == BYTE and len(text) == 6 and text.startswith("<0x"):

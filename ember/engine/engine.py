@@ -77,8 +77,9 @@ class LLMEngine:
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // KVStorage.bytes_per_block(
-            cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, torch.float32))
+        block_bytes = KVStorage.bytes_per_block(
+            cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, torch.float32)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size)
         self.runner = ModelRunner(self.loaded.model, storage)

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # end-of-generation token or stop string / stop token id
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the caller

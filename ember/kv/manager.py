@@ -15,7 +15,9 @@ from ember.kv.prefix import PrefixCache, chain_key, root_key
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)

@@ -65,7 +65,8 @@ class AttentionBatch:
             else:
                 q_pos = torch.arange(row.start, end)
                 mask = torch.arange(end)[None, :] <= q_pos[:, None]
-                prefills.append(_Prefill(slice(offset, offset + row.q_len), row.ctx_slots[:end], mask))
+                span = slice(offset, offset + row.q_len)
+                prefills.append(_Prefill(span, row.ctx_slots[:end], mask))
             offset += row.q_len
         if decode_ctx:
             lengths = torch.tensor([c.numel() for c in decode_ctx])

@@ -104,7 +104,9 @@ class LlamaModel:
         embed = load_dense(gguf, "token_embd.weight")
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         output = fmt.linear(gguf, [head_name])
-        freq_factors = load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        freq_factors = (
+            load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        )
         return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
                    RotaryEmbedding(cfg, freq_factors))
 

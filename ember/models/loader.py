@@ -65,7 +65,10 @@ def load_model(name: str, weights: str = "f32") -> LoadedModel:
 
 def physical_cores() -> int:
     """Physical cores available to this process (SMT siblings counted once)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        cpus = os.sched_getaffinity(0)
+    else:
+        cpus = range(os.cpu_count() or 1)
     cores = set()
     for cpu in cpus:
         try:

@@ -105,9 +105,10 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, u: float) -> int:
         p = self.params
-        values, order = logits.sort(descending=True)
-        if p.top_k:
-            values, order = values[: p.top_k], order[: p.top_k]
+        if 0 < p.top_k < logits.numel():
+            values, order = logits.topk(p.top_k)  # sorted; far cheaper than a full sort
+        else:
+            values, order = logits.sort(descending=True)
         probs = torch.softmax(values / p.temperature, dim=-1)
         if p.top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (always at least one)

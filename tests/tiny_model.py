@@ -1,0 +1,94 @@
+"""A tiny random-weight llama GGUF, written with the ``gguf`` package, for fast tests.
+
+It borrows SmolLM2's tokenizer metadata (so text round-trips like the real model)
+and quantizes its matrices to Q8_0 so the loader's quantized path is exercised.
+Random weights make logits noisy but well separated, which is what stream-equality
+tests need; anything about output *quality* is tested on the real model instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ember.models.gguf import GGUFFile
+
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+)
+
+
+def write_tiny_llama(
+    path: Path,
+    tokenizer_source: GGUFFile,
+    *,
+    n_layers: int = 2,
+    hidden: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    ffn: int = 128,
+    context: int = 2048,
+    seed: int = 0,
+    arch: str = "llama",
+) -> Path:
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
+    head_dim = hidden // n_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    _copy_tokenizer(w, tokenizer_source)
+
+    def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
+        data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
+        packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def f32(name: str, n: int) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    q8("token_embd.weight", vocab, hidden, 1.0)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        f32(p + "attn_norm.weight", hidden)
+        q8(p + "attn_q.weight", n_heads * head_dim, hidden, hidden**-0.5)
+        q8(p + "attn_k.weight", n_kv_heads * head_dim, hidden, hidden**-0.5)
+        q8(p + "attn_v.weight", n_kv_heads * head_dim, hidden, hidden**-0.5)
+        q8(p + "attn_output.weight", hidden, n_heads * head_dim, hidden**-0.5)
+        f32(p + "ffn_norm.weight", hidden)
+        q8(p + "ffn_gate.weight", ffn, hidden, hidden**-0.5)
+        q8(p + "ffn_up.weight", ffn, hidden, hidden**-0.5)
+        q8(p + "ffn_down.weight", hidden, ffn, ffn**-0.5)
+    f32("output_norm.weight", hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter, src: GGUFFile) -> None:
+    md = src.metadata
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_bos_token_id(int(md["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(md["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(bool(md.get("tokenizer.ggml.add_bos_token", False)))
+    if "tokenizer.chat_template" in md:
+        w.add_chat_template(md["tokenizer.chat_template"])
