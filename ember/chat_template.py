@@ -134,3 +134,40 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"chat template failed to render: {type(e).__name__}: {e}"
             ) from e
+
+    def render_segments(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[tuple[str, bool]]:
+        """The prompt as ``(text, trusted)`` segments: template text vs message content.
+
+        Each string ``content`` is wrapped in private-use marker characters while
+        rendering; the markers split the output into what the template wrote (trusted:
+        its control tokens count) and what the caller's messages contributed (never
+        parsed for control tokens). Markers already present in content are dropped.
+        """
+        marked = [
+            {**m, "content": _OPEN + _strip_markers(m["content"]) + _CLOSE}
+            if isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        text = self.render(marked, add_generation_prompt=add_generation_prompt, **extra)
+        segments: list[tuple[str, bool]] = []
+        for i, outer in enumerate(text.split(_OPEN)):
+            if i == 0:
+                segments.append((outer, True))
+                continue
+            inner, sep, rest = outer.partition(_CLOSE)
+            if not sep:  # the template cut the content short: trust none of what follows
+                segments.append((_strip_markers(inner), False))
+                continue
+            segments.append((inner, False))
+            segments.append((_strip_markers(rest), True))
+        return [(t, trusted) for t, trusted in segments if t]
+
+
+# Private-use characters that delimit message content while rendering.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+def _strip_markers(text: str) -> str:
+    return text.replace(_OPEN, "").replace(_CLOSE, "")

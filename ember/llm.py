@@ -35,13 +35,14 @@ class LLM:
         return list(prompt)
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Render the chat template; its control tokens (and only those) become ids."""
+        """Render the chat template; its control tokens (and none typed in messages) count."""
         if self.chat_template is None:
             from ember.errors import ChatTemplateError
 
             raise ChatTemplateError("this model has no chat template; use a raw prompt")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, parse_special=True)
+        segments = self.chat_template.render_segments(
+            messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode_segments(segments)
 
     # ------------------------------------------------------------ generation
     def generate(

@@ -297,14 +297,43 @@ class Tokenizer:
             if strict:
                 raise TokenizerError(f"text contains characters the vocabulary lacks: {msg}")
             log.warning("dropping bytes the vocabulary cannot encode: %s", msg)
+        matcher = self._with_control if parse_special else self._always
+        return self._encode_pieces(matcher.partition(text), add_bos)
+
+    def encode_segments(
+        self, segments: Iterable[tuple[str, bool]], *, add_bos: bool = False
+    ) -> list[int]:
+        """Encode consecutive text segments as one text; ``(text, trusted)`` pairs.
+
+        Control-token strings become ids only inside *trusted* segments (chat-template
+        text), never inside untrusted ones (message content), so a user typing
+        ``<|im_end|>`` cannot end a turn. Plain text is merged across segment
+        boundaries before BPE, so the ids equal a one-shot encoding of the whole text
+        whenever the untrusted segments hold no control-token strings.
+        """
+        pieces: list[str | int] = []
+        for text, trusted in segments:
+            text = self._clean_surrogates(text, strict=False)
+            bad = self.find_unencodable(text)
+            if bad:
+                log.warning("dropping bytes the vocabulary cannot encode: %s",
+                            _describe_unencodable(bad))
+            matcher = self._with_control if trusted else self._always
+            for piece in matcher.partition(text):
+                if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+                    pieces[-1] += piece
+                else:
+                    pieces.append(piece)
+        return self._encode_pieces(pieces, add_bos)
+
+    def _encode_pieces(self, pieces: Iterable[str | int], add_bos: bool) -> list[int]:
         ids: list[int] = []
         if add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos requested but the GGUF names no BOS token")
             ids.append(self.bos_id)
-        matcher = self._with_control if parse_special else self._always
         prev_special = True
-        for piece in matcher.partition(text):
+        for piece in pieces:
             if isinstance(piece, int):
                 ids.append(piece)
                 prev_special = True

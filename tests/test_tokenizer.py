@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -51,22 +51,9 @@ def tok(smollm2_file: GGUFFile) -> Tokenizer:
     return Tokenizer.from_gguf(smollm2_file)
 
 
-def _gemma_path() -> Path | None:
-    from ember.models.registry import installed_path
-
-    candidates = [os.environ.get("EMBER_GEMMA_GGUF"), installed_path("gemma3-270m")]
-    for c in candidates:
-        if c and Path(c).is_file():
-            return Path(c)
-    return None
-
-
 @pytest.fixture(scope="module")
-def gemma() -> Tokenizer:
-    path = _gemma_path()
-    if path is None:
-        pytest.skip("gemma3-270m is not installed (or set EMBER_GEMMA_GGUF)")
-    return Tokenizer.from_gguf(GGUFFile(path))
+def gemma(gemma3_file: GGUFFile) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_file)
 
 
 # --------------------------------------------------------------- SmolLM2 metadata
@@ -82,9 +69,35 @@ def test_smollm2_special_ids(tok: Tokenizer) -> None:
     assert (tok.bos_id, tok.eos_id, tok.unk_id) == (1, 2, 0)
     assert tok.id_to_piece(1) == "<|im_start|>"
     assert tok.id_to_piece(2) == "<|im_end|>"
-    # eos <|im_end|> plus <|endoftext|> (llama.cpp's EOG text list); not BOS.
-    assert tok.eog_ids == {0, 2}
+    # eos <|im_end|>, <|endoftext|> (llama.cpp's EOG texts) and the FIM marker
+    # <reponame>, as llama.cpp has it; not BOS.
+    assert tok.eog_ids == {0, 2, 4}
     assert tok.add_bos is False
+
+
+GOLDEN = Path(__file__).parent / "golden" / "smollm2_tokens.json"
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    if not GOLDEN.is_file():
+        pytest.skip(f"{GOLDEN} not present")
+    return json.loads(GOLDEN.read_text())
+
+
+def test_matches_llama_cpp_vocab(tok: Tokenizer, golden: dict) -> None:
+    v = golden["vocab"]
+    assert tok.vocab_size == v["n_tokens"]
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (v["bos"], v["eos"], v["add_bos"])
+    assert tok.eog_ids == set(v["eog_ids"])
+    assert {i for i in range(tok.vocab_size) if tok.is_control(i)} == set(v["control_ids"])
+
+
+def test_matches_llama_cpp_ids(tok: Tokenizer, golden: dict) -> None:
+    for case in golden["cases"]:
+        text = case["text"]
+        assert tok.encode(text) == case["ids"], text
+        assert tok.encode(text, parse_special=True) == case["ids_special"], text
 
 
 def test_missing_byte_tokens_are_known(tok: Tokenizer) -> None:

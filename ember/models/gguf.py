@@ -25,6 +25,7 @@ from ember.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_NESTING = 8  # arrays of arrays deeper than this are corrupt, not data
 
 
 class GGMLType(IntEnum):
@@ -64,7 +65,8 @@ class GGMLType(IntEnum):
     MXFP4 = 39
 
 
-# (elements per block, bytes per block) for the types whose size we know.
+# (elements per block, bytes per block) for every named type, so a file holding a
+# type ember cannot compute with still opens and the loader can name that type.
 BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.F32: (1, 4),
     GGMLType.F16: (1, 2),
@@ -86,8 +88,17 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q5_K: (256, 176),
     GGMLType.Q6_K: (256, 210),
     GGMLType.Q8_K: (256, 292),
+    GGMLType.IQ2_XXS: (256, 66),
+    GGMLType.IQ2_XS: (256, 74),
+    GGMLType.IQ3_XXS: (256, 98),
+    GGMLType.IQ1_S: (256, 50),
     GGMLType.IQ4_NL: (32, 18),
+    GGMLType.IQ3_S: (256, 110),
+    GGMLType.IQ2_S: (256, 82),
     GGMLType.IQ4_XS: (256, 136),
+    GGMLType.IQ1_M: (256, 56),
+    GGMLType.TQ1_0: (256, 54),
+    GGMLType.TQ2_0: (256, 66),
     GGMLType.MXFP4: (32, 17),
 }
 
@@ -197,7 +208,7 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         try:
             vt = _ValueType(vtype)
         except ValueError:
@@ -210,7 +221,9 @@ class _Cursor:
             if item_type == _ValueType.STRING:
                 return self.string_array(count)
             if item_type == _ValueType.ARRAY:
-                return [self.value(_ValueType.ARRAY) for _ in range(count)]
+                if depth >= MAX_ARRAY_NESTING:
+                    raise GGUFError(f"{self.path}: metadata arrays nested too deep")
+                return [self.value(_ValueType.ARRAY, depth + 1) for _ in range(count)]
             if item_type not in _SCALAR_FORMATS:
                 raise GGUFError(f"{self.path}: unknown array item type {item_type}")
             dtype = np.dtype(_SCALAR_FORMATS[_ValueType(item_type)][1]).newbyteorder("<")
@@ -241,7 +254,11 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: cannot map file ({e})") from None
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        self._parse()
+        try:
+            self._parse()
+        except BaseException:
+            self._mmap.close()
+            raise
 
     def _parse(self) -> None:
         cur = _Cursor(self._mmap, self.path)
@@ -268,7 +285,9 @@ class GGUFFile:
             rel_offset = cur.scalar("<Q")
             infos.append((name, ne, ggml_type, rel_offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+            raise GGUFError(f"{self.path}: invalid general.alignment {alignment!r}")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         self.data_offset = data_start
         for name, ne, ggml_type, rel_offset in infos:
@@ -276,7 +295,10 @@ class GGUFFile:
             n_el = 1
             for d in shape:
                 n_el *= d
-            nbytes = _tensor_nbytes(name, n_el, int(ne[0]) if ne else 1, ggml_type)
+            try:
+                nbytes = _tensor_nbytes(name, n_el, int(ne[0]) if ne else 1, ggml_type)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path}: {e}") from None
             offset = data_start + rel_offset
             if offset + nbytes > len(self._mmap):
                 raise GGUFError(
@@ -323,7 +345,7 @@ def _tensor_nbytes(name: str, n_elements: int, row_len: int, ggml_type: int) -> 
     try:
         block_elems, block_bytes = BLOCK_GEOMETRY[GGMLType(ggml_type)]
     except (ValueError, KeyError):
-        raise GGUFError(f"tensor {name!r} has unsupported type {ggml_type}") from None
+        raise GGUFError(f"tensor {name!r} has unknown ggml type {ggml_type}") from None
     if row_len % block_elems:
         raise GGUFError(
             f"tensor {name!r}: row length {row_len} is not a multiple of the "
