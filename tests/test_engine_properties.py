@@ -42,7 +42,8 @@ def check_invariants(engine: LLMEngine) -> None:
     assert kv.allocator.num_free == sum(1 for rc in kv.allocator.refcount if rc == 0)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=st.lists(event, min_size=1, max_size=40),
        prefix_caching=st.booleans(), budget=st.sampled_from([4, 16, 64]))
 def test_random_traffic_keeps_invariants_and_leaks_nothing(make_tiny_engine, events,
