@@ -60,7 +60,32 @@ def _build_parser() -> argparse.ArgumentParser:
     _sampling_args(s)
     s.add_argument("--system", help="system message")
     s.set_defaults(func=cmd_chat)
+    s = sub.add_parser("bench", help="benchmarks (print figures, write JSON)")
+    bench = s.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="f32")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--concurrency", default="1,2,4,8,16,32,64",
+                   help="comma-separated concurrency levels")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--history-tokens", type=int, default=1500)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--out", type=Path, default=Path("bench-results/throughput.json"))
+    b.set_defaults(func=cmd_bench_throughput)
     return p
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from ember.bench.throughput import main as bench_main
+
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
+    bench_main(args.model, args.weights, levels, args.prompt_len, args.output_len,
+               args.history_tokens, args.reps, args.out, args.threads)
+    return 0
 
 
 def _model_args(s: argparse.ArgumentParser) -> None:
@@ -89,9 +114,14 @@ def _params(args: argparse.Namespace):
 
 
 def _llm(args: argparse.Namespace):
+    from ember.models.registry import ensure_model
+
+    # Validate the options and find the model before the slow torch import and load,
+    # so a typo fails at once.
+    params = _params(args)
+    ensure_model(args.model)
     from ember.llm import LLM
 
-    params = _params(args)  # validate sampling options before the slow load
     llm = LLM(args.model, weights=args.weights, threads=args.threads)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({args.weights}) in "

@@ -87,7 +87,8 @@ class Request:
         return len(self.token_ids) - self.kv_len
 
     def check_invariant(self) -> None:
-        if self.num_output and len(self.token_ids) != self.kv_len + 1:
+        """Right after a token is committed, exactly that token is not yet cached."""
+        if len(self.token_ids) != self.kv_len + 1:
             raise InvalidDecodeState(
                 f"request {self.request_id}: history {len(self.token_ids)} != "
                 f"kv_len {self.kv_len} + 1"

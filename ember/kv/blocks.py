@@ -38,8 +38,10 @@ class KVStorage:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        # Uninitialized on purpose: pages are only touched once used, so a large pool
+        # costs nothing up front. Attention reads only slots its row has written.
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
 
     @staticmethod
     def bytes_per_block(

