@@ -241,3 +241,29 @@ def test_chat_over_stdin_tiny_model(tiny_gguf: Path, home: Path) -> None:
     assert reply
     # input() writes its "> " prompt to stdout; the reply streams after it.
     assert proc.stdout == f"> {reply}\n> "
+
+
+@pytest.mark.slow
+def test_chat_survives_ctrl_c_during_a_reply(tiny_gguf: Path, home: Path) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [*EMBER, "chat", "--model", str(tiny_gguf), "--max-tokens", "1900", "--temperature",
+         "0", "--threads", "1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "EMBER_HOME": str(home)},
+    )
+    assert proc.stdin and proc.stdout
+    proc.stdin.write("Tell me a long story\n")
+    proc.stdin.flush()
+    proc.stdout.read(40)  # the reply is streaming
+    proc.send_signal(signal.SIGINT)
+    proc.stdin.write("Hi again\n\n")
+    proc.stdin.flush()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[interrupted]" in err and "Traceback" not in err
+    assert out.count("> ") >= 2  # it prompted again after the interrupted reply
