@@ -60,6 +60,26 @@ def _build_parser() -> argparse.ArgumentParser:
     _sampling_args(s)
     s.add_argument("--system", help="system message")
     s.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=[],
+                   help="accept this bearer key (repeatable); its tenant is derived from it")
+    s.add_argument("--api-keys-file", type=Path, help="lines of 'KEY [TENANT]'")
+    s.add_argument("--served-model-name", help="model id clients use (default: the alias)")
+    s.add_argument("--graceful-seconds", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, how long in-flight requests may finish")
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    s.add_argument("--num-kv-blocks", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-queue", type=int, default=1024)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.set_defaults(func=cmd_serve)
+
     s = sub.add_parser("bench", help="benchmarks (print figures, write JSON)")
     bench = s.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
@@ -75,6 +95,23 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path("bench-results/throughput.json"))
     b.set_defaults(func=cmd_bench_throughput)
     return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.config import EngineConfig
+    from ember.models.registry import ensure_model
+    from ember.server.app import ServerConfig, load_api_keys, run_server
+
+    engine = EngineConfig(
+        model=args.model, weights=args.weights, threads=args.threads,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+        max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching)
+    ensure_model(args.model)  # a bad name fails here, before the server starts
+    keys = load_api_keys(args.api_key, args.api_keys_file)
+    config = ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name)
+    return run_server(config, args.host, args.port, args.graceful_seconds)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:

@@ -30,19 +30,11 @@ class LLM:
     # ------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt) -> list[int]:
         """Raw text gets the model's BOS if its GGUF asks for it; token ids pass through."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos)
-        return list(prompt)
+        return self.engine.loaded.encode_prompt(prompt)  # type: ignore[arg-type]
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Render the chat template; its control tokens (and none typed in messages) count."""
-        if self.chat_template is None:
-            from ember.errors import ChatTemplateError
-
-            raise ChatTemplateError("this model has no chat template; use a raw prompt")
-        segments = self.chat_template.render_segments(
-            messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode_segments(segments)
+        return self.engine.loaded.encode_chat(messages, add_generation_prompt)
 
     # ------------------------------------------------------------ generation
     def generate(

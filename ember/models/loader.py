@@ -34,6 +34,20 @@ class LoadedModel:
                 return spec.alias
         return self.path.stem
 
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Raw text gets BOS when the GGUF asks for it; token ids pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos)
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render the chat template; its control tokens (and none typed in messages) count."""
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.name} has no chat template; use a raw prompt")
+        segments = self.chat_template.render_segments(
+            messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode_segments(segments)
+
     def fingerprint(self) -> str:
         """Identity of the numbers this model computes: file checksum + weight format.
 

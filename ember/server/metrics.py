@@ -1,0 +1,115 @@
+"""Prometheus metrics in the text exposition format, written by hand (no dependency).
+
+Counters and histograms are updated from the event loop; engine gauges are read
+from the engine when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts, strict=False):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.n}')
+        lines += [f"{self.name}_sum {self.total}", f"{self.name}_count {self.n}"]
+        return lines
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        self._engine_stats = engine_stats
+        self._lock = threading.Lock()
+        self.ttft = Histogram("ember_time_to_first_token_seconds", "Time to first token.")
+        self.itl = Histogram("ember_inter_token_latency_seconds",
+                             "Time between consecutive streamed outputs of a request.")
+        self.e2e = Histogram("ember_e2e_request_latency_seconds", "End-to-end request latency.")
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.rejected_429 = 0
+        self.finished: dict[str, int] = defaultdict(int)
+        self.http: dict[tuple[str, int], int] = defaultdict(int)
+
+    def observe_request(self, ttft: float | None, itls: list[float], e2e: float,
+                        prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None:
+        with self._lock:
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            for x in itls:
+                self.itl.observe(x)
+            self.e2e.observe(e2e)
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            self.finished[finish_reason] += 1
+
+    def count_http(self, route: str, status: int) -> None:
+        with self._lock:
+            self.http[(route, status)] += 1
+            if status == 429:
+                self.rejected_429 += 1
+
+    def render(self) -> str:
+        s = self._engine_stats()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, value: Any, labels: str = "") -> None:
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}",
+                          f"{name}{labels} {value}"])
+
+        metric("ember_requests_running", "gauge", "Requests being decoded or prefilled.",
+               s.get("requests_running", 0))
+        metric("ember_requests_waiting", "gauge", "Requests waiting for admission.",
+               s.get("requests_waiting", 0))
+        metric("ember_kv_blocks_used", "gauge", "KV blocks held by requests.",
+               s.get("kv_blocks_used", 0))
+        metric("ember_kv_blocks_total", "gauge", "KV blocks in the pool.",
+               s.get("kv_blocks_total", 0))
+        metric("ember_prefix_cache_queries_total", "counter",
+               "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0))
+        metric("ember_prefix_cache_hits_total", "counter",
+               "Prompt tokens served from the prefix cache.", s.get("prefix_cache_hits", 0))
+        metric("ember_preemptions_total", "counter", "Requests preempted for KV space.",
+               s.get("preemptions", 0))
+        with self._lock:
+            metric("ember_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                   self.prompt_tokens)
+            metric("ember_generation_tokens_total", "counter",
+                   "Tokens generated for finished requests.", self.generation_tokens)
+            metric("ember_rejected_requests_total", "counter",
+                   "Requests refused with 429 (queue full).", self.rejected_429)
+            lines += ["# HELP ember_request_finished_total Finished requests by finish reason.",
+                      "# TYPE ember_request_finished_total counter"]
+            for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
+                lines.append(f'ember_request_finished_total{{finish_reason="{reason}"}} '
+                             f"{self.finished.get(reason, 0)}")
+            lines += ["# HELP ember_http_responses_total HTTP responses by route and status.",
+                      "# TYPE ember_http_responses_total counter"]
+            for (route, status), n in sorted(self.http.items()):
+                lines.append(f'ember_http_responses_total{{route="{route}",status="{status}"}}'
+                             f" {n}")
+            for h in (self.ttft, self.itl, self.e2e):
+                lines += h.render()
+        return "\n".join(lines) + "\n"
