@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROMPT ?= Explain in two sentences why the sky is blue.
+PORT ?= 8000
 
 .PHONY: install run test lint bench clean
 
@@ -16,9 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/ember pull smollm2-135m
 	touch $@
 
-# The main job: stream a reply from the bundled default model.
+# The main job: serve the default model (OpenAI API at http://127.0.0.1:$(PORT)/v1).
 run: install
-	$(BIN)/ember generate --verbose "$(PROMPT)"
+	$(BIN)/ember serve --port $(PORT)
 
 lint: install
 	$(BIN)/ruff check ember tests scripts
