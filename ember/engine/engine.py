@@ -25,6 +25,7 @@ from ember.errors import EmberError
 from ember.kv.blocks import KVStorage
 from ember.kv.manager import KVCacheManager
 from ember.models.loader import LoadedModel, load_model, physical_cores
+from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor, Sampler, TokenLogprobs
 from ember.tokenizer import IncrementalDetokenizer
@@ -89,9 +90,17 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards _aborts only; the rest is engine-thread state
+        self._grammars: GrammarCompiler | None = None
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # ---------------------------------------------------------------- intake
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler (built on first use; safe to call from any thread)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars
+
     def salt_for(self, tenant: str | None) -> bytes:
         """Prefix-cache salt: model fingerprint + tenant. Never from request content."""
         return self.model_salt + b"\0tenant:" + (tenant or "").encode()
@@ -106,6 +115,12 @@ class LLMEngine:
         processors: list[LogitProcessor] | tuple[()] = (),
     ) -> Request:
         prompt_ids = self._validate_prompt(prompt_ids, params)
+        processors = list(processors)
+        if params.structured is not None:
+            try:
+                processors.append(self.grammars.processor(params.structured))
+            except GrammarError as e:
+                raise InvalidRequest("structured", str(e)) from None
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFull(f"waiting queue is full ({self.config.max_queue} requests)")
         rid = request_id or f"req-{next(self._ids)}"

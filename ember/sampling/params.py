@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.sampling.constraints import StructuredOutput
 
 
 class InvalidSamplingParams(ValueError):
@@ -23,6 +27,8 @@ class SamplingParams:
     output; ``presence_penalty``/``frequency_penalty`` follow OpenAI and apply to
     output tokens only. ``seed`` makes sampled output reproducible: a request's
     tokens depend only on its own seed, never on what else is batched with it.
+    ``structured`` constrains the output to a JSON schema, any JSON object, a regex or
+    a Lark grammar (see ``ember.sampling.constraints.StructuredOutput``).
     """
 
     max_tokens: int | None = 256
@@ -38,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
+    structured: StructuredOutput | None = None  # constrain the output (JSON, regex, Lark)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
