@@ -94,6 +94,14 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--out", type=Path, default=Path("bench-results/throughput.json"))
     b.set_defaults(func=cmd_bench_throughput)
+    b = bench.add_parser("constrained", help="grammar mask cost per token")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="f32")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--max-tokens", type=int, default=48)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--out", type=Path, default=Path("bench-results/constrained.json"))
+    b.set_defaults(func=cmd_bench_constrained)
     return p
 
 
@@ -112,6 +120,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = load_api_keys(args.api_key, args.api_keys_file)
     config = ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name)
     return run_server(config, args.host, args.port, args.graceful_seconds)
+
+
+def cmd_bench_constrained(args: argparse.Namespace) -> int:
+    from ember.bench.constrained import main as bench_main
+
+    bench_main(args.model, args.weights, args.max_tokens, args.reps, args.out, args.threads)
+    return 0
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:

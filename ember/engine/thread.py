@@ -104,6 +104,11 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every request the thread delivers outputs for (thread-safe)."""
+        for rid in list(self._callbacks):
+            self.engine.abort(rid)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, abort whatever is still running, and join the thread."""
         self._stopping = True

@@ -9,13 +9,14 @@ aborted, which frees its KV blocks at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,11 @@ class Server:
         names = [self.config.served_model_name or engine.loaded.name]
         return names + [n for n in (engine.loaded.name, str(engine.loaded.path)) if n not in names]
 
+    def abort_all(self) -> None:
+        """Abort every in-flight generation (the end of a graceful shutdown)."""
+        if self.thread is not None:
+            self.thread.abort_all()
+
     def _engine_stats(self) -> dict[str, Any]:
         return self.thread.engine.metrics() if self.thread else {}
 
@@ -130,12 +136,14 @@ class Server:
                              f"'{self.model_names()[0]}'", param="model", code="model_not_found")
 
     async def generate(self, prompt_ids: list[int], params: list[SamplingParams], tenant: str,
-                       request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       request: Request, max_tokens_param: str = "max_tokens"
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield ``(choice_index, output)`` for ``len(params)`` choices of one prompt.
 
         Choice 0 is submitted first; the others follow once it has produced its first
         token, by which time the prompt's full blocks are in the prefix cache, so the
-        siblings reuse them instead of recomputing the prompt.
+        siblings reuse them instead of recomputing the prompt. ``max_tokens_param`` is
+        the request's own name for the output cap, which errors about it then name.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
@@ -153,12 +161,14 @@ class Server:
             open_choices.add(i)
 
         timings = {i: _Timing() for i in range(len(params))}
+        latest: dict[int, RequestOutput] = {}
         try:
-            await self._guard(submit(0))
+            await self._guard(submit(0), max_tokens_param)
             pending_siblings = len(params) > 1
             while open_choices:
                 i, out = await self._next(queue, request)
                 timings[i].seen(out)
+                latest[i] = out
                 if out.finished:
                     open_choices.discard(i)
                     self._observe(timings[i], out)
@@ -166,12 +176,16 @@ class Server:
                 if pending_siblings:
                     pending_siblings = False
                     for j in range(1, len(params)):
-                        await self._guard(submit(j))
+                        await self._guard(submit(j), max_tokens_param)
         finally:
-            for i in open_choices:
+            for i in open_choices:  # the client went away (or the server failed)
                 thread.abort(ids[i])
+                done = latest[i].completion_tokens if i in latest else 0
+                self.metrics.observe_request(timings[i].ttft, timings[i].itls,
+                                             time.monotonic() - timings[i].start,
+                                             len(prompt_ids), done, "abort")
 
-    async def _guard(self, coro: Any) -> None:
+    async def _guard(self, coro: Any, max_tokens_param: str = "max_tokens") -> None:
         try:
             await coro
         except QueueFull as e:
@@ -179,6 +193,9 @@ class Server:
                              code="queue_full",
                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except InvalidRequest as e:
+            if e.param == "max_tokens" and max_tokens_param != "max_tokens":
+                raise P.APIError(400, str(e).replace("max_tokens (", f"{max_tokens_param} ("),
+                                 param=max_tokens_param) from None
             raise P.APIError(400, str(e), param=e.param) from None
         except EngineStopped as e:
             raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
@@ -278,7 +295,8 @@ def create_app(server: Server) -> FastAPI:
         loaded = server.engine.loaded
         prompt_ids = _chat_ids(loaded, req.template_messages())
         params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
-        stream = server.generate(prompt_ids, params, tenant, request)
+        cap = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        stream = server.generate(prompt_ids, params, tenant, request, cap)
         ids = _Ids("chatcmpl")
         if req.stream:
             return await _sse(request, server, _chat_chunks(stream, req, ids, loaded.tokenizer))
@@ -312,7 +330,8 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(req.model)
         loaded = server.engine.loaded
         prompt_ids = _chat_ids(loaded, req.template_messages())
-        stream = server.generate(prompt_ids, [req.sampling()], tenant, request)
+        stream = server.generate(prompt_ids, [req.sampling()], tenant, request,
+                                 "max_output_tokens")
         ids = _Ids("resp")
         if req.stream:
             return await _sse(request, server, _response_events(stream, req, ids))
@@ -603,18 +622,25 @@ async def _response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
     yield event(kind, response=done)
 
 
+SHUTDOWN_FLUSH_SECONDS = 2.0
+
+
 def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: float = 10.0,
                on_ready: Callable[[str], None] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; then stop accepting, let in-flight requests finish for
-    up to ``graceful_seconds``, cancel the rest, and return 0."""
+    up to ``graceful_seconds``, abort the rest (their responses still end properly: a
+    stream gets its finish chunk and ``[DONE]``), and return 0."""
     import uvicorn
 
     server = Server(config)
     server.start_loading()
     app = create_app(server)
+    # uvicorn cancels whatever is still running after its own timeout; ember aborts the
+    # generations first, at ``graceful_seconds``, and leaves uvicorn time to flush them.
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                               timeout_graceful_shutdown=graceful_seconds)
-    uv = uvicorn.Server(uv_config)
+                               timeout_graceful_shutdown=graceful_seconds
+                               + SHUTDOWN_FLUSH_SECONDS)
+    uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds, server.abort_all)
     print(f"ember: listening on http://{host}:{port}/v1 (model loading; GET /health)",
           flush=True)
     if on_ready:
@@ -625,3 +651,35 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
         server.thread.shutdown(timeout=graceful_seconds)
     print("ember: stopped", flush=True)
     return 0
+
+
+def _uvicorn_server(base: type, config: Any, graceful_seconds: float,
+                    abort_all: Callable[[], None]) -> Any:
+    """A ``uvicorn.Server`` that (1) aborts the in-flight generations once the graceful
+    period is over, and (2) does not re-raise the SIGINT/SIGTERM it caught.
+
+    uvicorn (>= 0.29) re-raises the signal after its own shutdown, which kills the
+    process by that signal before :func:`run_server` drains the engine: ``ember serve``
+    would die with -SIGTERM instead of finishing its graceful shutdown with status 0.
+    """
+    import signal
+
+    class EmberUvicornServer(base):  # type: ignore[misc, valid-type]
+        async def shutdown(self, sockets: Any = None) -> None:
+            asyncio.get_running_loop().call_later(graceful_seconds, abort_all)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return EmberUvicornServer(config)

@@ -1,0 +1,58 @@
+"""End-to-end fixtures: real ``ember serve`` processes on free local ports.
+
+Each server is a separate process started with ``python -m ember.cli serve``; tests
+talk to it over HTTP only. Servers are shared per session (a server that a test
+must kill, as the graceful-shutdown test does, is started by that test itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_server import KEY_A, KEY_B, EmberServer, start_server
+
+
+@pytest.fixture(scope="session")
+def e2e_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+@pytest.fixture(scope="session")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"# test keys\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    return path
+
+
+def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None
+           ) -> Iterator[EmberServer]:
+    server = start_server(model, log_dir, *args)
+    try:
+        server.wait_ready(api_key=api_key)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path
+                ) -> Iterator[EmberServer]:
+    """The real SmolLM2-135M behind two API keys (tenants A and B)."""
+    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
+                      "--num-kv-blocks", "512", api_key=KEY_A)
+
+
+@pytest.fixture(scope="session")
+def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
+    """Tiny model, one sequence at a time, a one-slot queue, no prefix cache: every
+    block a request holds must come back when it ends."""
+    yield from _serve(tiny_gguf, e2e_log_dir, "--max-num-seqs", "1", "--max-queue", "1",
+                      "--no-prefix-caching", "--num-kv-blocks", "256")
+
+
+@pytest.fixture(scope="session")
+def tiny_small_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
+    """Tiny model with a 64-token context window: error paths and fuzzing."""
+    yield from _serve(tiny_gguf, e2e_log_dir, "--max-model-len", "64", "--num-kv-blocks", "128")
