@@ -29,6 +29,7 @@ from ember.config import EngineConfig
 from ember.engine.engine import InvalidRequest, LLMEngine, QueueFull, RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
 from ember.errors import EmberError
+from ember.sampling.constraints import GrammarError, StructuredOutput
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import TokenLogprobs
 from ember.server import protocol as P
@@ -134,6 +135,15 @@ class Server:
         if model not in self.model_names():
             raise P.APIError(404, f"the model '{model}' does not exist; this server serves "
                              f"'{self.model_names()[0]}'", param="model", code="model_not_found")
+
+    async def check_grammar(self, spec: StructuredOutput | None, param: str) -> None:
+        """Compile the request's grammar now (cached), so a bad one is a 400 up front."""
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, spec)
+        except GrammarError as e:
+            raise P.APIError(400, f"invalid {param}: {e}", param=param) from None
 
     async def generate(self, prompt_ids: list[int], params: list[SamplingParams], tenant: str,
                        request: Request, max_tokens_param: str = "max_tokens"
@@ -292,6 +302,7 @@ def create_app(server: Server) -> FastAPI:
         tenant = server.tenant(request)
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, await _json(request))
         server.check_model(req.model)
+        await server.check_grammar(req.structured, "response_format")
         loaded = server.engine.loaded
         prompt_ids = _chat_ids(loaded, req.template_messages())
         params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
@@ -308,6 +319,7 @@ def create_app(server: Server) -> FastAPI:
         tenant = server.tenant(request)
         req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json(request))
         server.check_model(req.model)
+        await server.check_grammar(req.structured, "response_format")
         loaded = server.engine.loaded
         prompts = [loaded.encode_prompt(p) for p in req.prompts()]
         if req.stream and len(prompts) > 1:
@@ -328,6 +340,7 @@ def create_app(server: Server) -> FastAPI:
         tenant = server.tenant(request)
         req: P.ResponsesRequest = P.parse(P.ResponsesRequest, await _json(request))
         server.check_model(req.model)
+        await server.check_grammar(req.structured, "text.format")
         loaded = server.engine.loaded
         prompt_ids = _chat_ids(loaded, req.template_messages())
         stream = server.generate(prompt_ids, [req.sampling()], tenant, request,
@@ -573,7 +586,8 @@ def _response_body(req: P.ResponsesRequest, ids: _Ids, out: RequestOutput | None
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "parallel_tool_calls": False, "tool_choice": req.tool_choice or "none", "tools": [],
-        "text": {"format": {"type": "text"}}, "metadata": req.metadata or {},
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "metadata": req.metadata or {},
         "store": False, "truncation": "disabled", "user": req.user,
     }
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from ember.sampling.constraints import GrammarError, StructuredOutput
 from ember.sampling.params import InvalidSamplingParams, SamplingParams
 
 MAX_N = 16
@@ -39,6 +40,11 @@ def unsupported(param: str, why: str = "is not supported by this server") -> API
 class _Body(BaseModel):
     # Unknown fields are kept so that they can be refused by name (see reject_extra).
     model_config = ConfigDict(extra="allow")
+    _structured: StructuredOutput | None = PrivateAttr(None)  # from response_format
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        return self._structured
 
     def reject_extra(self, where: str = "") -> None:
         for name in (self.model_extra or {}):
@@ -106,6 +112,7 @@ class _Sampling(_Body):
                 stop=list(self.stop or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                structured=self._structured,
             )
         except InvalidSamplingParams as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -142,8 +149,7 @@ class ChatCompletionRequest(_Sampling):
                 raise unsupported(name)
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "other than ['text'] are not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format")
+        self._structured = structured_output(self.response_format, "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
@@ -194,9 +200,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     def validate_request(self) -> None:
         self.check_common()
+        self._structured = structured_output(self.response_format, "response_format")
         if self.echo:
             raise unsupported("echo")
         if self.suffix:
@@ -248,11 +256,14 @@ class ResponsesRequest(_Body):
             raise unsupported("store", "true is not supported (responses are not stored)")
         if self.reasoning:
             raise unsupported("reasoning")
-        fmt = (self.text or {}).get("format")
         if self.text and set(self.text) - {"format"}:
             raise unsupported(f"text.{sorted(set(self.text) - {'format'})[0]}")
-        if fmt not in (None, {"type": "text"}):
-            raise unsupported("text.format")
+        fmt = (self.text or {}).get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            # the Responses API puts name/schema/strict beside "type", not under json_schema
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items()
+                                                          if k != "type"}}
+        self._structured = structured_output(fmt, "text.format")
 
     def template_messages(self) -> list[dict[str, Any]]:
         msgs: list[dict[str, Any]] = []
@@ -284,9 +295,51 @@ class ResponsesRequest(_Body):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed)
+                repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
+                structured=self._structured)
         except InvalidSamplingParams as e:
             raise APIError(400, str(e), param=e.param) from None
+
+
+def structured_output(fmt: Any, param: str) -> StructuredOutput | None:
+    """The constraint a ``response_format`` / ``text.format`` asks for (None: plain text).
+
+    OpenAI's ``json_object`` and ``json_schema`` (``{"json_schema": {"name", "schema",
+    "strict"}}``), plus ember's extensions ``{"type": "regex", "regex": ...}`` and
+    ``{"type": "lark", "lark": ...}``.
+    """
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise APIError(400, f"'{param}' must be an object with a 'type'", param=param)
+    kind = fmt["type"]
+    allowed = {"text": {"type"}, "json_object": {"type"},
+               "json_schema": {"type", "json_schema"}, "regex": {"type", "regex"},
+               "lark": {"type", "lark"}}
+    if kind not in allowed:
+        raise unsupported(f"{param}.type", f"{kind!r} is not supported (text, json_object, "
+                          "json_schema, regex, lark)")
+    extra = set(fmt) - allowed[kind]
+    if extra:
+        raise unsupported(f"{param}.{sorted(extra)[0]}", "is not a recognised field")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput.json_object()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise APIError(400, f"'{param}.json_schema.schema' is required",
+                               param=f"{param}.json_schema.schema")
+            return StructuredOutput.json_schema(spec["schema"])
+        value = fmt.get(kind)
+        if not isinstance(value, str) or not value:
+            raise APIError(400, f"'{param}.{kind}' must be a non-empty string",
+                           param=f"{param}.{kind}")
+        return StructuredOutput.regex(value) if kind == "regex" else StructuredOutput.lark(value)
+    except GrammarError as e:
+        raise APIError(400, f"invalid {param}: {e}", param=param) from None
 
 
 def parse(model: type[_Body], body: Any) -> Any:
