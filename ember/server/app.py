@@ -297,13 +297,18 @@ def create_app(server: Server) -> FastAPI:
                 for n in server.model_names()[:1]]
         return JSONResponse({"object": "list", "data": data})
 
+    async def admit(request: Request, body: type[P._Body], grammar_param: str
+                    ) -> tuple[str, Any, Any]:
+        """Auth, parse, model and grammar checks shared by the generation routes."""
+        tenant = server.tenant(request)
+        req = P.parse(body, await _json(request))
+        server.check_model(req.model)
+        await server.check_grammar(req.structured, grammar_param)
+        return tenant, req, server.engine.loaded
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        tenant = server.tenant(request)
-        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, await _json(request))
-        server.check_model(req.model)
-        await server.check_grammar(req.structured, "response_format")
-        loaded = server.engine.loaded
+        tenant, req, loaded = await admit(request, P.ChatCompletionRequest, "response_format")
         prompt_ids = _chat_ids(loaded, req.template_messages())
         params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
         cap = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -316,11 +321,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        tenant = server.tenant(request)
-        req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json(request))
-        server.check_model(req.model)
-        await server.check_grammar(req.structured, "response_format")
-        loaded = server.engine.loaded
+        tenant, req, loaded = await admit(request, P.CompletionRequest, "response_format")
         prompts = [loaded.encode_prompt(p) for p in req.prompts()]
         if req.stream and len(prompts) > 1:
             raise P.unsupported("prompt", "as a batch is not supported with stream: true")
@@ -337,11 +338,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        tenant = server.tenant(request)
-        req: P.ResponsesRequest = P.parse(P.ResponsesRequest, await _json(request))
-        server.check_model(req.model)
-        await server.check_grammar(req.structured, "text.format")
-        loaded = server.engine.loaded
+        tenant, req, loaded = await admit(request, P.ResponsesRequest, "text.format")
         prompt_ids = _chat_ids(loaded, req.template_messages())
         stream = server.generate(prompt_ids, [req.sampling()], tenant, request,
                                  "max_output_tokens")
@@ -424,6 +421,19 @@ class _Ids:
         self.created = int(time.time())
 
 
+def _chunk_writer(ids: _Ids, req: Any, object_name: str) -> Callable[..., str]:
+    """SSE ``data:`` events of one streamed response; usage only if the client asked."""
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        body = {"id": ids.id, "object": object_name, "created": ids.created,
+                "model": req.model, "system_fingerprint": None, "choices": choices}
+        if req.include_usage:
+            body["usage"] = usage
+        return _data(body)
+
+    return chunk
+
+
 def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
     prompt = outs[0].prompt_tokens if outs else 0
     completion = sum(o.completion_tokens for o in outs)
@@ -483,12 +493,7 @@ def _chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: _Id
 async def _chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                        req: P.ChatCompletionRequest, ids: _Ids, tokenizer: Any
                        ) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        body = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created,
-                "model": req.model, "system_fingerprint": None, "choices": choices}
-        if req.include_usage:
-            body["usage"] = usage
-        return _data(body)
+    chunk = _chunk_writer(ids, req, "chat.completion.chunk")
 
     started: set[int] = set()
     finals: dict[int, RequestOutput] = {}
@@ -533,12 +538,7 @@ def _completion_body(all_outs: list[list[RequestOutput]], req: P.CompletionReque
 async def _completion_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                              req: P.CompletionRequest, ids: _Ids, tokenizer: Any
                              ) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        body = {"id": ids.id, "object": "text_completion", "created": ids.created,
-                "model": req.model, "choices": choices, "system_fingerprint": None}
-        if req.include_usage:
-            body["usage"] = usage
-        return _data(body)
+    chunk = _chunk_writer(ids, req, "text_completion")
 
     finals: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}
