@@ -84,7 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = s.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="f32")
+    b.add_argument("--weights", default="auto")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--concurrency", default="1,2,4,8,16,32,64",
                    help="comma-separated concurrency levels")
@@ -96,7 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench_throughput)
     b = bench.add_parser("constrained", help="grammar mask cost per token")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="f32")
+    b.add_argument("--weights", default="auto")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--max-tokens", type=int, default=48)
     b.add_argument("--reps", type=int, default=3)
@@ -142,7 +142,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="alias or .gguf path")
-    s.add_argument("--weights", default="f32", help="weight format (f32, bf16)")
+    s.add_argument("--weights", default="auto",
+                   help="weight format: auto (q4 where the native kernel builds, else f32), "
+                        "q4, f32 (the exact oracle), bf16")
     s.add_argument("--threads", type=int, default=None, help="default: physical cores")
     s.add_argument("--verbose", "-v", action="store_true", help="print load and speed figures")
 
@@ -176,7 +178,7 @@ def _llm(args: argparse.Namespace):
 
     llm = LLM(args.model, weights=args.weights, threads=args.threads)
     if args.verbose:
-        print(f"[loaded {llm.engine.loaded.name} ({args.weights}) in "
+        print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)
     return llm, params
 

@@ -232,3 +232,30 @@ def test_cli_generate_greedy_matches_llama_cpp(llm, tok: Tokenizer) -> None:
     (api,) = llm.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=n))
     assert text == api.text
     print(f"CLI: {text!r}\nllama.cpp: {tok.decode(case['ids'][:n])!r}")
+
+
+# ------------------------------------------------------------------ the fast format
+@pytest.fixture(scope="module")
+def q4_greedy(smollm2_gguf: Path) -> list[list[int]]:
+    """Greedy continuations with ``--weights q4`` (int4/int8 kernels, int8 activations)."""
+    from ember import LLM, kernels
+
+    if not kernels.available():
+        pytest.skip(f"native kernel unavailable: {kernels.unavailable_reason()}")
+    llm = LLM(str(smollm2_gguf), weights="q4", num_kv_blocks=128)
+    cases = GREEDY["cases"]
+    params = [SamplingParams(temperature=0, max_tokens=len(c["ids"]), ignore_eos=True)
+              for c in cases]
+    return [list(o.token_ids) for o in llm.generate([c["prompt_ids"] for c in cases], params)]
+
+
+@greedy_cases
+def test_q4_greedy_diverges_only_at_near_ties(q4_greedy, case: dict[str, Any]) -> None:
+    """The fast format keeps llama.cpp's greedy stream up to its first near-tie too."""
+    ours, theirs = q4_greedy[GREEDY["cases"].index(case)], case["ids"]
+    first = next((k for k, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    if first is None:
+        return
+    margin = case["steps"][first]["margin"]
+    print(f"q4 diverges at step {first} (llama.cpp margin {margin:.3f})")
+    assert margin < NEAR_TIE, f"q4 leaves llama.cpp's stream at step {first}, margin {margin:.3f}"

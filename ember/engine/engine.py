@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineConfig, InvalidConfig
+from ember.config import EngineConfig
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
@@ -71,10 +71,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.threads or physical_cores())
-        try:
-            self.loaded = loaded or load_model(config.model, config.weights)
-        except ValueError as e:  # unknown weight format
-            raise InvalidConfig(f"weights: {e}") from None
+        self.loaded = loaded or load_model(config.model, config.weights)
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)

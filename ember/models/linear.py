@@ -5,17 +5,24 @@ Model code only ever calls ``layer(x)`` on a :class:`Linear`; which bytes back i
 here by a :class:`WeightFormat`, so a faster representation never touches the
 model files. Several GGUF tensors can be fused into one layer (QKV, gate/up),
 concatenated along the output dimension, so each step does one matmul for them.
+
+Formats: ``f32`` (the oracle), ``bf16``, and ``q4``, which keeps GGUF's block
+quantization (Q4_0/Q4_1 as 4-bit codes, Q8_0 as 8-bit codes, per-32 f16 scales)
+and multiplies with the native kernels in :mod:`ember.kernels`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ember.models.gguf import GGUFFile
+from ember.errors import UnsupportedModelError
+from ember.models.gguf import BLOCK_GEOMETRY, GGMLType, GGUFFile
 from ember.models.quant import dequantize
 
 
@@ -39,10 +46,55 @@ class DenseLinear:
         return F.linear(x.to(self.weight.dtype), self.weight).float()
 
 
+class Embedding(Protocol):
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows for ``tokens`` (T,) as float32 (T, hidden)."""
+        ...
+
+    def tied_linear(self) -> Linear | None:
+        """The same weights as an output head, sharing storage; None if not possible."""
+        ...
+
+
+class DenseEmbedding:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight[tokens].float()
+
+    def tied_linear(self) -> Linear:
+        return DenseLinear(self.weight)
+
+
+class MappedEmbedding:
+    """Rows dequantized on demand straight from the GGUF file mapping.
+
+    Used with quantized formats so the embedding table is never resident twice: the
+    tied output head keeps the packed copy, lookups read the few rows a step needs.
+    """
+
+    def __init__(self, gguf: GGUFFile, name: str) -> None:
+        info = gguf.tensor(name)
+        self.rows, self.cols = info.shape
+        self.ggml_type = info.ggml_type
+        self._raw = gguf.tensor_bytes(name).reshape(self.rows, -1)
+        self.name = name
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self._raw[tokens.numpy()]
+        return dequantize(rows, self.ggml_type, (len(rows), self.cols), name=self.name)
+
+    def tied_linear(self) -> None:
+        return None
+
+
 class WeightFormat(Protocol):
     name: str
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
+
+    def embedding(self, gguf: GGUFFile, name: str) -> Embedding: ...
 
 
 class DenseFormat:
@@ -56,19 +108,233 @@ class DenseFormat:
         parts = [load_dense(gguf, n).to(self.dtype) for n in names]
         return DenseLinear(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
 
+    def embedding(self, gguf: GGUFFile, name: str) -> Embedding:
+        return DenseEmbedding(load_dense(gguf, name).to(self.dtype))
+
+
+# ---------------------------------------------------------------- quantized weights
+#
+# GGUF blocks are split once at load into codes and f16 scale arrays, which the
+# kernel then interleaves into 8-row groups (layouts in ember/kernels/
+# quant_matmul.cpp); bytes are only moved, never re-rounded, so the weights are
+# exactly GGUF's. Q4_0 ((q - 8) * d) becomes the
+# Q4_1 form q * d + m with m = -8 d: multiplying an f16 by 8 is exact unless it
+# overflows, which is checked. Rows of several tensors of one layout concatenate
+# along the output dim losslessly, so fused QKV / gate-up stay one kernel call.
+
+# Activation-row count from which QuantLinear dequantizes weight chunks to f32 and
+# uses a BLAS GEMM (f32-exact) instead of the int8-activation kernels; None: never.
+# The integer kernels were faster at every M measured (1.4-2x f32 GEMM at M=300-512
+# on 2 AVX-512-VNNI cores), so prefill uses them too, with the same ~0.5% error as
+# decode. Set a number to trade prefill speed for f32-exact prompt activations.
+GEMM_MIN_M: int | None = None
+_NEVER = 1 << 62
+
+_Q4_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
+_Q8_TYPES = (GGMLType.Q8_0,)
+
+
+RawPart = tuple[np.ndarray, int, tuple[int, ...]]  # (raw bytes, ggml type, torch shape)
+
+
+def _raw_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
+                name: str) -> np.ndarray:
+    """A 2-D quantized tensor's bytes as ``[rows, blocks_per_row, bytes_per_block]``."""
+    gt = GGMLType(ggml_type)
+    block_elems, block_bytes = BLOCK_GEOMETRY[gt]
+    if len(shape) != 2 or shape[1] % block_elems:
+        raise UnsupportedModelError(f"tensor {name!r}: shape {shape} is not a "
+                                    f"[rows, k*{block_elems}] {gt.name} matrix")
+    rows, cols = shape
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != rows * cols // block_elems * block_bytes:
+        raise UnsupportedModelError(f"tensor {name!r}: {raw.size} bytes do not match {gt.name} "
+                                    f"shape {shape}")
+    return raw.reshape(rows, cols // block_elems, block_bytes)
+
+
+def _f16(blk: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blk[..., start:start + 2]).view(np.float16)[..., 0]
+
+
+def pack_q4(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
+            name: str = "?") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0/Q4_1 bytes -> (codes uint8 [rows, K/2], d f16 [rows, K/32], m f16 [rows, K/32]).
+
+    Codes stay in GGUF's per-block order (byte j: element j low nibble, j+16 high).
+    """
+    blk = _raw_blocks(raw, ggml_type, shape, name)
+    rows = blk.shape[0]
+    if ggml_type == GGMLType.Q4_1:  # d, m, 16 bytes of nibbles
+        return blk[..., 4:].reshape(rows, -1), _f16(blk, 0), _f16(blk, 2)
+    if ggml_type != GGMLType.Q4_0:
+        raise UnsupportedModelError(f"tensor {name!r}: {GGMLType(ggml_type).name} is not 4-bit")
+    d = _f16(blk, 0)  # Q4_0: d, 16 bytes of nibbles; (q - 8) d == q d + (-8 d)
+    with np.errstate(over="ignore"):
+        m = d * np.float16(-8)
+    if not np.isfinite(m[np.isfinite(d)]).all():
+        raise UnsupportedModelError(f"tensor {name!r}: Q4_0 scale too large for the q4 layout")
+    return blk[..., 2:].reshape(rows, -1), d, m
+
+
+def pack_q8(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
+            name: str = "?") -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 bytes -> (codes int8 [rows, K], d f16 [rows, K/32])."""
+    if ggml_type != GGMLType.Q8_0:
+        raise UnsupportedModelError(f"tensor {name!r}: {GGMLType(ggml_type).name} is not Q8_0")
+    blk = _raw_blocks(raw, ggml_type, shape, name)
+    return blk[..., 2:].reshape(blk.shape[0], -1).view(np.int8), _f16(blk, 0)
+
+
+def _cat(parts: Sequence[np.ndarray]) -> torch.Tensor:
+    """Row-concatenate into a tensor that owns its memory (never the file mapping)."""
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)))
+
+
+class QuantLinear:
+    """Weights in GGUF block quantization, multiplied by a native kernel.
+
+    ``bits`` 4 (from Q4_0/Q4_1): 4-bit codes + f16 scale ``d`` and offset ``m`` per
+    32 weights, 0.625 B/weight; ``bits`` 8 (from Q8_0): int8 codes + f16 ``d``, 1.0625
+    B/weight. Built from GGUF-order codes and scales, which the kernel repacks into
+    8-row interleaved groups (``ember/kernels/quant_matmul.cpp`` has the layout).
+
+    Activations are quantized per 32 to int8 and dotted in integers (llama.cpp's
+    scheme; ~0.5% relative error against the f32 oracle), unless there are at least
+    ``gemm_min_m`` rows (default ``GEMM_MIN_M``; None: never): then weight chunks are
+    dequantized to f32 and multiplied by BLAS (f32-exact up to summation order).
+    """
+
+    def __init__(self, bits: int, codes: torch.Tensor, d: torch.Tensor,
+                 m: torch.Tensor | None = None) -> None:
+        from ember import kernels
+
+        ext = kernels.quant_matmul()
+        if ext is None:
+            raise UnsupportedModelError(
+                "weight format 'q4' needs ember's native quantized-matmul kernel, which is "
+                f"unavailable here ({kernels.unavailable_reason()}); use --weights f32")
+        self.bits = bits
+        self.out_features = n = codes.shape[0]
+        self.in_features = d.shape[1] * 32
+        if bits == 4:
+            self.packed: tuple[torch.Tensor, ...] = tuple(ext.q4_pack(codes, d, m))
+            self._kernel = ext.q4_matmul
+            self._dequant = ext.q4_dequantize
+        else:
+            self.packed = tuple(ext.q8_pack(codes, d))
+            self._kernel = ext.q8_matmul
+            self._dequant = ext.q8_dequantize
+        self._args = (*self.packed, n)
+        self.gemm_min_m = GEMM_MIN_M
+
+    @property
+    def gemm_min_m(self) -> int | None:
+        return self._gemm_min_m
+
+    @gemm_min_m.setter
+    def gemm_min_m(self, value: int | None) -> None:
+        self._gemm_min_m = value
+        self._gm = _NEVER if value is None else value
+
+    @classmethod
+    def from_raw(cls, parts: Sequence[RawPart], names: Sequence[str] | None = None) -> QuantLinear:
+        """One layer from GGUF tensors of one layout (all Q4_0/Q4_1, or all Q8_0), row-fused."""
+        names = names or ["?"] * len(parts)
+        if all(p[1] in _Q4_TYPES for p in parts):
+            packed = [pack_q4(*p, name=n) for p, n in zip(parts, names, strict=True)]
+            return cls(4, *(_cat(list(a)) for a in zip(*packed, strict=True)))
+        if all(p[1] in _Q8_TYPES for p in parts):
+            packed8 = [pack_q8(*p, name=n) for p, n in zip(parts, names, strict=True)]
+            return cls(8, *(_cat(list(a)) for a in zip(*packed8, strict=True)))
+        raise UnsupportedModelError(f"tensors {list(names)}: no single quantized layout for types "
+                                    f"{[GGMLType(p[1]).name for p in parts]}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the weight (rows padded to a multiple of 8)."""
+        return sum(t.nbytes for t in self.packed)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as dense f32 ``[out, in]`` (equal to quant.dequantize of the source)."""
+        return self._dequant(*self._args, self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Lean on purpose: ~120 calls per decode step. The kernel makes x contiguous.
+        if x.dtype != torch.float32:
+            x = x.float()
+        if x.dim() == 2:
+            return self._kernel(x, *self._args, self._gm)
+        y = self._kernel(x.reshape(-1, self.in_features), *self._args, self._gm)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class ConcatLinear:
+    """Several linears over one input, outputs concatenated (fused parts of mixed formats)."""
+
+    def __init__(self, parts: Sequence[Linear]) -> None:
+        self.parts = list(parts)
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class QuantFormat:
+    """Keep Q4_0/Q4_1 weights 4-bit and Q8_0 weights 8-bit; other types dense f32."""
+
+    name = "q4"
+
+    def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
+        def layout(n: str) -> str:
+            gt = gguf.tensor(n).ggml_type
+            return "q4" if gt in _Q4_TYPES else "q8" if gt in _Q8_TYPES else "f32"
+
+        layers: list[Linear] = []
+        for kind, group in groupby(names, key=layout):
+            group = list(group)
+            if kind == "f32":
+                layers.append(DENSE_F32.linear(gguf, group))
+            else:
+                parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
+                         for n in group]
+                layers.append(QuantLinear.from_raw(parts, group))
+        return layers[0] if len(layers) == 1 else ConcatLinear(layers)
+
+    def embedding(self, gguf: GGUFFile, name: str) -> Embedding:
+        if gguf.tensor(name).ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+            return DENSE_F32.embedding(gguf, name)
+        return MappedEmbedding(gguf, name)
+
+
+DENSE_F32 = DenseFormat(torch.float32)
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "f32": DenseFormat(torch.float32),
+    "f32": DENSE_F32,
     "bf16": DenseFormat(torch.bfloat16),
+    "q4": QuantFormat(),
 }
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
+
+
+def resolve_weights(name: str) -> str:
+    """``auto``: the fastest format the tests prove equivalent — ``q4`` where the native
+    kernel builds (teacher-forced top-1 agreement with f32 ~96 %, mean KL ~3e-3 on
+    SmolLM2; see docs/performance.md), else the ``f32`` oracle."""
+    if name != "auto":
+        return name
+    from ember import kernels
+
+    return "q4" if kernels.available() else "f32"
 
 
 def weight_format(name: str) -> WeightFormat:
     try:
-        return WEIGHT_FORMATS[name]
+        return WEIGHT_FORMATS[resolve_weights(name)]
     except KeyError:
         raise ValueError(
-            f"unknown weight format {name!r} (choose from {', '.join(WEIGHT_FORMATS)})"
+            f"unknown weight format {name!r} (choose from {', '.join(WEIGHT_CHOICES)})"
         ) from None
 
 

@@ -24,7 +24,7 @@ from ember.kv.blocks import KVStorage
 from ember.models.attention import AttentionBatch, paged_attention
 from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
-from ember.models.linear import Linear, WeightFormat, load_dense
+from ember.models.linear import Embedding, Linear, WeightFormat, load_dense
 
 
 @dataclass
@@ -72,7 +72,7 @@ class LlamaModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        embed: torch.Tensor,
+        embed: Embedding,
         layers: list[LlamaLayer],
         output_norm: torch.Tensor,
         output: Linear,
@@ -101,9 +101,10 @@ class LlamaModel:
                     down=fmt.linear(gguf, [p + "ffn_down.weight"]),
                 )
             )
-        embed = load_dense(gguf, "token_embd.weight")
+        embed = fmt.embedding(gguf, "token_embd.weight")
+        tied = embed.tied_linear() if cfg.tied_embeddings else None
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        output = fmt.linear(gguf, [head_name])
+        output = tied or fmt.linear(gguf, [head_name])  # a tied dense head shares storage
         freq_factors = (
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
@@ -147,7 +148,7 @@ class LlamaModel:
         c = self.cfg
         n = tokens.numel()
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
-        x = self.embed[tokens]
+        x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.norm_eps)
             q, k, v = layer.qkv(h).split((q_dim, kv_dim, kv_dim), dim=-1)

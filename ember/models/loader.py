@@ -11,7 +11,7 @@ from ember.chat_template import ChatTemplate
 from ember.errors import ChatTemplateError
 from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
-from ember.models.linear import weight_format
+from ember.models.linear import resolve_weights, weight_format
 from ember.models.llama import LlamaModel
 from ember.models.registry import MODELS, ensure_model, sha256_of
 from ember.tokenizer import Tokenizer
@@ -63,6 +63,7 @@ class LoadedModel:
 def load_model(name: str, weights: str = "f32") -> LoadedModel:
     """Load ``name`` (alias or .gguf path), pulling a registered alias if needed."""
     start = time.perf_counter()
+    weights = resolve_weights(weights)
     fmt = weight_format(weights)
     path = ensure_model(name)
     gguf = GGUFFile(path)

@@ -1,0 +1,740 @@
+// y = x @ W^T with W kept in GGUF-style block quantization (see ember/kernels).
+//
+// Packed weight layouts (built once at load by q4_pack / q8_pack from GGUF's codes
+// and scales; a pure byte shuffle, values unchanged). Rows are interleaved in
+// groups of 8 so that one 32-byte vector holds 4 consecutive codes of each of 8
+// rows: a dot-product instruction (vpdpbusd / vpmaddubsw) against 4 activation
+// bytes broadcast to every lane then advances 8 output rows at once, and one f16
+// load gives the 8 rows' scales. The row count is padded to a multiple of 8 with
+// zero rows (outputs for them are never written).
+//
+//   4-bit:  qs [G, nb, 4, 8, 4] uint8  byte (u, r, p) of block b of group g is GGUF
+//                                      byte 4u+p of that block in row 8g+r, i.e.
+//                                      element 4u+p in the low nibble and element
+//                                      16+4u+p in the high nibble.
+//           d, m [G, nb, 8] f16        w = q * d + m  (Q4_1; Q4_0 has m = -8 d)
+//           20 bytes per 32 weights = 0.625 B/weight, as GGUF Q4_1.
+//   8-bit:  qs [G, nb, 8, 8, 4] int8   byte (t, r, p) is element 4t+p of row 8g+r.
+//           d [G, nb, 8] f16           w = q * d;  34 bytes / 32 weights, as Q8_0.
+//
+// Small M (decode, small batches): each activation row is quantized per 32 to int8
+// (llama.cpp's Q8 activations: d_x = max|x|/127, round half to even); block dots are
+// exact integer dots scaled by d_w d_x in float. For 4-bit weights
+//   sum_i (q_i d + m) x_i = d sum_i (q_i - 8) x_i + (m + 8 d) sum_i x_i,
+// and the second term uses the exact float block sum of x, so only the centred
+// codes meet the activation rounding error (half the error of uncentred codes).
+// Computed as  d * (dx * sum_i q_i xq_i + 8 c) + m * s  with s = sum x and
+// c = s - dx * sum xq (the block's rounding error), both per activation block.
+//
+// Large M (prefill): weight row chunks are dequantized to f32 (bit-identical to
+// ember.models.quant.dequantize) and multiplied by at::mm, f32-exact.
+//
+// Threads: at::parallel_for over row groups (follows torch.set_num_threads).
+// SIMD: AVX2+FMA+F16C, with AVX512-VNNI/VL dot products when compiled for them,
+// and a portable scalar fallback, chosen at compile time.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define EMBER_AVX2 1
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EMBER_VNNI 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;   // elements per quantization block
+constexpr int64_t RG = 8;    // rows per interleaved group
+constexpr int64_t B4 = 128;  // bytes per (group, block), 4-bit
+constexpr int64_t B8 = 256;  // bytes per (group, block), 8-bit
+
+// ------------------------------------------------------------------ f16 helpers
+
+inline float h2f(uint16_t h) {
+#if defined(EMBER_AVX2)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      exp = 127 - 15 + 1;
+      while ((man & 0x400) == 0) {
+        man <<= 1;
+        --exp;
+      }
+      man &= 0x3FF;
+      bits = sign | (exp << 23) | (man << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+const uint16_t* half_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
+
+// -------------------------------------------------------- activation quantization
+
+// Quantized activations. The arrays live in a per-thread scratch buffer reused
+// across calls (no allocation on the decode path); valid until the next call on
+// the same thread.
+struct QuantX {
+  int8_t* q;       // [M, K] codes
+  float* d;        // [M, nb] scales
+  float* s;        // [M, nb] exact float block sums
+  float* c8;       // [M, nb] 8 * (s - d * sum(q)): 8x the block rounding error
+  int32_t* qsum;   // [M, nb] sum(q)
+};
+
+// One row of K floats.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, float* c8,
+                  int32_t* qsum) {
+  const int64_t nb = K / QK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+    int8_t* qb = q + b * QK;
+#if defined(EMBER_AVX2)
+    const __m256 v0 = _mm256_loadu_ps(xb);
+    const __m256 v1 = _mm256_loadu_ps(xb + 8);
+    const __m256 v2 = _mm256_loadu_ps(xb + 16);
+    const __m256 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_andnot_ps(sign, v0);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v1));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v2));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v3));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    d[b] = mx / 127.f;
+    const __m256 id = _mm256_set1_ps(mx != 0.0f ? 127.f / mx : 0.0f);
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+    __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    s[b] = _mm_cvtss_f32(s4);
+    // round to nearest even (the default MXCSR mode), like nearbyint below
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i is4 = _mm_add_epi32(_mm256_extracti128_si256(isum, 1), _mm256_castsi256_si128(isum));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+    qsum[b] = _mm_cvtsi128_si32(is4);
+    i0 = _mm256_packs_epi32(i0, i1);
+    i2 = _mm256_packs_epi32(i2, i3);
+    i0 = _mm256_packs_epi16(i0, i2);
+    i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), i0);
+#else
+    float mx = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < QK; ++j) {
+      mx = std::max(mx, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    d[b] = mx / 127.f;
+    s[b] = sum;
+    const float id = mx != 0.0f ? 127.f / mx : 0.0f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < QK; ++j) {
+      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+      total += qb[j];
+    }
+    qsum[b] = total;
+#endif
+    c8[b] = 8.0f * (s[b] - d[b] * static_cast<float>(qsum[b]));
+  }
+}
+
+QuantX quantize_x(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  // layout: 4 float-sized arrays of M*nb, then the M*K codes
+  static thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(4 * M * nb + (M * K + 3) / 4);
+  if (scratch.size() < need) scratch.resize(need);
+  float* base = scratch.data();
+  QuantX r{reinterpret_cast<int8_t*>(base + 4 * M * nb), base, base + M * nb, base + 2 * M * nb,
+           reinterpret_cast<int32_t*>(base + 3 * M * nb)};
+  const float* xp = x.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(xp + m * K, K, r.q + m * K, r.d + m * nb, r.s + m * nb, r.c8 + m * nb,
+                   r.qsum + m * nb);
+    }
+  });
+  return r;
+}
+
+// ------------------------------------------------------ small-M integer kernels
+
+struct Weights {
+  const uint8_t* qs;  // packed codes
+  const uint16_t* d;  // f16 scales [G, nb, 8]
+  const uint16_t* m;  // f16 offsets [G, nb, 8] (4-bit only)
+};
+
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const float* c8;
+  const int32_t* qsum;
+};
+
+struct Dims {
+  int64_t M, N, K, nb;
+};
+
+// Write the 8 outputs of group g for activation row mi (fewer for a padded group).
+inline void store_group(float* y, const Dims& n, int64_t mi, int64_t g, const float* v8) {
+  const int64_t r0 = g * RG, cnt = std::min<int64_t>(RG, n.N - r0);
+  std::memcpy(y + mi * n.N + r0, v8, sizeof(float) * cnt);
+}
+
+#if defined(EMBER_AVX2)
+
+inline __m256 load_f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Group g of a 4-bit weight times activation rows [m0, m0 + MT).
+template <int MT>
+inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
+  const uint8_t* qg = w.qs + g * n.nb * B4;
+  const uint16_t* dg = w.d + g * n.nb * RG;
+  const uint16_t* mg = w.m + g * n.nb * RG;
+  for (int64_t b = 0; b < n.nb; ++b) {
+    const uint8_t* qb = qg + b * B4;
+    __m256i wv[8];  // wv[u]: elements 4u..4u+3 of 8 rows; wv[4+u]: elements 16+4u..
+    for (int u = 0; u < 4; ++u) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * u));
+      wv[u] = _mm256_and_si256(raw, low);
+      wv[4 + u] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const __m256 dv = load_f16x8(dg + b * RG);
+    const __m256 mv = load_f16x8(mg + b * RG);
+    for (int j = 0; j < MT; ++j) {
+      const int64_t row = m0 + j;
+      const int8_t* xb = a.q + row * n.K + b * QK;
+#if defined(EMBER_VNNI)
+      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
+      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[4], bcast32(xb + 16));
+      for (int u = 1; u < 4; ++u) {
+        s0 = _mm256_dpbusd_epi32(s0, wv[u], bcast32(xb + 4 * u));
+        s1 = _mm256_dpbusd_epi32(s1, wv[4 + u], bcast32(xb + 16 + 4 * u));
+      }
+      const __m256i isum = _mm256_add_epi32(s0, s1);
+#else
+      // u8 (<= 15) x s8 (|.| <= 127) pair sums are <= 3810, so 8 of them fit int16
+      __m256i p0 = _mm256_maddubs_epi16(wv[0], bcast32(xb));
+      __m256i p1 = _mm256_maddubs_epi16(wv[4], bcast32(xb + 16));
+      for (int u = 1; u < 4; ++u) {
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(wv[u], bcast32(xb + 4 * u)));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wv[4 + u], bcast32(xb + 16 + 4 * u)));
+      }
+      const __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+#endif
+      const int64_t xi = row * n.nb + b;
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.d[xi]),
+                                       _mm256_set1_ps(a.c8[xi]));
+      acc[j] = _mm256_fmadd_ps(dv, t, acc[j]);
+      acc[j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[xi]), acc[j]);
+    }
+  }
+  alignas(32) float out[RG];
+  for (int j = 0; j < MT; ++j) {
+    _mm256_store_ps(out, acc[j]);
+    store_group(y, n, m0 + j, g, out);
+  }
+}
+
+// Group g of an 8-bit weight times activation rows [m0, m0 + MT).
+template <int MT>
+inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  __m256 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
+  const uint8_t* qg = w.qs + g * n.nb * B8;
+  const uint16_t* dg = w.d + g * n.nb * RG;
+  for (int64_t b = 0; b < n.nb; ++b) {
+    const uint8_t* qb = qg + b * B8;
+    __m256i wv[8];  // wv[t]: elements 4t..4t+3 of 8 rows
+#if defined(EMBER_VNNI)
+    // w + 128 as unsigned (xor of the sign bit); sum (w + 128) x = sum w x + 128 sum x
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int t = 0; t < 8; ++t) {
+      wv[t] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t)), flip);
+    }
+#else
+    __m256i wabs[8];  // |w| pairs with sign(x, w) for maddubs's u8 x s8
+    for (int t = 0; t < 8; ++t) {
+      wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t));
+      wabs[t] = _mm256_sign_epi8(wv[t], wv[t]);
+    }
+#endif
+    const __m256 dv = load_f16x8(dg + b * RG);
+    for (int j = 0; j < MT; ++j) {
+      const int64_t row = m0 + j;
+      const int8_t* xb = a.q + row * n.K + b * QK;
+      const int64_t xi = row * n.nb + b;
+#if defined(EMBER_VNNI)
+      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
+      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[1], bcast32(xb + 4));
+      for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, wv[t], bcast32(xb + 4 * t));
+        s1 = _mm256_dpbusd_epi32(s1, wv[t + 1], bcast32(xb + 4 * t + 4));
+      }
+      const __m256i isum =
+          _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * a.qsum[xi]));
+#else
+      // |w| x s8 pair sums reach 2 * 128 * 127, so each goes to int32 on its own
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i s0 = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(wabs[0], _mm256_sign_epi8(bcast32(xb), wv[0])), ones);
+      __m256i s1 = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(wabs[1], _mm256_sign_epi8(bcast32(xb + 4), wv[1])), ones);
+      for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                      wabs[t], _mm256_sign_epi8(bcast32(xb + 4 * t), wv[t])),
+                                  ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                      wabs[t + 1],
+                                      _mm256_sign_epi8(bcast32(xb + 4 * t + 4), wv[t + 1])),
+                                  ones));
+      }
+      const __m256i isum = _mm256_add_epi32(s0, s1);
+#endif
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.d[xi]));
+      acc[j] = _mm256_fmadd_ps(dv, t, acc[j]);
+    }
+  }
+  alignas(32) float out[RG];
+  for (int j = 0; j < MT; ++j) {
+    _mm256_store_ps(out, acc[j]);
+    store_group(y, n, m0 + j, g, out);
+  }
+}
+
+#else  // scalar fallback: same arithmetic, one row at a time
+
+template <int MT>
+inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  for (int j = 0; j < MT; ++j) {
+    const int64_t row = m0 + j;
+    float out[RG] = {};
+    for (int64_t b = 0; b < n.nb; ++b) {
+      const uint8_t* qb = w.qs + (g * n.nb + b) * B4;
+      const int8_t* xb = a.q + row * n.K + b * QK;
+      const int64_t xi = row * n.nb + b;
+      for (int r = 0; r < RG; ++r) {
+        int32_t dot = 0;
+        for (int u = 0; u < 4; ++u) {
+          for (int p = 0; p < 4; ++p) {
+            const uint8_t byte = qb[u * 32 + r * 4 + p];
+            dot += static_cast<int32_t>(byte & 0x0F) * xb[4 * u + p];
+            dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * u + p];
+          }
+        }
+        const float t = static_cast<float>(dot) * a.d[xi] + a.c8[xi];
+        out[r] += h2f(w.d[(g * n.nb + b) * RG + r]) * t;
+        out[r] += h2f(w.m[(g * n.nb + b) * RG + r]) * a.s[xi];
+      }
+    }
+    store_group(y, n, row, g, out);
+  }
+}
+
+template <int MT>
+inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  for (int j = 0; j < MT; ++j) {
+    const int64_t row = m0 + j;
+    float out[RG] = {};
+    for (int64_t b = 0; b < n.nb; ++b) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(w.qs + (g * n.nb + b) * B8);
+      const int8_t* xb = a.q + row * n.K + b * QK;
+      const int64_t xi = row * n.nb + b;
+      for (int r = 0; r < RG; ++r) {
+        int32_t dot = 0;
+        for (int t = 0; t < 8; ++t) {
+          for (int p = 0; p < 4; ++p) {
+            dot += static_cast<int32_t>(qb[t * 32 + r * 4 + p]) * xb[4 * t + p];
+          }
+        }
+        out[r] += h2f(w.d[(g * n.nb + b) * RG + r]) * (static_cast<float>(dot) * a.d[xi]);
+      }
+    }
+    store_group(y, n, row, g, out);
+  }
+}
+
+#endif
+
+template <bool FOUR_BIT, int MT>
+inline void group_tile(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                       float* y) {
+  if constexpr (FOUR_BIT) {
+    group_q4<MT>(w, a, n, g, m0, y);
+  } else {
+    group_q8<MT>(w, a, n, g, m0, y);
+  }
+}
+
+template <bool FOUR_BIT>
+void matmul_int(const Weights& w, const Acts& a, const Dims& n, float* y) {
+  const int64_t groups = (n.N + RG - 1) / RG;
+  // ~32k multiply-adds per task at least, so thread hand-off cost stays small.
+  const int64_t work = std::max<int64_t>(1, RG * n.K * n.M);  // multiply-adds per group
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work);
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t mi = 0;
+      for (; mi + 4 <= n.M; mi += 4) group_tile<FOUR_BIT, 4>(w, a, n, g, mi, y);
+      switch (n.M - mi) {
+        case 3: group_tile<FOUR_BIT, 3>(w, a, n, g, mi, y); break;
+        case 2: group_tile<FOUR_BIT, 2>(w, a, n, g, mi, y); break;
+        case 1: group_tile<FOUR_BIT, 1>(w, a, n, g, mi, y); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------- dequantization
+
+#if defined(EMBER_AVX2)
+
+// 32 code bytes (8 rows x 4 consecutive elements) -> f32 q * d (+ m), written as
+// 4 floats into each of the 8 output rows at column col. Piece k of the vector is
+// rows 2k and 2k+1; dk/mk hold those rows' scale/offset in lanes 0-3 / 4-7.
+template <bool SIGNED, bool OFFSET>
+inline void dequant_vec(__m256i v, const __m256* dk, const __m256* mk, float* out, int64_t K,
+                        int64_t col) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+  for (int k = 0; k < 4; ++k) {
+    const __m128i bytes = (k & 1) ? _mm_srli_si128(halves[k >> 1], 8) : halves[k >> 1];
+    const __m256i ints = SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(ints), dk[k]);
+    if constexpr (OFFSET) f = _mm256_add_ps(f, mk[k]);
+    _mm_storeu_ps(out + (2 * k) * K + col, _mm256_castps256_ps128(f));
+    _mm_storeu_ps(out + (2 * k + 1) * K + col, _mm256_extractf128_ps(f, 1));
+  }
+}
+
+inline void pair_lanes(__m256 v, __m256* out) {
+  for (int k = 0; k < 4; ++k) {
+    const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                          2 * k + 1, 2 * k + 1);
+    out[k] = _mm256_permutevar8x32_ps(v, idx);
+  }
+}
+
+#endif
+
+// Rows of groups [g0, g1) into out (row 8 * g0 first, rows of K floats); padded rows
+// past n_rows are skipped. w = q * d + m with two roundings (no FMA: built with
+// -ffp-contract=off), bit-identical to ember.models.quant.dequantize.
+void dequant_q4_groups(const Weights& w, int64_t K, int64_t n_rows, int64_t g0, int64_t g1,
+                       float* out) {
+  const int64_t nb = K / QK;
+  for (int64_t g = g0; g < g1; ++g) {
+    float* og = out + (g - g0) * RG * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = w.qs + (g * nb + b) * B4;
+      const uint16_t* db = w.d + (g * nb + b) * RG;
+      const uint16_t* mb = w.m + (g * nb + b) * RG;
+#if defined(EMBER_AVX2)
+      if (g * RG + RG <= n_rows) {
+        __m256 dk[4], mk[4];
+        pair_lanes(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db))), dk);
+        pair_lanes(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mb))), mk);
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int u = 0; u < 4; ++u) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * u));
+          dequant_vec<false, true>(_mm256_and_si256(raw, low), dk, mk, og, K, b * QK + 4 * u);
+          dequant_vec<false, true>(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), dk, mk, og, K,
+                                   b * QK + 16 + 4 * u);
+        }
+        continue;
+      }
+#endif
+      for (int64_t r = 0; r < RG && g * RG + r < n_rows; ++r) {
+        const float d = h2f(db[r]);
+        const float m = h2f(mb[r]);
+        float* o = og + r * K + b * QK;
+        for (int u = 0; u < 4; ++u) {
+          for (int p = 0; p < 4; ++p) {
+            const uint8_t byte = qb[u * 32 + r * 4 + p];
+            o[4 * u + p] = static_cast<float>(byte & 0x0F) * d + m;
+            o[16 + 4 * u + p] = static_cast<float>(byte >> 4) * d + m;
+          }
+        }
+      }
+    }
+  }
+}
+
+void dequant_q8_groups(const Weights& w, int64_t K, int64_t n_rows, int64_t g0, int64_t g1,
+                       float* out) {
+  const int64_t nb = K / QK;
+  for (int64_t g = g0; g < g1; ++g) {
+    float* og = out + (g - g0) * RG * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = w.qs + (g * nb + b) * B8;
+      const uint16_t* db = w.d + (g * nb + b) * RG;
+#if defined(EMBER_AVX2)
+      if (g * RG + RG <= n_rows) {
+        __m256 dk[4];
+        pair_lanes(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db))), dk);
+        for (int t = 0; t < 8; ++t) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t));
+          dequant_vec<true, false>(raw, dk, nullptr, og, K, b * QK + 4 * t);
+        }
+        continue;
+      }
+#endif
+      const int8_t* qsb = reinterpret_cast<const int8_t*>(qb);
+      for (int64_t r = 0; r < RG && g * RG + r < n_rows; ++r) {
+        const float d = h2f(db[r]);
+        float* o = og + r * K + b * QK;
+        for (int t = 0; t < 8; ++t) {
+          for (int p = 0; p < 4; ++p) {
+            o[4 * t + p] = static_cast<float>(qsb[t * 32 + r * 4 + p]) * d;
+          }
+        }
+      }
+    }
+  }
+}
+
+// --------------------------------------------------------------- entry points
+
+struct Checked {
+  Weights w;
+  Dims n;
+};
+
+// Validate a packed weight (codes [G, nb * bpb], scales [G, nb * 8]) against x [M, K].
+Checked check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+              const at::Tensor* m, int64_t n_rows, int64_t bpb) {
+  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(),
+              "quant_matmul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  const int64_t K = x.size(1), nb = K / QK, G = (n_rows + RG - 1) / RG;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(qs.is_contiguous() && qs.numel() == G * nb * bpb && qs.element_size() == 1,
+              "packed codes must be a contiguous byte tensor of ", G * nb * bpb, " elements for ",
+              n_rows, " rows and K = ", K, ", got ", qs.sizes());
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == G * nb * RG,
+              "packed scales must be contiguous float16 with ", G * nb * RG, " elements");
+  Weights w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), half_ptr(d), nullptr};
+  if (m != nullptr) {
+    TORCH_CHECK(m->device().is_cpu() && m->is_contiguous() && m->scalar_type() == at::kHalf &&
+                    m->numel() == d.numel(),
+                "packed offsets must be contiguous float16 like the scales");
+    w.m = half_ptr(*m);
+  }
+  return {w, Dims{x.size(0), n_rows, K, nb}};
+}
+
+int64_t chunk_groups(int64_t K) {
+  // ~2 MB of dequantized f32 per chunk: stays in cache between dequant and GEMM.
+  return std::max<int64_t>(8, (int64_t{1} << 19) / std::max<int64_t>(K, 1) / RG);
+}
+
+// y[:, chunk] = x @ W[chunk]^T over row chunks dequantized to f32.
+template <typename Dequant>
+at::Tensor matmul_dequant(const at::Tensor& x, const Dims& n, Dequant dequant) {
+  at::Tensor y = at::empty({n.M, n.N}, x.options());
+  const int64_t G = (n.N + RG - 1) / RG;
+  const int64_t cg = std::min(G, chunk_groups(n.K));
+  // Reused per calling thread: a fresh multi-MB allocation per call costs page faults.
+  static thread_local std::vector<float> storage;
+  storage.resize(std::max<size_t>(storage.size(), static_cast<size_t>(cg * RG * n.K)));
+  float* bp = storage.data();
+  at::Tensor buf = at::from_blob(bp, {cg * RG, n.K}, x.options());
+  for (int64_t g0 = 0; g0 < G; g0 += cg) {
+    const int64_t g1 = std::min(G, g0 + cg);
+    at::parallel_for(g0, g1, 2, [&](int64_t a, int64_t b) {
+      dequant(a, b, bp + (a - g0) * RG * n.K);
+    });
+    const int64_t rows = std::min(n.N, g1 * RG) - g0 * RG;
+    y.narrow(1, g0 * RG, rows).copy_(at::mm(x, buf.narrow(0, 0, rows).t()));
+  }
+  return y;
+}
+
+at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m, int64_t n_rows, int64_t gemm_min_m) {
+  const at::Tensor x = x_in.contiguous();
+  const Checked c = check(x, qs, d, &m, n_rows, B4);
+  if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
+  if (c.n.M >= gemm_min_m) {
+    return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
+      dequant_q4_groups(c.w, c.n.K, c.n.N, g0, g1, out);
+    });
+  }
+  const QuantX xq = quantize_x(x);
+  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
+  matmul_int<true>(c.w, a, c.n, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                     int64_t n_rows, int64_t gemm_min_m) {
+  const at::Tensor x = x_in.contiguous();
+  const Checked c = check(x, qs, d, nullptr, n_rows, B8);
+  if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
+  if (c.n.M >= gemm_min_m) {
+    return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
+      dequant_q8_groups(c.w, c.n.K, c.n.N, g0, g1, out);
+    });
+  }
+  const QuantX xq = quantize_x(x);
+  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
+  matmul_int<false>(c.w, a, c.n, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                         int64_t n_rows, int64_t K) {
+  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
+  const Checked c = check(probe, qs, d, &m, n_rows, B4);
+  at::Tensor out = at::empty({n_rows, K}, probe.options());
+  dequant_q4_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d, int64_t n_rows, int64_t K) {
+  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
+  const Checked c = check(probe, qs, d, nullptr, n_rows, B8);
+  at::Tensor out = at::empty({n_rows, K}, probe.options());
+  dequant_q8_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
+  return out;
+}
+
+// ------------------------------------------------------------------- repacking
+
+// Per-row f16 [N, nb] -> grouped [G, nb, 8], zero-padded.
+at::Tensor pack_scales(const at::Tensor& s, int64_t G) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kHalf, "scales must be float16 [N, K/32]");
+  const int64_t N = s.size(0), nb = s.size(1);
+  at::Tensor padded = at::zeros({G * RG, nb}, s.options());
+  padded.narrow(0, 0, N).copy_(s);
+  return padded.view({G, RG, nb}).transpose(1, 2).contiguous().view({G, nb * RG});
+}
+
+// GGUF Q4 codes [N, K/2] (per 32-block: byte j = element j | element j+16 << 4), d, m
+// [N, K/32] f16 -> (qs [G, nb * 128], d [G, nb * 8], m [G, nb * 8]).
+std::vector<at::Tensor> q4_pack(const at::Tensor& codes, const at::Tensor& d,
+                                const at::Tensor& m) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
+              "codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), nb = codes.size(1) / 16, G = (N + RG - 1) / RG;
+  TORCH_CHECK(codes.size(1) % 16 == 0 && d.size(0) == N && d.size(1) == nb &&
+                  m.sizes() == d.sizes(),
+              "codes / scales shapes do not match");
+  at::Tensor padded = at::zeros({G * RG, nb * 16}, codes.options());
+  padded.narrow(0, 0, N).copy_(codes);
+  // [G, 8 r, nb, 4 u, 4 p] -> [G, nb, 4 u, 8 r, 4 p]
+  at::Tensor qs =
+      padded.view({G, RG, nb, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({G, nb * B4});
+  return {qs, pack_scales(d, G), pack_scales(m, G)};
+}
+
+// Q8_0 codes int8 [N, K], d [N, K/32] f16 -> (qs [G, nb * 256], d [G, nb * 8]).
+std::vector<at::Tensor> q8_pack(const at::Tensor& codes, const at::Tensor& d) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "codes must be int8 [N, K]");
+  const int64_t N = codes.size(0), nb = codes.size(1) / QK, G = (N + RG - 1) / RG;
+  TORCH_CHECK(codes.size(1) % QK == 0 && d.size(0) == N && d.size(1) == nb,
+              "codes / scales shapes do not match");
+  at::Tensor padded = at::zeros({G * RG, nb * QK}, codes.options());
+  padded.narrow(0, 0, N).copy_(codes);
+  // [G, 8 r, nb, 8 t, 4 p] -> [G, nb, 8 t, 8 r, 4 p]
+  at::Tensor qs =
+      padded.view({G, RG, nb, 8, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({G, nb * B8});
+  return {qs, pack_scales(d, G)};
+}
+
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QK == 0,
+              "x must be float32 [M, K] with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const QuantX r = quantize_x(x);
+  const auto f32 = x.options();
+  auto copy = [](const void* src, at::Tensor t) {
+    std::memcpy(t.data_ptr(), src, t.nbytes());
+    return t;
+  };
+  return {copy(r.q, at::empty({M, K}, f32.dtype(at::kChar))), copy(r.d, at::empty({M, nb}, f32)),
+          copy(r.s, at::empty({M, nb}, f32)), copy(r.c8, at::empty({M, nb}, f32)),
+          copy(r.qsum, at::empty({M, nb}, f32.dtype(at::kInt)))};
+}
+
+std::string simd() {
+#if defined(EMBER_VNNI)
+  return "avx512vnni";
+#elif defined(EMBER_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  mod.def("q4_matmul", &q4_matmul, "x @ W^T for a packed 4-bit W (qs, d, m, rows, gemm_min_m)",
+          release());
+  mod.def("q8_matmul", &q8_matmul, "x @ W^T for a packed 8-bit W (qs, d, rows, gemm_min_m)",
+          release());
+  mod.def("q4_dequantize", &q4_dequantize, "packed 4-bit W -> f32 [rows, K]", release());
+  mod.def("q8_dequantize", &q8_dequantize, "packed 8-bit W -> f32 [rows, K]", release());
+  mod.def("q4_pack", &q4_pack, "GGUF Q4 codes, d, m -> packed (qs, d, m)", release());
+  mod.def("q8_pack", &q8_pack, "GGUF Q8_0 codes, d -> packed (qs, d)", release());
+  mod.def("quantize_activations", &quantize_activations,
+          "x -> (int8 codes, scales, float block sums, 8 x rounding error, code sums)", release());
+  mod.def("simd", &simd, "which SIMD path this build uses");
+}
