@@ -32,7 +32,7 @@ class RowSpec:
 class _Prefill:
     q_index: slice
     ctx_slots: torch.Tensor
-    mask: torch.Tensor  # (q_len, ctx_len) bool, True = may attend
+    mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None: causal
 
 
 @dataclass
@@ -63,8 +63,12 @@ class AttentionBatch:
                 decode_idx.append(offset)
                 decode_ctx.append(row.ctx_slots[:end])
             else:
-                q_pos = torch.arange(row.start, end)
-                mask = torch.arange(end)[None, :] <= q_pos[:, None]
+                # A chunk starting at position 0 is plain causal attention, which SDPA
+                # runs with its fused kernel; a later chunk needs an explicit mask.
+                mask = None
+                if row.start:
+                    q_pos = torch.arange(row.start, end)
+                    mask = torch.arange(end)[None, :] <= q_pos[:, None]
                 span = slice(offset, offset + row.q_len)
                 prefills.append(_Prefill(span, row.ctx_slots[:end], mask))
             offset += row.q_len
@@ -111,6 +115,7 @@ def paged_attention(
         qp = q[p.q_index].transpose(0, 1)  # (H, q_len, D)
         kp = k_cache[p.ctx_slots].transpose(0, 1)  # (Hkv, L, D)
         vp = v_cache[p.ctx_slots].transpose(0, 1)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
+                                            is_causal=p.mask is None, enable_gqa=True)
         out[p.q_index] = op.transpose(0, 1)
     return out
