@@ -38,7 +38,12 @@ class LlamaLayer:
 
 
 class RotaryEmbedding:
-    """Cos/sin tables for adjacent-pair RoPE over the first ``rope_dim`` head dims."""
+    """Adjacent-pair RoPE over the first ``rope_dim`` head dims, as complex rotations.
+
+    Each pair (x[2i], x[2i+1]) is a complex number multiplied by e^(i·pos·θ_i): one
+    complex multiply per call instead of a dozen real ops, and the per-position
+    rotations are looked up once per forward pass (``rotation``), not once per layer.
+    """
 
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
         half = cfg.rope_dim // 2
@@ -47,25 +52,23 @@ class RotaryEmbedding:
             inv_freq = inv_freq / freq_factors.double()
         self.inv_freq = inv_freq
         self.rope_dim = cfg.rope_dim
-        self._cos = torch.empty(0, half)
-        self._sin = torch.empty(0, half)
+        self._table = torch.empty(0, half, dtype=torch.complex64)
 
-    def _grow(self, n_positions: int) -> None:
-        n = max(n_positions, 2 * self._cos.shape[0], 256)
-        angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-        self._cos, self._sin = angles.cos().float(), angles.sin().float()
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^(i·pos·θ) for each position: complex (T, 1, rope_dim/2), broadcast over heads."""
+        if positions.numel() and int(positions.max()) >= self._table.shape[0]:
+            n = max(int(positions.max()) + 1, 2 * self._table.shape[0], 256)
+            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+            self._table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        return self._table[positions][:, None, :]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (T, heads, head_dim) at ``positions`` (T,)."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
-        cos = self._cos[positions][:, None, :]
-        sin = self._sin[positions][:, None, :]
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        pairs = rot.unflatten(-1, (-1, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        return rotated if rest.numel() == 0 else torch.cat((rotated, rest), dim=-1)
+    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (T, heads, head_dim) by ``rotation`` from ``rotation()``."""
+        d = self.rope_dim
+        head = x if d == x.shape[-1] else x[..., :d].contiguous()
+        rotated = torch.view_as_real(torch.view_as_complex(head.unflatten(-1, (-1, 2)))
+                                     * rotation).flatten(-2)
+        return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
 
 
 class LlamaModel:
@@ -148,12 +151,16 @@ class LlamaModel:
         c = self.cfg
         n = tokens.numel()
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
+        qk_heads = c.n_heads + c.n_kv_heads
+        rotation = self.rope.rotation(batch.positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.norm_eps)
-            q, k, v = layer.qkv(h).split((q_dim, kv_dim, kv_dim), dim=-1)
-            q = self.rope(q.view(n, c.n_heads, c.head_dim), batch.positions)
-            k = self.rope(k.view(n, c.n_kv_heads, c.head_dim), batch.positions)
+            qkv = layer.qkv(h)
+            # q and k share head_dim: rotate them together in one call
+            qk = self.rope.apply(qkv[:, : q_dim + kv_dim].view(n, qk_heads, c.head_dim), rotation)
+            q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
+            v = qkv[:, q_dim + kv_dim :]
             kv.k[i].index_copy_(0, batch.slot_mapping, k.to(kv.k[i].dtype))
             kv.v[i].index_copy_(0, batch.slot_mapping,
                                 v.view(n, c.n_kv_heads, c.head_dim).to(kv.v[i].dtype))
