@@ -358,3 +358,11 @@ def test_end_to_end_agreement_with_f32(ext) -> None:
     assert agree >= 0.90 and kl < 0.02, results
     agree, kl = results["gemm"]  # same weights, f32 arithmetic: only summation order differs
     assert agree >= 0.99 and kl < 1e-4, results
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_native_rms_norm_matches_torch(ext, rows: int) -> None:
+    x = torch.randn(rows, 576) * 3
+    w = torch.randn(576)
+    expected = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(ext.rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-6)

@@ -90,7 +90,11 @@ class MappedEmbedding:
 
 
 class WeightFormat(Protocol):
+    """How weights are stored and multiplied, and the norm kernel that goes with them."""
+
     name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
@@ -99,6 +103,10 @@ class WeightFormat(Protocol):
 
 class DenseFormat:
     """Dequantize every weight to a dense tensor of ``dtype``."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
@@ -285,6 +293,13 @@ class QuantFormat:
     """Keep Q4_0/Q4_1 weights 4-bit and Q8_0 weights 8-bit; other types dense f32."""
 
     name = "q4"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The native one-call RMSNorm (the kernel is loaded by then: the linears need it)."""
+        from ember import kernels
+
+        return kernels.quant_matmul().rms_norm(x, weight, eps)
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         def layout(n: str) -> str:

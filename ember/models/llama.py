@@ -15,6 +15,7 @@ in the pool it is given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,11 @@ class LlamaModel:
         output_norm: torch.Tensor,
         output: Linear,
         rope: RotaryEmbedding,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
+        # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
+        self.norm = norm or (lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps))
         self.embed = embed
         self.layers = layers
         self.output_norm = output_norm
@@ -112,7 +116,7 @@ class LlamaModel:
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
         return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                   RotaryEmbedding(cfg, freq_factors))
+                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32) -> KVStorage:
@@ -155,7 +159,7 @@ class LlamaModel:
         rotation = self.rope.rotation(batch.positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.norm_eps)
+            h = self.norm(x, layer.attn_norm, c.norm_eps)
             qkv = layer.qkv(h)
             # q and k share head_dim: rotate them together in one call
             qk = self.rope.apply(qkv[:, : q_dim + kv_dim].view(n, qk_heads, c.head_dim), rotation)
@@ -166,8 +170,8 @@ class LlamaModel:
                                 v.view(n, c.n_kv_heads, c.head_dim).to(kv.v[i].dtype))
             attn = paged_attention(q, kv.k[i], kv.v[i], batch)
             x = x + layer.o(attn.reshape(n, q_dim))
-            h = F.rms_norm(x, (c.hidden_size,), layer.ffn_norm, c.norm_eps)
+            h = self.norm(x, layer.ffn_norm, c.norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         rows = x[batch.row_ends if logits_index is None else logits_index]
-        return self.output(F.rms_norm(rows, (c.hidden_size,), self.output_norm, c.norm_eps))
+        return self.output(self.norm(rows, self.output_norm, c.norm_eps))
