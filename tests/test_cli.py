@@ -267,3 +267,15 @@ def test_chat_survives_ctrl_c_during_a_reply(tiny_gguf: Path, home: Path) -> Non
     assert proc.returncode == 0, err
     assert "[interrupted]" in err and "Traceback" not in err
     assert out.count("> ") >= 2  # it prompted again after the interrupted reply
+
+
+@pytest.mark.slow
+def test_generate_default_weights_are_the_fast_format(home: Path) -> None:
+    """`--weights auto` (the CLI default) resolves to q4 where the kernel builds."""
+    from ember import kernels
+
+    proc = ember("generate", "--raw", "--temperature", "0", "--max-tokens", "4", "-v",
+                 "--threads", "1", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    expected = "q4" if kernels.available() else "f32"
+    assert f"({expected})" in proc.stderr

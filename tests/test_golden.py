@@ -222,7 +222,7 @@ def test_cli_generate_greedy_matches_llama_cpp(llm, tok: Tokenizer) -> None:
     # One thread: the logits don't depend on it (bitwise), and on an oversubscribed
     # machine two threads can make this subprocess many times slower.
     out = _cli("generate", "--temperature", "0", "--raw", "--max-tokens", str(n),
-               "--threads", "1", case["prompt"])
+               "--threads", "1", "--weights", "f32", case["prompt"])
     assert out.endswith("\n")
     text = out[:-1]
     # Up to llama.cpp's first near tie the text must be llama.cpp's ...

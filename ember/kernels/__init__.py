@@ -7,7 +7,8 @@ everything that has a pure-PyTorch path keeps working.
 
 The build needs a C++ compiler and ``ninja``. It is compiled with
 ``-O3 -march=native`` (falling back to no ``-march`` flag if that fails) into
-``$EMBER_HOME/kernels/<key>`` (default ``~/.cache/ember/kernels/<key>``), where
+``$EMBER_KERNEL_CACHE/<key>`` (default ``~/.cache/ember/kernels/<key>``; it does not
+follow ``EMBER_HOME``, which only moves models, so every home shares one build), where
 ``key`` covers the torch version, the CPU's instruction-set flags and the source
 hash, so a home directory shared between different machines never loads a build
 for the wrong CPU. The first build takes a minute; later processes just load it.
@@ -58,10 +59,10 @@ def _cpu_key() -> str:
 
 
 def _build_root() -> Path:
-    home = os.environ.get("EMBER_HOME") or Path.home() / ".cache" / "ember"
+    root = os.environ.get("EMBER_KERNEL_CACHE") or Path.home() / ".cache" / "ember" / "kernels"
     source_hash = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
     key = f"torch{torch.__version__.split('+')[0]}-{_cpu_key()}-{source_hash}"
-    return Path(home) / "kernels" / key
+    return Path(root) / key
 
 
 def _find_ninja() -> None:

@@ -63,11 +63,11 @@ class LoadedModel:
 def load_model(name: str, weights: str = "f32") -> LoadedModel:
     """Load ``name`` (alias or .gguf path), pulling a registered alias if needed."""
     start = time.perf_counter()
-    weights = resolve_weights(weights)
-    fmt = weight_format(weights)
     path = ensure_model(name)
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)  # raises for unsupported architectures first
+    weights = resolve_weights(weights)  # may build the native kernel: after cheap checks
+    fmt = weight_format(weights)
     tokenizer = Tokenizer.from_gguf(gguf)
     try:
         template: ChatTemplate | None = ChatTemplate.from_gguf(gguf)
