@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import selectors
 import shlex
 import statistics
@@ -55,16 +54,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember.bench.llamacpp_driver import cpu_seconds, peak_rss_bytes  # stdlib-only helpers
+from ember.bench.throughput import PARAGRAPH
 from ember.errors import EmberError
 
 DRIVER = Path(__file__).with_name("llamacpp_driver.py")
-PARAGRAPH = (
-    "The history of computing is a story of abstraction layered on abstraction. Early "
-    "machines were programmed by rewiring panels; stored programs made software a thing "
-    "of its own; compilers let people write in terms of problems rather than registers. "
-    "Each layer hid details that the layer below still had to get right, and each new "
-    "generation of engineers learned to trust the layer beneath while measuring it. "
-)
 HOW_TO_GET_LLAMA = (
     "to compare against llama.cpp, install it with `pip install 'ember[llamacpp]'` "
     "(llama-cpp-python; it builds llama.cpp from source, ~10 min on 2 cores), or pass "
@@ -150,15 +144,10 @@ def ember_batched(engine: Any, prompts: list[list[int]], gen: int) -> tuple[floa
     return time.perf_counter() - start, sum(r.num_output for r in reqs) - before
 
 
-def _cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def ember_run(engine: Any, spec: dict) -> dict:
     """One repetition of ``spec`` (the driver's ``run`` message) on an ember engine."""
     out: dict = {"prefill": [], "batched": []}
-    wall0, cpu0 = time.perf_counter(), _cpu_seconds()
+    wall0, cpu0 = time.perf_counter(), cpu_seconds()
     for prompt in spec.get("prefill", []):
         out["prefill"].append({"tokens": len(prompt), "seconds": ember_prefill(engine, prompt)})
     if spec.get("decode"):
@@ -169,7 +158,7 @@ def ember_run(engine: Any, spec: dict) -> dict:
         secs, toks = ember_batched(engine, b["prompts"], int(b["gen"]))
         out["batched"].append({"streams": len(b["prompts"]), "tokens": toks, "seconds": secs})
     out["wall_s"] = time.perf_counter() - wall0
-    out["cpu_s"] = _cpu_seconds() - cpu0
+    out["cpu_s"] = cpu_seconds() - cpu0
     return out
 
 
@@ -189,23 +178,6 @@ def engine_options(spec: dict) -> dict:
     return {"max_num_seqs": max([1, *(len(b["prompts"]) for b in batched)]),
             "max_num_batched_tokens": need_tokens, "num_kv_blocks": need_blocks + 8,
             "block_size": block, "enable_prefix_caching": False}
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak RSS: ``VmHWM`` where /proc has it, else ``ru_maxrss``.
-
-    On Linux ``getrusage``'s ``ru_maxrss`` survives fork + exec, so a worker would
-    report its launcher's peak if that was larger; ``VmHWM`` starts afresh at exec.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def worker_main() -> int:

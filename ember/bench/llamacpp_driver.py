@@ -63,7 +63,7 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
@@ -217,7 +217,7 @@ class Driver:
 
     def run(self, msg: dict) -> dict:
         out: dict = {"prefill": [], "batched": []}
-        wall0, cpu0 = time.perf_counter(), _cpu_seconds()
+        wall0, cpu0 = time.perf_counter(), cpu_seconds()
         for prompt in msg.get("prefill", []):
             out["prefill"].append({"tokens": len(prompt), "seconds": self.prefill(prompt)})
         if msg.get("decode"):
@@ -228,7 +228,7 @@ class Driver:
             secs, toks = self.batched(b["prompts"], int(b["gen"]))
             out["batched"].append({"streams": len(b["prompts"]), "tokens": toks, "seconds": secs})
         out["wall_s"] = time.perf_counter() - wall0
-        out["cpu_s"] = _cpu_seconds() - cpu0
+        out["cpu_s"] = cpu_seconds() - cpu0
         return out
 
     def close(self) -> None:
