@@ -54,7 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ember.bench.llamacpp_driver import cpu_seconds, peak_rss_bytes  # stdlib-only helpers
+from ember.bench.llamacpp_driver import cpu_seconds  # stdlib-only helpers
+from ember.bench.llamacpp_driver import serve as serve_protocol
 from ember.bench.throughput import PARAGRAPH
 from ember.errors import EmberError
 
@@ -180,49 +181,37 @@ def engine_options(spec: dict) -> dict:
             "block_size": block, "enable_prefix_caching": False}
 
 
+class _EmberBackend:
+    """ember's side of the worker protocol (see ``llamacpp_driver.serve``)."""
+
+    def __init__(self, msg: dict) -> None:
+        from ember.config import EngineConfig
+        from ember.engine.engine import LLMEngine
+        from ember.models.loader import load_model
+
+        self.weights = msg["weights"]
+        self.loaded = load_model(msg["model"], self.weights)
+        self.engine = LLMEngine(EngineConfig(model=str(self.loaded.path), weights=self.weights,
+                                             threads=msg["threads"], **msg["engine"]),
+                                loaded=self.loaded)
+
+    def info(self) -> dict:
+        import torch
+
+        return {"weights": self.weights, "load_s": self.loaded.load_seconds,
+                "weight_bytes": ember_weight_bytes(self.loaded.model),
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def run(self, msg: dict) -> dict:
+        return ember_run(self.engine, msg)
+
+    def close(self) -> None:
+        pass
+
+
 def worker_main() -> int:
     """The ember worker: the driver's JSON-lines protocol, served by an LLMEngine."""
-    proto = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
-    sys.stdout = sys.stderr
-
-    def reply(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    engine = None
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-            cmd = msg.get("cmd")
-            if cmd == "init":
-                import torch
-
-                from ember.config import EngineConfig
-                from ember.engine.engine import LLMEngine
-                from ember.models.loader import load_model
-
-                loaded = load_model(msg["model"], msg["weights"])
-                engine = LLMEngine(EngineConfig(model=str(loaded.path), weights=msg["weights"],
-                                                threads=msg["threads"], **msg["engine"]),
-                                   loaded=loaded)
-                reply({"ok": True, "weights": msg["weights"], "load_s": loaded.load_seconds,
-                       "weight_bytes": ember_weight_bytes(loaded.model),
-                       "threads": torch.get_num_threads(), "torch": torch.__version__})
-            elif cmd == "run":
-                if engine is None:
-                    raise RuntimeError("'run' before 'init'")
-                reply({"ok": True, **ember_run(engine, msg)})
-            elif cmd == "exit":
-                reply({"ok": True, "peak_rss_bytes": peak_rss_bytes()})
-                return 0
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        except Exception as e:
-            reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
-    return 0
+    return serve_protocol(_EmberBackend)
 
 
 # ---------------------------------------------------------------- worker processes

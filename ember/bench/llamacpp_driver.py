@@ -37,6 +37,7 @@ import os
 import resource
 import sys
 import time
+from typing import Any
 
 _proto = sys.stdout  # replaced in serve() by a private duplicate of fd 1
 
@@ -241,8 +242,12 @@ class Driver:
         L.llama_model_free(self.model)
 
 
-def serve() -> int:
+def serve(make_backend: Any = None) -> int:
+    """Serve the JSON-lines protocol: ``init`` builds a backend from the message
+    (default: this llama.cpp ``Driver``; ember's worker passes its own), ``run``
+    calls ``backend.run(msg)``, ``exit`` closes it and reports peak RSS."""
     global _proto
+    make_backend = make_backend or Driver
     # The protocol gets a private copy of stdout; fd 1 itself goes to stderr, so
     # anything the C library prints cannot corrupt the JSON lines.
     sys.stdout.flush()
@@ -257,7 +262,7 @@ def serve() -> int:
             msg = json.loads(line)
             cmd = msg.get("cmd")
             if cmd == "init":
-                driver = Driver(msg)
+                driver = make_backend(msg)
                 _reply({"ok": True, **driver.info()})
             elif cmd == "run":
                 if driver is None:
