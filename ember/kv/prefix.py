@@ -104,6 +104,3 @@ class PrefixCache:
             self.allocator.decref(block)
             freed += 1
         return freed
-
-    def clear(self) -> None:
-        self.evict(len(self._evictable))

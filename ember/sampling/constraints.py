@@ -124,10 +124,6 @@ class GrammarProcessor:
         """How many of ``tokens``, in order, the grammar would accept from here."""
         return int(self.matcher.validate_tokens(list(tokens)))
 
-    @property
-    def is_complete(self) -> bool:
-        return bool(self.matcher.is_accepting())
-
     def _check(self) -> None:
         if self.matcher.is_error():
             raise GrammarError(f"{self.describe}: {self.matcher.get_error()}")
