@@ -237,3 +237,22 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives(make_tiny_engine)
         assert lp.logprob == pytest.approx(lp.top[0][1])
         assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert torch.tensor([v for _, v in lp.top]).exp().sum() <= 1.0 + 1e-5
+
+
+def test_waiting_requests_never_hold_blocks_so_admission_cannot_deadlock(make_tiny_engine):
+    """Found by the property test: two preempted requests each held a cached prefix
+    the other needed, and the engine waited forever. Waiting requests now hold nothing."""
+    engine = make_tiny_engine(num_kv_blocks=10, block_size=4, max_num_seqs=4,
+                              max_num_batched_tokens=4, max_model_len=40)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    params = SamplingParams(temperature=0.8, seed=0, ignore_eos=True, max_tokens=8)
+    engine.add_request(shared + [100] * 22, params)  # 38 tokens: needs the whole pool
+    engine.add_request([7], SamplingParams(temperature=0.8, seed=0, ignore_eos=True,
+                                           max_tokens=5))
+    for _ in range(500):
+        engine.step()
+        assert all(not r.block_table.blocks for r in engine.scheduler.waiting)
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    engine.kv.check_no_leaks()

@@ -84,6 +84,9 @@ class Scheduler:
                 self.kv.match_prefix(req)
             n = min(req.remaining_prefill, budget)
             if not self.kv.can_reserve(req, req.kv_len + n):
+                # Give the matched prefix back: a waiting request must hold no blocks,
+                # or two of them can each hold what the other needs and wait forever.
+                self.kv.free(req)
                 break  # admission waits for blocks; the engine rejects requests that never fit
             self.waiting.popleft()
             self.kv.reserve(req, req.kv_len + n)
