@@ -35,3 +35,11 @@ class ChatTemplateError(EmberError):
 
 class InvalidDecodeState(EmberError):
     """The history/KV invariant ``len(history) == kv_len + 1`` was violated."""
+
+
+class InvalidMessage(EmberError, ValueError):
+    """A chat message that cannot be rendered safely; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param

@@ -42,6 +42,7 @@ text without ever emitting half a character.
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -243,6 +244,17 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token plain text can produce (control tokens excluded).
+
+        A text of N characters (so at least N UTF-8 bytes) encodes to at least
+        ``ceil(N / max_token_bytes)`` tokens: the server refuses a prompt that cannot
+        fit the context window by this bound, before tokenizing it.
+        """
+        return max(len(b) for i, b in enumerate(self._token_bytes)
+                   if i not in self._control_ids) or 1
 
     def id_to_piece(self, token_id: int) -> str:
         """The token's vocabulary string as stored in the GGUF (e.g. ``'Ġthe'``)."""

@@ -47,15 +47,24 @@ class Metrics:
         self.itl = Histogram("ember_inter_token_latency_seconds",
                              "Time between consecutive streamed outputs of a request.")
         self.e2e = Histogram("ember_e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = Histogram("ember_request_queue_time_seconds",
+                               "Time from arrival to admission into the running batch.")
+        self.slo_met = 0
+        self.slo_missed = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.rejected_429 = 0
+        self.client_aborts = 0
+        self.slow_connections_closed = 0
         self.finished: dict[str, int] = defaultdict(int)
         self.http: dict[tuple[str, int], int] = defaultdict(int)
 
     def observe_request(self, ttft: float | None, itls: list[float], e2e: float,
-                        prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None:
+                        prompt_tokens: int, generation_tokens: int, finish_reason: str,
+                        queued: float | None = None) -> None:
         with self._lock:
+            if queued is not None:
+                self.queue.observe(queued)
             if ttft is not None:
                 self.ttft.observe(ttft)
             for x in itls:
@@ -65,11 +74,30 @@ class Metrics:
             self.generation_tokens += generation_tokens
             self.finished[finish_reason] += 1
 
+    def observe_slo(self, met: bool) -> None:
+        """A finished request that had objectives: did its client see them met?"""
+        with self._lock:
+            if met:
+                self.slo_met += 1
+            else:
+                self.slo_missed += 1
+
     def count_http(self, route: str, status: int) -> None:
         with self._lock:
             self.http[(route, status)] += 1
             if status == 429:
                 self.rejected_429 += 1
+
+    def count_client_abort(self, route: str) -> None:
+        """A client that disconnected before its response was complete (HTTP 499)."""
+        with self._lock:
+            self.http[(route, 499)] += 1
+            self.client_aborts += 1
+
+    def count_slow_close(self) -> None:
+        """A connection closed because its request headers did not arrive in time."""
+        with self._lock:
+            self.slow_connections_closed += 1
 
     def render(self) -> str:
         s = self._engine_stats()
@@ -93,6 +121,29 @@ class Metrics:
                "Prompt tokens served from the prefix cache.", s.get("prefix_cache_hits", 0))
         metric("ember_preemptions_total", "counter", "Requests preempted for KV space.",
                s.get("preemptions", 0))
+        spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
+        for i, what in ((0, "drafted"), (1, "accepted")):
+            name = f"ember_spec_{what}_tokens_total"
+            lines += [f"# HELP {name} Draft tokens {what} (finished requests), per source.",
+                      f"# TYPE {name} counter"]
+            lines += [f'{name}{{source="{_label(src)}"}} {counts[i]}'
+                      for src, counts in sorted(spec["sources"].items())]
+        metric("ember_spec_bonus_tokens_total", "counter",
+               "Tokens committed after a fully accepted draft.", spec["bonus"])
+        lines += ["# HELP ember_spec_steps_total Decode steps of speculating requests, by "
+                  "what they did (verify, fallback: nothing to draft, off: gate declined).",
+                  "# TYPE ember_spec_steps_total counter"]
+        lines += [f'ember_spec_steps_total{{kind="{k}"}} {n}'
+                  for k, n in sorted(spec["steps"].items())]
+        tenants = s.get("tenants", {})
+        for state in ("running", "waiting"):
+            name = f"ember_tenant_requests_{state}"
+            lines += [f"# HELP {name} Requests {state}, per tenant.", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{tenant="{_label(t)}"}} {c[state]}'
+                      for t, c in sorted(tenants.items())]
+        metric("ember_prefill_tokens_total", "counter",
+               "Prompt tokens computed by the model (tokens served from cache excluded).",
+               s.get("prompt_tokens", 0))
         with self._lock:
             metric("ember_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    self.prompt_tokens)
@@ -100,6 +151,18 @@ class Metrics:
                    "Tokens generated for finished requests.", self.generation_tokens)
             metric("ember_rejected_requests_total", "counter",
                    "Requests refused with 429 (queue full).", self.rejected_429)
+            metric("ember_slo_met_total", "counter",
+                   "Finished requests with objectives whose client saw them met.",
+                   self.slo_met)
+            metric("ember_slo_missed_total", "counter",
+                   "Requests with objectives that missed them (late, failed or cut short).",
+                   self.slo_missed)
+            metric("ember_client_disconnects_total", "counter",
+                   "Requests whose client disconnected before the response was complete.",
+                   self.client_aborts)
+            metric("ember_slow_connections_closed_total", "counter",
+                   "Connections closed because request headers did not arrive in time.",
+                   self.slow_connections_closed)
             lines += ["# HELP ember_request_finished_total Finished requests by finish reason.",
                       "# TYPE ember_request_finished_total counter"]
             for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
@@ -110,6 +173,11 @@ class Metrics:
             for (route, status), n in sorted(self.http.items()):
                 lines.append(f'ember_http_responses_total{{route="{route}",status="{status}"}}'
                              f" {n}")
-            for h in (self.ttft, self.itl, self.e2e):
+            for h in (self.ttft, self.itl, self.e2e, self.queue):
                 lines += h.render()
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -32,6 +32,7 @@ class EmberServer:
     url: str
     log_path: Path
     model_id: str = ""
+    metrics_key: str | None = None  # bearer key /metrics wants (an API key, or its own)
 
     def log(self) -> str:
         try:
@@ -54,6 +55,7 @@ class EmberServer:
             self.stop()
             raise RuntimeError(f"ember serve not healthy after {timeout}s:\n{self.log()}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.metrics_key = self.metrics_key or api_key
         r = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=5)
         r.raise_for_status()
         self.model_id = r.json()["data"][0]["id"]
@@ -66,7 +68,10 @@ class EmberServer:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as ``{'name{labels}': value}`` (comments dropped)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        headers = {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        r = httpx.get(f"{self.url}/metrics", headers=headers, timeout=5)
+        r.raise_for_status()
+        text = r.text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
