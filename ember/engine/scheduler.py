@@ -3,32 +3,64 @@
 Each step fills a token budget (``max_num_batched_tokens``):
 
 1. running requests that are decoding, one token each, oldest first;
-2. running requests still prefilling, a chunk each (chunked prefill);
-3. waiting requests, admitted in arrival order while ``max_num_seqs`` and the
-   KV pool allow, each with a first prefill chunk.
+2. prompt chunks — of running requests still prefilling and of waiting requests
+   being admitted — handed out in rounds: by priority class first (a lower
+   ``priority`` number first), then to the tenant with the least service so far
+   (weighted fair share), and within a tenant to its oldest request. A chunk is at
+   most ``max_prefill_chunk`` tokens, and one request gets one chunk per round;
+3. budget left over tops up this step's chunks, in the same order.
 
-When the pool cannot hold a running request's next token, the most recently
-admitted running request is preempted by recompute: its blocks are released and
-it returns to the front of the waiting queue, to be prefilled again later (its
-committed tokens are kept, so its output is unchanged).
+Stall-free prefill: when running streams have a time-per-output-token objective,
+the step's prompt tokens are limited so that the step's predicted duration (from
+the :class:`~ember.engine.costs.StepCostModel`, which learns from the steps that
+run) stays within the tightest such objective. A prompt never stalls the streams
+that are decoding; at least :data:`MIN_PREFILL` prompt tokens still run per step so
+admission always makes progress. A new stream is only admitted while the streams
+already decoding, plus it, fit that objective.
+
+Fairness is by service, not by arrival: a tenant that sends a burst has all its
+requests served one after another in its own turn, while another tenant's request
+is served in the next round. A tenant's service counter is raised to the least
+counter of the active tenants when it becomes active again, so idle time is not
+banked.
+
+When the pool cannot hold a running request's next token, the running request of
+lowest priority (newest first among equals) is preempted by recompute: its blocks
+are released and it returns to the waiting queue, to be prefilled again later (its
+committed tokens are kept, so its output is unchanged). Waiting requests hold no
+blocks, so two of them can never each hold what the other needs.
 
 Cost per step is proportional to the number of requests, not their lengths.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ScheduledRow
 from ember.kv.manager import KVCacheManager
+from ember.spec.gate import allocate
+from ember.spec.speculator import Proposal
+
+MIN_PREFILL = 16  # prompt tokens a step may always carry, whatever the objectives
+# Requests part-way through their prompt at once. Spreading a step's prompt tokens over
+# many prompts makes every one of them late; finishing two at a time keeps TTFT short
+# (one more would let a long prompt of one tenant not block another's short one).
+PARTIAL_PREFILLS = 2
+STALL_MARGIN = 0.9  # fraction of the tightest TPOT objective a step may take
+SEAT_MARGIN = 0.7  # fraction of it the decode rows alone may take (room for prefill)
 
 
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    shape: StepShape = field(default_factory=lambda: StepShape(0, 0, 0))
 
     @property
     def num_tokens(self) -> int:
@@ -36,12 +68,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None,
+                 costs: StepCostModel | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.max_prefill_chunk = max_prefill_chunk or max(1, max_num_batched_tokens // 4)
+        self.costs = costs or StepCostModel()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.served: dict[str, float] = defaultdict(float)  # weighted tokens per tenant
         self._admitted = 0
         self.num_preemptions = 0
 
@@ -50,7 +87,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, req: Request) -> None:
+        self._activate(req.tenant)
         self.waiting.append(req)
+
+    def requeue(self, reqs: list[Request]) -> None:
+        """Put requests (that hold no blocks) back among the waiting."""
+        self.waiting.extend(reqs)
 
     def remove_finished(self) -> list[Request]:
         """Drop finished requests from both queues and release their blocks."""
@@ -58,52 +100,211 @@ class Scheduler:
         done += [r for r in self.waiting if r.is_finished]
         if done:
             self.running = [r for r in self.running if not r.is_finished]
-            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self.waiting = [r for r in self.waiting if not r.is_finished]
             for req in done:
                 self.kv.free(req)
         return done
 
-    def schedule(self) -> SchedulerOutput:
+    def start_running(self, req: Request) -> None:
+        """Make a request that holds its blocks (admitted, or forked) a running one."""
+        req.status = RequestStatus.RUNNING
+        self._admitted += 1
+        req.admitted_seq = self._admitted
+        if req.admitted_time is None:
+            req.admitted_time = time.monotonic()
+        self.running.append(req)
+
+    # ------------------------------------------------------------ the step
+    def schedule(self, proposals: dict[Request, Proposal] | None = None) -> SchedulerOutput:
+        """This step's rows; ``proposals`` are drafts of decoding requests, of which the
+        cost gate (``ember.spec.gate``) verifies as many tokens as pay for themselves."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        # 1 + 2: running requests, decoders before prefills, oldest admitted first.
-        for req in sorted(self.running, key=lambda r: (r.remaining_prefill > 1, r.admitted_seq)):
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(req.remaining_prefill, budget)
-            if not self._reserve_or_preempt(req, n, out):
-                continue
-            out.rows.append(ScheduledRow(req, n))
-            budget = self.max_num_batched_tokens - out.num_tokens
-        # 3: admit waiting requests.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.kv_len == 0:
-                self.kv.match_prefix(req)
-            n = min(req.remaining_prefill, budget)
-            if not self.kv.can_reserve(req, req.kv_len + n):
-                # Give the matched prefix back: a waiting request must hold no blocks,
-                # or two of them can each hold what the other needs and wait forever.
-                self.kv.free(req)
-                break  # admission waits for blocks; the engine rejects requests that never fit
-            self.waiting.popleft()
-            self.kv.reserve(req, req.kv_len + n)
-            req.status = RequestStatus.RUNNING
-            self._admitted += 1
-            req.admitted_seq = self._admitted
-            self.running.append(req)
-            out.rows.append(ScheduledRow(req, n))
-            budget -= n
+        decoding = sorted((r for r in self.running if r.remaining_prefill == 1),
+                          key=lambda r: r.admitted_seq)
+        for req in decoding:
+            if req.status is RequestStatus.RUNNING and self._reserve_or_preempt(req, 1, out):
+                self._add_row(out, req, 1)
+        limit = self._step_time_limit()
+        if proposals:
+            self._add_drafts(out, proposals, limit)
+        self._hand_out_prompt_tokens(out, limit)
+        self._top_up(out, limit)
         return out
 
+    def _add_drafts(self, out: SchedulerOutput, proposals: dict[Request, Proposal],
+                    limit: float) -> None:
+        """Give decoding rows the draft tokens the gate says pay, where KV allows."""
+        where = {row.request: i for i, row in enumerate(out.rows)}
+        candidates = [(req, p, len(req.token_ids), req.speculator.warm)  # type: ignore[union-attr]
+                      for req, p in proposals.items() if req in where]
+        grant = allocate(candidates, out.shape, self.costs, committed=len(out.rows),
+                         limit=limit, budget=self.max_num_batched_tokens - out.num_tokens)
+        for req, proposal in proposals.items():
+            k = grant.get(req, 0)
+            if k and not self.kv.can_reserve(req, req.kv_len + 1 + k):
+                k = 0
+            req.speculator.warm = k > 0  # type: ignore[union-attr]
+            if not k:
+                if req in where:
+                    req.speculator.stats.off_steps += 1  # type: ignore[union-attr]
+                continue
+            self.kv.reserve(req, req.kv_len + 1 + k)
+            out.rows[where[req]] = ScheduledRow(req, 1, proposal.tokens[:k], proposal)
+            self._charge(req, k)
+        out.shape = _shape_of(out.rows)
+
+    def _step_time_limit(self) -> float:
+        """The step duration that keeps every decoding stream within its TPOT objective."""
+        tpots = [r.slo_tpot for r in self.running
+                 if r.slo_tpot is not None and r.remaining_prefill == 1]
+        return STALL_MARGIN * min(tpots) if tpots else math.inf
+
+    def _hand_out_prompt_tokens(self, out: SchedulerOutput, limit: float) -> None:
+        """2: prompt chunks in rounds — priority class, then least-served tenant."""
+        queues = self._prompt_queues()
+        can_admit = True
+        self._partial = sum(1 for r in self.running if r.remaining_prefill > 1)
+        while queues:
+            key = min(queues, key=lambda k: (k[0], self._service(k[1])))
+            req = queues[key].pop(0)
+            if not queues[key]:
+                del queues[key]
+            if req.status is RequestStatus.WAITING:
+                if not can_admit:
+                    continue
+                if not self._admit(req, out, limit):
+                    can_admit = False  # blocked: later arrivals may not overtake it
+                    continue
+            elif req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            else:
+                n = self._chunk(req, out, limit)
+                if n == 0 or not self._reserve_or_preempt(req, n, out):
+                    continue
+                self._add_row(out, req, n)
+            if out.num_tokens >= self.max_num_batched_tokens:
+                return
+
+    def _prompt_queues(self) -> dict[tuple[int, str], list[Request]]:
+        """Requests that want prompt tokens, per (priority, tenant), oldest first; running
+        ones before waiting ones, so a tenant finishes what it started."""
+        queues: dict[tuple[int, str], list[Request]] = defaultdict(list)
+        prefilling = [r for r in self.running if r.remaining_prefill > 1]
+        for req in sorted(prefilling, key=lambda r: r.admitted_seq):
+            queues[(req.priority, req.tenant)].append(req)
+        for req in sorted(self.waiting, key=lambda r: (r.arrival_time, r.request_id)):
+            queues[(req.priority, req.tenant)].append(req)
+        return dict(queues)
+
+    def _admit(self, req: Request, out: SchedulerOutput, limit: float) -> bool:
+        """Admit a waiting request with its first chunk, if seats, KV and time allow."""
+        if self._seats() + req.group_size > self.max_num_seqs:
+            return False
+        if not self._seat_fits(req, limit):
+            return False
+        found = self.kv.probe_prefix(req)
+        cached = len(found) * self.kv.block_size
+        n = self._chunk(req, out, limit, start=cached)
+        partial = cached + n < len(req.token_ids)
+        if n == 0 or (partial and self._partial >= PARTIAL_PREFILLS):
+            return False
+        if not self.kv.can_admit(found, cached + n):
+            return False
+        self._partial += partial
+        self.waiting.remove(req)
+        self.kv.admit(req, found, cached + n)
+        self.start_running(req)
+        self._add_row(out, req, n)
+        return True
+
+    def _seat_fits(self, req: Request, limit: float) -> bool:
+        """Whether one more decoding stream keeps the decode rows within the objective
+        (the candidate's own TPOT objective counts too)."""
+        if req.slo_tpot is not None:
+            limit = min(limit, STALL_MARGIN * req.slo_tpot)
+        if limit == math.inf:
+            return True
+        rows = self._seats() + req.group_size
+        context = sum(len(r.token_ids) for r in self.running) + len(req.token_ids)
+        decode_only = self.costs.predict(StepShape(rows, rows, context, decode_rows=rows))
+        return decode_only <= SEAT_MARGIN * limit / STALL_MARGIN
+
+    def _chunk(self, req: Request, out: SchedulerOutput, limit: float,
+               start: int | None = None) -> int:
+        """Prompt tokens ``req`` may run now: its chunk cap, the budget, and the time limit."""
+        start = req.kv_len if start is None else start
+        n = min(len(req.token_ids) - start, self.max_prefill_chunk,
+                self.max_num_batched_tokens - out.num_tokens)
+        return self._fit_time(out, start, n, limit)
+
+    def _fit_time(self, out: SchedulerOutput, start: int, n: int, limit: float) -> int:
+        """The most of ``n`` tokens from ``start`` that keeps the step within ``limit``."""
+        if n <= 0 or limit == math.inf:
+            return max(n, 0)
+        prompt_so_far = out.num_tokens - sum(1 for r in out.rows if r.num_tokens == 1)
+        floor = max(0, min(n, MIN_PREFILL - prompt_so_far))
+
+        def fits(k: int) -> bool:
+            return self.costs.predict(out.shape.plus(k, start + k)) <= limit
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) is assumed; hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return max(lo, floor)
+
+    def _top_up(self, out: SchedulerOutput, limit: float) -> None:
+        """3: budget nobody else could use goes to this step's prompt chunks."""
+        for i, row in enumerate(out.rows):
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget == 0:
+                return
+            req = row.request
+            if row.num_tokens == 1 and req.remaining_prefill == 1:
+                continue  # a decode row
+            start = req.kv_len + row.num_tokens
+            shrunk = SchedulerOutput(out.rows[:i] + out.rows[i + 1:])
+            shrunk.shape = _shape_of(shrunk.rows)
+            extra = self._fit_time(shrunk, req.kv_len,
+                                   min(req.remaining_prefill, row.num_tokens + budget),
+                                   limit) - row.num_tokens
+            if extra > 0 and self.kv.can_reserve(req, start + extra):
+                self.kv.reserve(req, start + extra)
+                out.rows[i] = ScheduledRow(req, row.num_tokens + extra)
+                self._charge(req, extra)
+                out.shape = _shape_of(out.rows)
+
+    # ------------------------------------------------------------ bookkeeping
+    def _seats(self) -> int:
+        """Sequences running, counting the siblings still to be forked from them."""
+        return sum(r.group_size for r in self.running)
+
+    def _add_row(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.rows.append(ScheduledRow(req, n))
+        out.shape = out.shape.plus(n, req.kv_len + n)
+        self._charge(req, n)
+
+    def _charge(self, req: Request, tokens: int) -> None:
+        self.served[req.tenant] += tokens / req.weight
+
+    def _service(self, tenant: str) -> float:
+        return self.served[tenant]
+
+    def _activate(self, tenant: str) -> None:
+        """A tenant with nothing queued or running starts at the least active counter."""
+        active = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
+        if tenant not in active and active:
+            self.served[tenant] = max(self.served[tenant],
+                                      min(self.served[t] for t in active))
+
     def _reserve_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Reserve KV for ``n`` more tokens of ``req``, preempting newer requests if needed."""
+        """Reserve KV for ``n`` more tokens of ``req``, preempting others if needed."""
         while not self.kv.can_reserve(req, req.kv_len + n):
             victim = max(
                 (r for r in self.running if r.status is RequestStatus.RUNNING),
-                key=lambda r: r.admitted_seq,
+                key=lambda r: (r.priority, r.admitted_seq),
             )
             self._preempt(victim, out)
             if victim is req:
@@ -114,9 +315,89 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         # Remove it from rows already scheduled this step (it is the newest, so it may be).
         out.rows = [r for r in out.rows if r.request is not req]
+        out.shape = _shape_of(out.rows)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        self.waiting.append(req)  # its arrival time keeps it at the front of its tenant
         out.preempted.append(req)
         self.num_preemptions += 1
+
+    # ------------------------------------------------------------ predictions
+    def prefill_time(self, tokens: int) -> float:
+        """Seconds to compute ``tokens`` queued prompt tokens in the steps the scheduler
+        builds next to the streams decoding now: full steps (as many prompt tokens as the
+        budget and the time limit allow) and one last step for the rest."""
+        decoding = [r for r in self.running if r.remaining_prefill == 1]
+        base = StepShape(len(decoding), len(decoding), sum(len(r.token_ids) for r in decoding),
+                         decode_rows=len(decoding))
+        context = base.attended // max(1, len(decoding))
+
+        def step(n: int) -> float:
+            return self.costs.predict(base.plus(n, context + n))
+
+        per_step = max(MIN_PREFILL, self.max_num_batched_tokens - len(decoding))
+        limit = self._step_time_limit()
+        if limit != math.inf:
+            lo, hi = 0, per_step  # the largest chunk that keeps a step within the limit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if step(mid) <= limit else (lo, mid - 1)
+            per_step = max(MIN_PREFILL, lo)
+        full, rest = divmod(tokens, per_step)
+        return full * step(per_step) + (step(rest) if rest else 0.0)
+
+    def predict_ttft(self, req: Request) -> float:
+        """Seconds until ``req`` (not yet queued) would get its first token.
+
+        Its own uncomputed prompt, plus the prompt tokens that would be served before
+        it: every queued token of its priority class or better from its own tenant,
+        and from each other tenant at most as many as its own tenant has ahead plus
+        its own (fair share serves them round by round), at :meth:`prefill_time`.
+        """
+        queued = self._queued_prompt_tokens(req.priority)
+        own = self._uncached(req)
+        return self._eta(queued, req.tenant, own)
+
+    def hopeless(self, now: float, margin: float = 1.0) -> list[Request]:
+        """Waiting requests that can no longer get their first token within ``margin`` of
+        their TTFT objective: the time they have waited plus the predicted rest exceeds
+        it. They are taken in the order they would be served, each counting those
+        before it."""
+        queued = self._queued_prompt_tokens(None, running_only=True)
+        lost = []
+        for req in sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)):
+            own = self._uncached(req)
+            if req.slo_ttft is not None and req.num_output == 0 and (
+                    now - req.arrival_time + self._eta(queued, req.tenant, own)
+                    > margin * req.slo_ttft):
+                lost.append(req)
+                continue
+            queued[req.tenant] += own
+        return lost
+
+    def _queued_prompt_tokens(self, priority: int | None,
+                              running_only: bool = False) -> dict[str, int]:
+        queued: dict[str, int] = defaultdict(int)
+        pool = self.running if running_only else self.running + self.waiting
+        for r in pool:
+            if (priority is None or r.priority <= priority) and r.remaining_prefill > 1:
+                queued[r.tenant] += r.remaining_prefill
+        return queued
+
+    def _uncached(self, req: Request) -> int:
+        if req.kv_len:
+            return req.remaining_prefill
+        return len(req.token_ids) - len(self.kv.probe_prefix(req)) * self.kv.block_size
+
+    def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
+        mine = queued.get(tenant, 0) + own
+        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
+        return self.prefill_time(ahead)
+
+
+def _shape_of(rows: list[ScheduledRow]) -> StepShape:
+    shape = StepShape(0, 0, 0)
+    for row in rows:
+        shape = shape.plus(row.num_query, row.request.kv_len + row.num_query)
+    return shape

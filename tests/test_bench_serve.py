@@ -1,0 +1,247 @@
+"""The goodput benchmark: its statistics on synthetic traces, its traffic, and its load
+generator against a stub endpoint that replays fixed timings (the stub tests the
+measuring tool, not ember)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ember.bench.goodput import Objectives, percentile, summarize
+from ember.bench.loadgen import Endpoint, RequestRecord, RunResult, run
+from ember.bench.traffic import SYSTEM_PROMPT, Workload, arrivals
+
+
+# ---------------------------------------------------------------- statistics
+def rec(sent: float, ttft: float | None, tokens: int = 5, tpot: float = 0.05,
+        status: str = "ok", tenant: int = 0) -> RequestRecord:
+    r = RequestRecord(scheduled=sent, sent=sent, tenant=tenant, kind="chat", status=status)
+    if status == "ok" and ttft is not None:
+        r.first_token = sent + ttft
+        r.chunk_times = [r.first_token + tpot * (i + 1) for i in range(tokens - 1)]
+        r.end = r.chunk_times[-1] if r.chunk_times else r.first_token
+        r.output_tokens = tokens
+    else:
+        r.end = sent + 0.01
+    return r
+
+
+def test_goodput_counts_requests_meeting_both_objectives_over_the_run():
+    slo = Objectives(ttft=1.0, tpot=0.1)
+    records = [
+        rec(0.0, 0.5),                      # good
+        rec(1.0, 1.5),                      # late first token
+        rec(2.0, 0.2, tpot=0.2),            # slow tokens
+        rec(3.0, 0.3, tenant=1),            # good
+        rec(4.0, None, status="rejected", tenant=1),
+        rec(5.0, None, status="failed", tenant=1),
+        rec(6.0, 0.9, tokens=1, tenant=1),  # one token: no TPOT, good
+    ]
+    result = RunResult(records, started=0.0, duration=10.0, planned=7)
+    s = summarize(result, slo)
+    assert (s["sent"], s["completed"], s["rejected"], s["failed"], s["good"]) == (7, 5, 1, 1, 3)
+    assert s["goodput_rps"] == pytest.approx(0.3) and s["throughput_rps"] == pytest.approx(0.5)
+    assert s["attainment"] == pytest.approx(3 / 7)
+    assert s["per_tenant"][0]["attainment"] == pytest.approx(1 / 3)
+    assert s["per_tenant"][1]["attainment"] == pytest.approx(2 / 4)
+    assert s["ttft_s"]["median"] == pytest.approx(0.5)
+    # ok replies of more than one token: TPOTs 0.05, 0.05, 0.2, 0.05 -> p99 interpolates
+    assert s["tpot_s"]["p99"] == pytest.approx(0.05 + 0.15 * 0.97)
+    assert s["offered_rps"] == pytest.approx(1.0)
+    assert s["output_tps"] == pytest.approx((5 * 4 + 1) / 10)
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    import numpy as np
+
+    for q in (0.0, 0.25, 0.5, 0.9, 0.99, 1.0):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q * 100)))
+    assert percentile([], 0.5) is None
+
+
+@pytest.mark.parametrize("text,ttft,tpot", [("ttft=2000,tpot=150", 2.0, 0.15),
+                                            ("tpot=50", None, 0.05), ("", None, None)])
+def test_objectives_parse_milliseconds(text, ttft, tpot):
+    assert Objectives.parse(text) == Objectives(ttft, tpot)
+
+
+@pytest.mark.parametrize("text", ["latency=5", "ttft=fast", "ttft=-1"])
+def test_bad_objectives_name_the_problem(text):
+    with pytest.raises(ValueError, match="--slo"):
+        Objectives.parse(text)
+
+
+# ---------------------------------------------------------------- traffic
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_burstiness():
+    for burstiness, cv2 in ((1.0, 1.0), (0.25, 4.0)):
+        times = arrivals(4.0, 20001, burstiness, seed=3)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        mean = statistics.fmean(gaps)
+        assert mean == pytest.approx(0.25, rel=0.03)
+        assert statistics.pvariance(gaps) / mean**2 == pytest.approx(cv2, rel=0.1)
+    assert arrivals(2.0, 50, seed=9) == arrivals(2.0, 50, seed=9)
+
+
+def test_chat_follow_ups_resend_the_conversation_with_the_servers_replies():
+    w = Workload("chat", tenants=4, seed=1, follow_up=1.0)
+    first = w.next()
+    body = w.body(first)
+    assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert body["max_tokens"] == 48 and body["ignore_eos"] and body["stream"]
+    w.finish(first, "A reply from the server.")
+    again = w.next()
+    assert again is first  # follow_up=1: the idle conversation continues
+    follow = w.body(again)["messages"]
+    assert follow[:3] == body["messages"] + [{"role": "assistant",
+                                              "content": "A reply from the server."}]
+    assert follow[3]["role"] == "user"
+    others = [w.next() for _ in range(4)]  # `again` is busy: new conversations
+    assert [c.tenant for c in [first, *others]] == [0, 1, 2, 3, 0]
+
+
+def test_workloads_are_deterministic_for_a_seed():
+    def bodies(seed: int) -> list[dict]:
+        w = Workload("mix", tenants=2, seed=seed, follow_up=0.0)  # new conversations only
+        out = []
+        for _ in range(8):
+            conv = w.next()
+            out.append(w.body(conv))
+            w.finish(conv, "ok")
+        return out
+
+    assert bodies(5) == bodies(5) and bodies(5) != bodies(6)
+    kinds = {"docqa": 0, "json": 0}
+    for b in bodies(5):
+        if "response_format" in b:
+            kinds["json"] += 1
+        elif "Question:" in b["messages"][-1]["content"]:
+            kinds["docqa"] += 1
+    assert kinds == {"docqa": 2, "json": 2}
+
+
+# ---------------------------------------------------------------- the load generator
+TTFT, GAP, TOKENS = 0.20, 0.05, 5
+
+
+async def _stub(scope, receive, send) -> None:
+    """An OpenAI chat endpoint with fixed timings: 429 for tenant key k-429, 500 for
+    k-500, a stream that stalls for k-slow, else TTFT then TOKENS chunks GAP apart."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    auth = dict(scope["headers"]).get(b"authorization", b"").decode()
+    if scope["path"] == "/v1/models":
+        await _respond(send, 200, b'{"data":[{"id":"stub"}]}')
+        return
+    if auth.endswith("k-429"):
+        await _respond(send, 429, b'{"error":{}}', [(b"retry-after", b"3")])
+        return
+    if auth.endswith("k-500"):
+        await _respond(send, 500, b'{"error":{}}')
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    await asyncio.sleep(60 if auth.endswith("k-slow") else TTFT)
+    for i in range(TOKENS):
+        if i:
+            await asyncio.sleep(GAP)
+        chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n"
+                    .encode(), "more_body": True})
+    usage = {"choices": [], "usage": {"completion_tokens": TOKENS}}
+    await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n"
+                "data: [DONE]\n\n".encode(), "more_body": False})
+
+
+async def _respond(send, status: int, body: bytes, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def stub_url() -> Iterator[str]:
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_stub, host="127.0.0.1", port=port,
+                                           log_level="error", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_the_load_generator_measures_the_stubs_fixed_timings(stub_url):
+    ep = Endpoint(stub_url, "stub", ["k-ok"])
+    result = asyncio.run(run(ep, Workload("chat", 1), [0.0, 0.1, 0.2], timeout=10))
+    assert [r.status for r in result.records] == ["ok"] * 3
+    for r in result.records:
+        assert r.output_tokens == TOKENS
+        assert TTFT <= r.ttft < TTFT + 0.1
+        assert GAP <= r.tpot < GAP + 0.03
+        assert len(r.itls) == TOKENS - 1
+    assert result.records[2].sent == pytest.approx(0.2, abs=0.05)  # sent on schedule
+
+
+def test_refusals_failures_and_timeouts_are_recorded_as_such(stub_url):
+    ep = Endpoint(stub_url, "stub", ["k-429", "k-500", "k-slow"])
+    result = asyncio.run(run(ep, Workload("docqa", 3), [0.0, 0.0, 0.0], timeout=1.0))
+    by_tenant = {r.tenant: r for r in result.records}
+    assert by_tenant[0].status == "rejected" and by_tenant[0].retry_after == "3"
+    assert by_tenant[1].status == "failed" and by_tenant[1].http_status == 500
+    assert by_tenant[2].status == "timeout"
+    assert summarize(result, Objectives(ttft=5.0)).get("good") == 0
+
+
+def test_closed_loop_keeps_the_asked_number_of_requests_in_flight(stub_url):
+    ep = Endpoint(stub_url, "stub", ["k-ok"])
+    result = asyncio.run(run(ep, Workload("short-long", 1), concurrency=3, num_requests=9,
+                             timeout=10))
+    assert len(result.records) == 9
+    sends = sorted(r.sent for r in result.records)
+    assert sends[2] < 0.05 and sends[3] > TTFT  # three at once, then as each one ends
+
+
+def test_bench_serve_writes_its_table_json_and_plots(stub_url, tmp_path: Path, capsys):
+    pytest.importorskip("matplotlib")
+    from ember.cli import main
+
+    out = tmp_path / "serve.json"
+    code = main(["bench", "serve", "--url", stub_url, "--api-keys", "k-ok",
+                 "--rates", "4,8", "--num-requests", "6", "--warmup", "1",
+                 "--out", str(out), "--plot", str(tmp_path / "p")])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "goodput" in text and "4/s" in text and "8/s" in text
+    doc = json.loads(out.read_text())
+    assert [s["rate"] for s in doc["steps"]] == [4.0, 8.0]
+    assert all(s["good"] == 6 for s in doc["steps"])
+    for name in ("goodput", "latency", "tenants"):
+        assert (tmp_path / f"p-{name}.png").stat().st_size > 1000
+
+
+def test_an_over_saturated_step_stops_sending_and_says_so(stub_url):
+    """A server that never answers: once a fifth of the requests sent (at least 8) have
+    waited three TTFT objectives for a first token, the trace is cut short."""
+    ep = Endpoint(stub_url, "stub", ["k-slow"])
+    times = arrivals(20.0, 60, seed=1)
+    result = asyncio.run(run(ep, Workload("docqa", 1), times, timeout=2.0, slo_ttft=0.1))
+    assert result.saturated and 8 <= len(result.records) < 40 and result.planned == 60
+    assert all(r.status == "timeout" for r in result.records)
