@@ -24,7 +24,7 @@ SCHEMAS = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 20},
                        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}},
+                       "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}},
         "required": ["name", "age"], "additionalProperties": False,
     },
     "nested": {
@@ -83,14 +83,49 @@ def test_every_output_validates_against_its_schema(llm, temperature, seed):
         jsonschema.validate(json.loads(out.text), schema)
 
 
-def test_json_object_mode_gives_a_json_object(llm):
+def _whitespace_outside_strings(text: str) -> list[int]:
+    """Offsets of whitespace characters that are not inside a JSON string literal."""
+    found, in_string, escaped = [], False, False
+    for i, c in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in " \t\r\n":
+            found.append(i)
+    return found
+
+
+def test_whitespace_scanner_sees_only_whitespace_between_tokens():
+    assert _whitespace_outside_strings('{"a b":"c\\" d","e":[1,2]}') == []
+    assert _whitespace_outside_strings('{ "a" : 1}') == [1, 5, 7]
+
+
+def test_json_object_mode_gives_a_compact_json_object(llm):
     out = chat(llm, "List two fruits.", StructuredOutput.json_object())
     assert isinstance(json.loads(out.text), dict)
-    assert " " not in out.text.replace('" ', "").replace(' "', "")[:2]  # compact by default
+    assert _whitespace_outside_strings(out.text) == [], out.text  # compact by default
+
+
+def test_compact_json_grammar_allows_no_whitespace_between_tokens(llm):
+    tok = llm.tokenizer
+    spaced = [i for i in range(tok.vocab_size)
+              if tok.token_bytes(i)[:1] in (b" ", b"\n", b"\t", b"\r")]
+    proc = llm.engine.grammars.processor(StructuredOutput.json_object())
+    for prefix in ('{', '"a"', ':', '1', ','):
+        for t in tok.encode(prefix):
+            proc.commit(t)
+        allowed = proc.allowed()
+        assert not any(bool(allowed[i]) for i in spaced), prefix
 
 
 @pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no), because [a-z ]{5,20}\.",
-                                     r"[A-Z][a-z]+ [A-Z][a-z]+"])
+                                     r"[A-Z][a-z]{1,12} [A-Z][a-z]{1,12}"])
 def test_regex_outputs_fullmatch(llm, pattern):
     for temperature, seed in [(0, 0), (1.0, 7)]:
         out = chat(llm, "Answer briefly.", StructuredOutput.regex(pattern), temperature, seed)
@@ -216,6 +251,7 @@ def test_a_mask_that_allows_nothing_fails_only_that_request(llm):
     while engine.has_unfinished():
         engine.step()
     assert bad.finish_reason.value == "error" and "allows no token" in bad.error
+    assert bad.error_param == "structured"  # the server answers 400, naming the format
     assert good.finish_reason.value == "length"
 
 
@@ -229,3 +265,35 @@ def test_bitmask_decoding_matches_llguidance(llm):
     fill_next_token_bitmask(proc.matcher, ref)
     bits = ((ref[0][:, None] >> np.arange(32)) & 1).astype(bool).reshape(-1)[:vocab]
     assert np.array_equal(bits, proc.allowed().numpy())
+
+
+def test_a_grammar_too_complex_mid_generation_fails_its_request_with_a_short_error(llm):
+    """Compiles and gives a first mask, then exceeds llguidance's lexer limits: the
+    request fails (blamed on its grammar), the message is one line, the engine lives."""
+    engine = llm.engine
+    spec = StructuredOutput.regex("(a{1000}){1000}")
+    bad = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
+                                                       structured=spec))
+    good = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert bad.finish_reason.value == "error" and bad.error_param == "structured"
+    assert "\n" not in bad.error and "<state>" not in bad.error and len(bad.error) < 400
+    assert good.finish_reason.value == "length"
+    engine.kv.check_no_leaks()
+
+
+def test_a_schema_with_a_thousand_optional_keys_fails_once_a_key_starts(llm):
+    """It compiles and allows '{', then exceeds llguidance's row limit at the key: a
+    GrammarError blamed on the request's grammar, with a one-line message."""
+    from ember.sampling.constraints import GrammarError
+
+    spec = StructuredOutput.json_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(1000)}})
+    proc = llm.engine.grammars.processor(spec)
+    with pytest.raises(GrammarError) as e:
+        for t in llm.tokenizer.encode('{"p'):
+            proc.allowed()
+            proc.commit(t)
+        proc.allowed()
+    assert e.value.param == "structured" and "\n" not in str(e.value)

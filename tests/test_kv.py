@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
-from ember.kv.prefix import PrefixCache, chain_key, root_key
+from ember.kv.prefix import ROOT, PrefixCache, extend_keys
 
 
 def test_slots_follow_the_block_table():
@@ -16,7 +16,11 @@ def test_slots_follow_the_block_table():
     alloc.allocate()  # block 0 taken by someone else
     t.reserve(10)
     assert t.blocks == [1, 2, 3]
-    assert t.slots(10).tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert t.block_ids(10).tolist() == [1, 2, 3]
+    from ember.models.attention import AttentionBatch, RowSpec
+
+    batch = AttentionBatch.build([RowSpec(t.block_ids(10), 3, 7)], block_size=4)
+    assert batch.slot_mapping.tolist() == [7, 8, 9, 10, 11, 12, 13]  # positions 3..9
 
 
 def test_reserve_is_all_or_nothing():
@@ -38,7 +42,7 @@ def test_truncate_frees_exactly_the_blocks_past_the_new_end(ops):
             t.kv_len = n
         elif op == "truncate":
             t.truncate(n)
-        assert len(t.blocks) == -(-t.kv_len // 4) or op == "grow"
+        assert len(t.blocks) == -(-t.kv_len // 4)
         assert alloc.num_free == 16 - len(t.blocks)
     t.release()
     assert alloc.num_free == 16 and all(rc == 0 for rc in alloc.refcount)
@@ -59,6 +63,22 @@ def _brute_force_hit(stored: list[tuple[bytes, list[int]]], salt: bytes, tokens:
     return best
 
 
+def _store(cache: PrefixCache, alloc: BlockAllocator, salt: bytes, tokens: list[int]) -> None:
+    """Cache every full block of ``tokens`` as a finished request would leave them."""
+    keys: list[bytes] = []
+    extend_keys(keys, salt, tokens, cache.block_size)
+    parent = ROOT
+    for i, key in enumerate(keys):
+        block = alloc.allocate()
+        chunk = tokens[i * cache.block_size:(i + 1) * cache.block_size]
+        serial = cache.insert(block, key, parent, salt, chunk)
+        alloc.decref(block)
+        cache.on_released(block)
+        if serial is None:
+            return
+        parent = serial
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seqs=st.lists(st.tuples(st.sampled_from([b"a", b"b"]),
@@ -71,31 +91,66 @@ def test_lookup_matches_brute_force_longest_cached_prefix(seqs, query):
     alloc = BlockAllocator(1000)
     cache = PrefixCache(alloc, bs)
     for salt, tokens in seqs:  # store every full block of every sequence
-        key = root_key(salt)
-        for i in range(len(tokens) // bs):
-            chunk = tokens[i * bs:(i + 1) * bs]
-            key = chain_key(key, chunk)
-            block = alloc.allocate()
-            cache.insert(block, key, chunk)
-            alloc.decref(block)
-            cache.on_released(block)
+        _store(cache, alloc, salt, tokens)
     salt, tokens = query
-    blocks, _ = cache.lookup(salt, tokens)
-    assert len(blocks) == _brute_force_hit(seqs, salt, tokens, bs)
+    assert len(cache.lookup(salt, tokens)) == _brute_force_hit(seqs, salt, tokens, bs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.sampled_from([b"a", b"b"]),
+                            st.lists(st.integers(0, 2), min_size=0, max_size=10)),
+                  min_size=1, max_size=8),
+    query=st.tuples(st.sampled_from([b"a", b"b"]), st.lists(st.integers(0, 2), max_size=10)),
+)
+def test_hash_collisions_never_serve_another_chain(seqs, query):
+    """With every key colliding, a hit is still only what the same salt and tokens
+    computed (the brute-force oracle bounds it); collisions may only cost misses."""
+    import ember.kv.prefix as prefix
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefix, "chain_key", lambda parent, tokens: b"one-key-for-all")
+        bs = 2
+        alloc = BlockAllocator(1000)
+        cache = PrefixCache(alloc, bs)
+        for salt, tokens in seqs:
+            _store(cache, alloc, salt, tokens)
+        salt, tokens = query
+        assert len(cache.lookup(salt, tokens)) <= _brute_force_hit(seqs, salt, tokens, bs)
+
+
+def test_a_colliding_key_from_another_tenant_is_a_miss(monkeypatch):
+    import ember.kv.prefix as prefix
+
+    # keys depend on the tokens only, so tenant B's first block has tenant A's key
+    monkeypatch.setattr(prefix, "chain_key", lambda parent, tokens: bytes(tokens))
+    alloc = BlockAllocator(8)
+    cache = PrefixCache(alloc, 2)
+    _store(cache, alloc, b"tenant-a", [1, 2, 3, 4])
+    assert len(cache.lookup(b"tenant-a", [1, 2, 3, 4])) == 2
+    assert cache.lookup(b"tenant-b", [1, 2, 3, 4]) == []
+
+
+def test_a_chain_recomputed_after_its_head_was_evicted_is_cached_again():
+    alloc = BlockAllocator(3)
+    cache = PrefixCache(alloc, 1)
+    _store(cache, alloc, b"s", [7, 8])
+    assert cache.evict(1) == 1  # the head goes first (LRU); its child is an orphan now
+    assert cache.lookup(b"s", [7, 8]) == []
+    _store(cache, alloc, b"s", [7, 8])  # recomputed: the orphan's key is taken over
+    assert len(cache.lookup(b"s", [7, 8])) == 2
 
 
 def test_eviction_is_lru_and_only_under_pressure():
     alloc = BlockAllocator(4)
     cache = PrefixCache(alloc, 1)
     for i, tok in enumerate([10, 20, 30]):
-        b = alloc.allocate()
-        cache.insert(b, chain_key(root_key(b"s"), [tok]), [tok])
-        alloc.decref(b)
-        cache.on_released(b)
+        _store(cache, alloc, b"s", [tok])
         assert cache.num_evictable == i + 1
     assert alloc.num_free == 1  # cached blocks are not free until evicted
-    hit, _ = cache.lookup(b"s", [10])  # touch the oldest: it leaves the LRU while in use
-    assert hit == [0] and cache.num_evictable == 2
+    hit = cache.lookup(b"s", [10])  # touch the oldest: it leaves the LRU while in use
+    cache.acquire(hit, 1)
+    assert [h.block for h in hit] == [0] and cache.num_evictable == 2
     assert cache.evict(1) == 1  # evicts block 1 (token 20), the least recently used
-    assert cache.lookup(b"s", [20])[0] == []
+    assert cache.lookup(b"s", [20]) == []
     assert alloc.num_free == 2

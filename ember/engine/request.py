@@ -16,6 +16,7 @@ from ember.errors import InvalidDecodeState
 from ember.kv.blocks import BlockTable
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import Sampler, TokenLogprobs
+from ember.spec.speculator import Speculator
 from ember.tokenizer import IncrementalDetokenizer
 
 
@@ -30,6 +31,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # a step failed for this request
+    REJECTED = "rejected"  # refused before its first token: it would miss its TTFT objective
 
 
 @dataclass(eq=False)  # identity semantics: requests are hashable and unique
@@ -43,17 +45,32 @@ class Request:
     eos_ids: frozenset[int]
     max_total_tokens: int  # context window: prompt + output may not exceed it
     salt: bytes = b""
+    tenant: str = ""  # whose request it is: prefix-cache scope and fair-share account
+    priority: int = 0  # lower is served first
+    weight: float = 1.0  # the tenant's share of the step budget, relative to others
+    slo_ttft: float | None = None  # seconds to the first token it asks for
+    slo_tpot: float | None = None  # seconds per output token it asks for
     token_ids: list[int] = field(default_factory=list)
+    # chain keys of the history's full blocks, hashed once (the KV manager's cache)
+    block_hashes: list[bytes] = field(default_factory=list)
+    # siblings (n > 1) that start from this request's prompt once it is computed
+    forks: list[Request] = field(default_factory=list)
+    speculator: Speculator | None = None  # its draft sources, when it speculates
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_param: str | None = None  # the request parameter that caused ``error``, if any
     cached_tokens: int = 0
     text: str = ""  # full output text (stop string excluded once found)
     emitted_chars: int = 0  # how much of ``text`` has been streamed out
     streamed_tokens: int = 0  # how many output tokens have been streamed out
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: one per prompt token, None for the first (no context)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # first admission (queue time ends here)
     first_token_time: float | None = None
+    retry_after: float | None = None  # when rejected: seconds until it would fit
     admitted_seq: int = 0  # admission order, for preemption (latest goes first)
 
     def __post_init__(self) -> None:
@@ -64,6 +81,13 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed (the prefix cache has no logits:
+        such a request computes its prompt itself)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt)
 
     @property
     def output_ids(self) -> list[int]:
@@ -139,10 +163,17 @@ class Request:
         self.emitted_chars = max(self.emitted_chars, end)
         return delta
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+    @property
+    def group_size(self) -> int:
+        """Sequences this request occupies once admitted: itself and its forks."""
+        return 1 + len(self.forks)
+
+    def finish(self, reason: FinishReason, error: str | None = None,
+               param: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
+        self.error_param = param
 
 
 def _held_back(text: str, stops: list[str]) -> int:

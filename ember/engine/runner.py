@@ -1,14 +1,16 @@
-"""ModelRunner: turns a scheduled step into one flattened forward pass.
+"""ModelRunner: turns a scheduled step into one flattened forward pass, and only that.
 
-It owns the model and the KV tensors. The scheduler has already reserved blocks
-for every row; the runner builds the varlen batch, runs the model once, advances
-each row's ``kv_len`` and returns logits for the rows that reached the end of their
-history (a prefill chunk that stops short of it produces no logits).
+It owns the model and the KV tensors. The scheduler has already reserved blocks for
+every row. A row's query tokens are its uncomputed history (a prefill chunk, or the
+one newest token of a decoding request) followed by any draft tokens; the runner
+writes their K/V, and returns logits for the positions whose next token is wanted —
+for a row that reaches the end of its history, the last history token and every
+draft token. It changes no request state: the engine commits what was verified.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,18 +18,46 @@ from ember.engine.request import Request
 from ember.kv.blocks import KVStorage
 from ember.models.attention import AttentionBatch, RowSpec
 from ember.models.llama import LlamaModel
+from ember.spec.speculator import Proposal
 
 
 @dataclass
 class ScheduledRow:
     request: Request
     num_tokens: int  # tokens of the request's history to run this step
+    draft: list[int] = field(default_factory=list)  # tokens proposed after the history
+    proposal: Proposal | None = None  # where the draft came from (for feedback)
     samples: bool = False  # does the row reach the end of the history (→ next token)?
+    # prompt positions whose logits give prompt logprobs (the next prompt token's)
+    prompt_positions: range = range(0)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError(f"scheduled row of {self.request.request_id} has no tokens")
-        self.samples = self.request.kv_len + self.num_tokens == len(self.request.token_ids)
+        req = self.request
+        self.samples = req.kv_len + self.num_tokens == len(req.token_ids)
+        if req.wants_prompt_logprobs:
+            first = max(req.kv_len, len(req.prompt_logprobs) - 1)
+            self.prompt_positions = range(first, min(req.kv_len + self.num_tokens,
+                                                     req.num_prompt - 1))
+        if self.draft and not self.samples:
+            raise ValueError(f"row of {self.request.request_id}: a draft needs the whole "
+                             "history computed")
+
+    @property
+    def num_query(self) -> int:
+        """Tokens the row sends through the model: history tokens and drafts."""
+        return self.num_tokens + len(self.draft)
+
+    @property
+    def num_sampled(self) -> int:
+        """Logits rows it samples from: one per draft token plus one, if it samples."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows it gets back: its prompt positions', then those it samples from."""
+        return len(self.prompt_positions) + self.num_sampled
 
 
 class ModelRunner:
@@ -36,19 +66,18 @@ class ModelRunner:
         self.kv = kv
 
     def execute(self, rows: list[ScheduledRow]) -> torch.Tensor:
-        """Run one step; return logits (n_sampling_rows, vocab) in row order."""
+        """Run one step; return logits (sum of num_logits, vocab) in row order."""
         specs, tokens, logit_rows, offset = [], [], [], 0
         for row in rows:
             req, start = row.request, row.request.kv_len
-            end = start + row.num_tokens
-            specs.append(RowSpec(req.block_table.slots(end), start, row.num_tokens))
-            tokens.extend(req.token_ids[start:end])
-            offset += row.num_tokens
+            end = start + row.num_query
+            specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query))
+            tokens += req.token_ids[start:start + row.num_tokens] + row.draft
+            logit_rows += [offset + p - start for p in row.prompt_positions]
             if row.samples:
-                logit_rows.append(offset - 1)
-        batch = AttentionBatch.build(specs)
+                last = offset + row.num_tokens - 1
+                logit_rows += range(last, last + 1 + len(row.draft))
+            offset += row.num_query
+        batch = AttentionBatch.build(specs, self.kv.block_size)
         index = torch.tensor(logit_rows, dtype=torch.long)
-        logits = self.model.forward(torch.tensor(tokens, dtype=torch.long), batch, self.kv, index)
-        for row in rows:
-            row.request.block_table.kv_len += row.num_tokens
-        return logits
+        return self.model.forward(torch.tensor(tokens, dtype=torch.long), batch, self.kv, index)

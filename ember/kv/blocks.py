@@ -39,9 +39,24 @@ class KVStorage:
         self.block_size = block_size
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         # Uninitialized on purpose: pages are only touched once used, so a large pool
-        # costs nothing up front. Attention reads only slots its row has written.
+        # costs nothing up front. Attention reads whole blocks, whose unwritten tail it
+        # masks out; a masked value still multiplies a zero weight, and 0 × NaN is NaN,
+        # so each block is zeroed the first time it is handed out (``zero_blocks`` with
+        # ``BlockAllocator.take_fresh``).
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero blocks used for the first time (later uses leave finite values)."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        for cache in (*self.k, *self.v):
+            cache.view(self.num_blocks, self.block_size, *cache.shape[1:])[index] = 0
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy every layer's keys and values of block ``src`` into block ``dst``."""
+        bs = self.block_size
+        for cache in (*self.k, *self.v):
+            cache[dst * bs:(dst + 1) * bs] = cache[src * bs:(src + 1) * bs]
 
     @staticmethod
     def bytes_per_block(
@@ -58,6 +73,14 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._never_used = num_blocks  # blocks num_blocks-_never_used.. were never handed out
+        self._fresh: list[int] = []  # handed out for the first time since take_fresh()
+
+    def take_fresh(self) -> list[int]:
+        """Blocks handed out for the first time since the last call (their memory was
+        never written: the storage zeroes them before they are read)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     @property
     def num_free(self) -> int:
@@ -68,6 +91,9 @@ class BlockAllocator:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
         block = self._free.popleft()
         self.refcount[block] = 1
+        if block >= self.num_blocks - self._never_used:  # the free list starts in order
+            self._never_used = self.num_blocks - block - 1
+            self._fresh.append(block)
         return block
 
     def incref(self, block: int) -> None:
@@ -125,12 +151,9 @@ class BlockTable:
         for _ in range(need):
             self.append_block(self.allocator.allocate())
 
-    def slots(self, end: int) -> torch.Tensor:
-        """Slots of positions ``0 .. end-1`` (requires ``end <= capacity``)."""
-        n_blocks = -(-end // self.block_size)
-        ids = self._ids[:n_blocks]
-        offsets = torch.arange(self.block_size)
-        return (ids[:, None] * self.block_size + offsets).reshape(-1)[:end]
+    def block_ids(self, end: int) -> torch.Tensor:
+        """The blocks holding positions ``0 .. end-1`` (requires ``end <= capacity``)."""
+        return self._ids[: -(-end // self.block_size)]
 
     def truncate(self, keep_len: int) -> None:
         """Rewind to the first ``keep_len`` positions and free whole blocks past them."""

@@ -1,17 +1,18 @@
 """KVCacheManager: the one owner of block accounting for all requests.
 
-It hands out block tables, reserves blocks for scheduled tokens (evicting cached
-prefix blocks only under pressure), serves prefix hits, registers newly filled
+It hands out block tables, admits waiting requests (attaching their cached prefix),
+reserves blocks for scheduled tokens (evicting cached prefix blocks only under
+pressure), forks a finished prompt into sibling requests, registers newly filled
 blocks in the prefix cache, and frees a request's blocks when it leaves. After any
-mix of finished, aborted, preempted and failed requests, every block is either free
-or held only by the prefix cache (``check_no_leaks``).
+mix of finished, aborted, preempted, forked and failed requests, every block is
+either free or held only by the prefix cache (``check_no_leaks``).
 """
 
 from __future__ import annotations
 
 from ember.engine.request import Request
 from ember.kv.blocks import BlockAllocator, BlockTable
-from ember.kv.prefix import PrefixCache, chain_key, root_key
+from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys
 
 
 class KVCacheManager:
@@ -22,8 +23,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.prefix = PrefixCache(self.allocator, block_size) if enable_prefix_caching else None
-        # per request: chain keys of its leading full blocks already registered
-        self._keys: dict[str, list[bytes]] = {}
+        # per request: identity serials of its leading full blocks registered so far;
+        # a trailing None means the cache refused one, so later blocks are not offered
+        self._chains: dict[str, list[int | None]] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -43,60 +45,109 @@ class KVCacheManager:
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.block_size)
 
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
     def can_reserve(self, req: Request, n_tokens: int) -> bool:
         return req.block_table.blocks_needed(n_tokens) <= self.num_available
 
     def reserve(self, req: Request, n_tokens: int) -> None:
-        need = req.block_table.blocks_needed(n_tokens) - self.allocator.num_free
-        if need > 0 and self.prefix:
-            self.prefix.evict(need)
+        self._make_free(req.block_table.blocks_needed(n_tokens))
         req.block_table.reserve(n_tokens)
 
-    # ------------------------------------------------------------ prefix reuse
-    def match_prefix(self, req: Request) -> None:
-        """Attach cached blocks covering a prefix of the history (never its last token)."""
-        if not self.prefix or req.kv_len:
-            return
-        tokens = req.token_ids[:-1]  # the last token is always recomputed for its logits
-        blocks, keys = self.prefix.lookup(req.salt, tokens)
-        for block in blocks:
-            req.block_table.append_block(block)
-        req.block_table.kv_len = len(blocks) * self.block_size
-        self._keys[req.request_id] = keys
+    def _make_free(self, n_blocks: int) -> None:
+        need = n_blocks - self.allocator.num_free
+        if need > 0 and self.prefix:
+            self.prefix.evict(need)
+
+    # ------------------------------------------------------------ admission
+    def probe_prefix(self, req: Request) -> list[CachedBlock]:
+        """Cached blocks covering a prefix of a waiting request's history (no references
+        taken, nothing counted): the scheduler decides with it whether to admit."""
+        if not self.prefix or req.kv_len or req.wants_prompt_logprobs:
+            return []
+        extend_keys(req.block_hashes, req.salt, req.token_ids, self.block_size)
+        # the last token is always recomputed for its logits
+        return self.prefix.lookup(req.salt, req.token_ids[:-1], req.block_hashes)
+
+    def can_admit(self, found: list[CachedBlock], n_tokens: int) -> bool:
+        """Whether a request holding no blocks fits with ``found`` attached and room for
+        ``n_tokens`` positions. Found blocks that sit in the LRU stop being evictable."""
+        pinned = sum(1 for f in found if self.prefix and self.prefix.is_evictable(f.block))
+        return self.blocks_for(n_tokens) - len(found) <= self.num_available - pinned
+
+    def admit(self, req: Request, found: list[CachedBlock], n_tokens: int) -> None:
+        """Attach ``found`` (from :meth:`probe_prefix`) and reserve ``n_tokens`` positions."""
+        if req.block_table.blocks:
+            raise AssertionError(f"waiting request {req.request_id} holds KV blocks")
+        if self.prefix:
+            self.prefix.acquire(found, len(req.token_ids) - 1)
+        for hit in found:
+            req.block_table.append_block(hit.block)
+        req.block_table.kv_len = len(found) * self.block_size
+        self._chains[req.request_id] = [hit.serial for hit in found]
         if req.num_output == 0:
             req.cached_tokens = req.block_table.kv_len
+        self.reserve(req, n_tokens)
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give ``child`` the parent's computed positions (its prompt): full blocks are
+        shared, a partly filled last block is copied. Returns ``(src, dst)`` of the block
+        whose contents the caller must copy, None if nothing to copy. Raises
+        :class:`~ember.kv.blocks.OutOfBlocks` (child unchanged) when no block is left."""
+        kv_len, table = parent.kv_len, parent.block_table
+        full, partial = divmod(kv_len, self.block_size)
+        copy = None
+        if partial:
+            self._make_free(1)
+            copy = (table.blocks[full], self.allocator.allocate())
+        for block in table.blocks[:full]:
+            self.allocator.incref(block)
+            child.block_table.append_block(block)
+        if copy:
+            child.block_table.append_block(copy[1])
+        child.block_table.kv_len = kv_len
+        child.cached_tokens = parent.cached_tokens
+        child.block_hashes = list(parent.block_hashes)
+        self._chains[child.request_id] = list(self._chains.get(parent.request_id, [])[:full])
+        return copy
+
+    # ------------------------------------------------------------ prefix registration
     def register_computed(self, req: Request) -> None:
         """Insert the request's newly completed full blocks into the prefix cache."""
         if not self.prefix:
             return
-        keys = self._keys.setdefault(req.request_id, [])
+        chain = self._chains.setdefault(req.request_id, [])
         bs = self.block_size
         full = req.kv_len // bs
-        parent = keys[-1] if keys else root_key(req.salt)
-        for i in range(len(keys), full):
-            chunk = req.token_ids[i * bs : (i + 1) * bs]
-            parent = chain_key(parent, chunk)
-            keys.append(parent)
-            self.prefix.insert(req.block_table.blocks[i], parent, chunk)
+        if len(chain) >= full or (chain and chain[-1] is None):
+            return
+        extend_keys(req.block_hashes, req.salt, req.token_ids, bs)
+        for i in range(len(chain), full):
+            serial = self.prefix.insert(req.block_table.blocks[i], req.block_hashes[i],
+                                        chain[-1] if chain else ROOT, req.salt,
+                                        req.token_ids[i * bs:(i + 1) * bs])
+            chain.append(serial)
+            if serial is None:
+                break
 
     # ------------------------------------------------------------ release
     def free(self, req: Request) -> None:
         """Release every block the request holds; cached ones stay findable."""
         blocks = list(req.block_table.blocks)
         req.block_table.release()
-        self._keys.pop(req.request_id, None)
+        self._chains.pop(req.request_id, None)
         if self.prefix:
             for block in blocks:
                 self.prefix.on_released(block)
 
     def truncate(self, req: Request, keep_len: int) -> None:
-        """Rewind a request's cache; forget chain keys past the kept full blocks."""
-        dropped = list(req.block_table.blocks[-(-keep_len // self.block_size):])
+        """Rewind a request's cache; forget registrations past the kept full blocks."""
+        dropped = list(req.block_table.blocks[self.blocks_for(keep_len):])
         req.block_table.truncate(keep_len)
-        keys = self._keys.get(req.request_id)
-        if keys:
-            del keys[keep_len // self.block_size :]
+        chain = self._chains.get(req.request_id)
+        if chain:
+            del chain[keep_len // self.block_size:]
         if self.prefix:
             for block in dropped:
                 self.prefix.on_released(block)

@@ -5,8 +5,14 @@ A block's key is a hash chain: ``key_i = H(key_{i-1}, tokens of block i)`` with
 supplied by whoever owns the request (the server derives it from the API key), so
 two tenants never share keys and cannot observe each other's prefixes.
 
-A hash hit is never trusted alone: the block's stored token ids must equal the
-request's, so a collision can only cost a miss, never serve the wrong cache.
+A hash hit is never trusted alone. Every cached block records its *identity*: a
+serial number that is never reused, the serial of the block before it in its chain
+(0 for a first block, which records the salt instead) and its own token ids. A hit
+on block ``i`` is served only if its tokens equal the request's and its parent is
+exactly the block served for ``i - 1`` (or, for ``i = 0``, its salt is the
+request's). By induction a served block was computed after the very same salt and
+tokens, so a hash collision anywhere in a chain can only cost a miss, never serve
+another prompt's or another tenant's cache.
 
 The cache holds one reference on each cached block. Blocks whose only reference is
 the cache's are *evictable*; they sit in an LRU and are reclaimed only when the
@@ -16,10 +22,14 @@ pool runs out of free blocks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ember.kv.blocks import BlockAllocator
+
+ROOT = 0  # the "parent serial" of a chain's first block
 
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -32,64 +42,124 @@ def root_key(salt: bytes) -> bytes:
     return hashlib.blake2b(b"ember-prefix-v1\0" + salt, digest_size=16).digest()
 
 
+def extend_keys(keys: list[bytes], salt: bytes, tokens: Sequence[int], block_size: int) -> None:
+    """Append the chain keys of the full blocks of ``tokens`` that ``keys`` lacks.
+
+    Callers keep ``keys`` per request, so each block is hashed once however often the
+    request is looked up (a waiting request is probed every step until admitted).
+    """
+    parent = keys[-1] if keys else root_key(salt)
+    for i in range(len(keys), len(tokens) // block_size):
+        parent = chain_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What a lookup found: the block id and its identity's serial."""
+
+    block: int
+    serial: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: bytes
+    serial: int
+    parent: int  # serial of the previous block of the chain, ROOT for a first block
+    salt: bytes | None  # first blocks only: the salt the chain was computed under
+    tokens: tuple[int, ...]
+
+
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self._by_key: dict[bytes, int] = {}
-        self._key_of: dict[int, bytes] = {}
-        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._entries: dict[int, _Entry] = {}  # block id -> identity
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self.queries = 0  # prompt tokens looked up
+        self._serials = itertools.count(ROOT + 1)
+        self.queries = 0  # prompt tokens looked up (once per admitted request)
         self.hits = 0  # prompt tokens served from cache
 
     @property
     def num_cached(self) -> int:
-        return len(self._key_of)
+        return len(self._entries)
 
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def lookup(self, salt: bytes, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full blocks that prefixes ``tokens``.
+    def is_cached(self, block: int) -> bool:
+        return block in self._entries
 
-        Returns the block ids (each with a new reference taken for the caller) and
-        their chain keys.
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def lookup(self, salt: bytes, tokens: Sequence[int],
+               keys: Sequence[bytes] | None = None) -> list[CachedBlock]:
+        """Longest run of cached full blocks that prefixes ``tokens`` (no references taken).
+
+        ``keys`` are the chain keys of ``tokens``' full blocks (see :func:`extend_keys`),
+        computed here when not given.
         """
         bs = self.block_size
-        blocks: list[int] = []
-        keys: list[bytes] = []
-        key = root_key(salt)
-        for i in range(len(tokens) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            key = chain_key(key, chunk)
-            block = self._by_key.get(key)
-            if block is None or self._tokens_of[block] != chunk:
+        if keys is None:
+            keys = []
+            extend_keys(keys, salt, tokens, bs)  # type: ignore[arg-type]
+        found: list[CachedBlock] = []
+        parent = ROOT
+        for i in range(min(len(keys), len(tokens) // bs)):
+            block = self._by_key.get(keys[i])
+            if block is None:
                 break
-            self._evictable.pop(block, None)
-            self.allocator.incref(block)
-            blocks.append(block)
-            keys.append(key)
-        self.queries += len(tokens)
-        self.hits += len(blocks) * bs
-        return blocks, keys
+            entry = self._entries[block]
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            if entry.parent != parent or entry.tokens != chunk or (
+                    parent == ROOT and entry.salt != salt):
+                break  # a hash collision: the block holds another chain's cache
+            found.append(CachedBlock(block, entry.serial))
+            parent = entry.serial
+        return found
 
-    def insert(self, block: int, key: bytes, tokens: Sequence[int]) -> None:
-        """Make a full, computed block findable. A key already present wins."""
-        if key in self._by_key or block in self._key_of:
-            return
+    def acquire(self, found: Sequence[CachedBlock], queried_tokens: int) -> None:
+        """Take a reference on each found block for a request; count the query once."""
+        for hit in found:
+            self._evictable.pop(hit.block, None)
+            self.allocator.incref(hit.block)
+        self.queries += queried_tokens
+        self.hits += len(found) * self.block_size
+
+    def insert(self, block: int, key: bytes, parent: int, salt: bytes,
+               tokens: Sequence[int]) -> int | None:
+        """Make a full, computed block findable; return the serial of its identity.
+
+        ``parent`` is the serial returned for the previous block of the same sequence
+        (ROOT for its first block). If an identical block is already cached, its serial
+        is returned and ``block`` stays private. ``None`` means the block cannot be
+        cached (it already is, under another identity).
+        """
+        tokens = tuple(tokens)
+        existing = self._by_key.get(key)
+        if existing is not None:
+            e = self._entries[existing]
+            if e.parent == parent and e.tokens == tokens and (parent != ROOT or e.salt == salt):
+                return e.serial
+            # Same key, other identity: usually an orphan whose parent was evicted and
+            # recomputed under a new serial, in theory a hash collision. Newest wins.
+            self._uncache(existing)
+        if block in self._entries:  # one block, two identities: refuse rather than alias
+            return None
+        serial = next(self._serials)
         self._by_key[key] = block
-        self._key_of[block] = key
-        self._tokens_of[block] = tuple(tokens)
+        self._entries[block] = _Entry(key, serial, parent, salt if parent == ROOT else None,
+                                      tokens)
         self.allocator.incref(block)
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._key_of
+        return serial
 
     def on_released(self, block: int) -> None:
         """A user dropped its reference; if only the cache holds it now, it is evictable."""
-        if block in self._key_of and self.allocator.refcount[block] == 1:
+        if block in self._entries and self.allocator.refcount[block] == 1:
             self._evictable[block] = None
             self._evictable.move_to_end(block)
 
@@ -97,10 +167,14 @@ class PrefixCache:
         """Free up to ``n`` least recently used evictable blocks; return how many."""
         freed = 0
         while freed < n and self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            key = self._key_of.pop(block)
-            del self._by_key[key]
-            del self._tokens_of[block]
-            self.allocator.decref(block)
+            block = next(iter(self._evictable))
+            self._uncache(block)
             freed += 1
         return freed
+
+    def _uncache(self, block: int) -> None:
+        """Forget a block and drop the cache's reference (freeing it if unused)."""
+        entry = self._entries.pop(block)
+        del self._by_key[entry.key]
+        self._evictable.pop(block, None)
+        self.allocator.decref(block)

@@ -135,8 +135,9 @@ class LlamaModel:
         n_blocks = -(-n // block_size)
         table = BlockTable(BlockAllocator(n_blocks), block_size)
         table.reserve(n)
-        batch = AttentionBatch.build([RowSpec(table.slots(n), 0, n)])
+        batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], block_size)
         kv = self.new_kv_storage(n_blocks, block_size)
+        kv.zero_blocks(table.allocator.take_fresh())
         return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
 
     @torch.inference_mode()

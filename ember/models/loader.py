@@ -60,7 +60,7 @@ class LoadedModel:
         return f"{sha256_of(self.path)}:{self.weights}"
 
 
-def load_model(name: str, weights: str = "f32") -> LoadedModel:
+def load_model(name: str, weights: str = "auto") -> LoadedModel:
     """Load ``name`` (alias or .gguf path), pulling a registered alias if needed."""
     start = time.perf_counter()
     path = ensure_model(name)

@@ -44,11 +44,29 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 
 
 class GrammarError(EmberError, ValueError):
-    """The grammar or schema is invalid, or the matcher entered an error state."""
+    """The grammar or schema is invalid, or the matcher entered an error state (for
+    example a grammar that turns out too complex mid-generation)."""
+
+    param = "structured"  # the request parameter at fault
 
 
 class NoLegalToken(EmberError):
     """The grammar allows no token at all here (the request fails, others continue)."""
+
+    param = "structured"
+
+
+# llguidance's default limits, without the parser state and grammar it appends to
+# error messages (they can run to kilobytes and would be echoed to clients).
+def _limits(llg: Any) -> Any:
+    return llg.LLParserLimits(verbose_errors=False)
+
+
+def _short(error: str | None, fallback: str) -> str:
+    """The first line of a matcher error, bounded (the rest is internal state)."""
+    lines = (error or "").strip().splitlines()
+    line = lines[0] if lines else fallback
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 @dataclass(frozen=True)
@@ -110,8 +128,20 @@ class GrammarProcessor:
 
     def commit(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"{self.describe}: token {token} rejected: "
-                               f"{self.matcher.get_error() or 'not allowed by the grammar'}")
+            error = _short(self.matcher.get_error(), "not allowed by the grammar")
+            raise GrammarError(f"{self.describe}: token {token} rejected: {error}")
+
+    def lookahead(self, token: int) -> None:
+        """Advance as if ``token`` were committed (speculative verification); undone by
+        :meth:`rollback`. A token the grammar rejects is a GrammarError."""
+        if not self.matcher.consume_token(token):
+            error = _short(self.matcher.get_error(), "not allowed by the grammar")
+            raise GrammarError(f"{self.describe}: draft token {token} rejected: {error}")
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` tokens consumed by :meth:`lookahead`."""
+        if n and not self.matcher.rollback(n):
+            raise GrammarError(f"{self.describe}: cannot roll back {n} tokens")
 
     def reset(self) -> None:
         self.matcher.reset()
@@ -126,7 +156,7 @@ class GrammarProcessor:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise GrammarError(f"{self.describe}: {self.matcher.get_error()}")
+            raise GrammarError(f"{self.describe}: {_short(self.matcher.get_error(), 'error')}")
 
 
 class GrammarCompiler:
@@ -151,9 +181,15 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(spec)
                 return cached
-        matcher = self._llg.LLMatcher(self.llg_tokenizer, self._grammar(spec), log_level=0)
+        matcher = self._llg.LLMatcher(self.llg_tokenizer, self._grammar(spec), log_level=0,
+                                      limits=_limits(self._llg))
+        # The first mask builds the lexer, which for a pathological grammar takes
+        # seconds or fails: do it here, in the compiling (caller's) thread, not on the
+        # engine thread at the request's first step. Copies share the built lexer.
+        matcher.compute_bitmask()
         if matcher.is_error():
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}")
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: "
+                               f"{_short(matcher.get_error(), 'rejected')}")
         with self._lock:
             self.compiles += 1
             self._cache[spec] = matcher
@@ -175,7 +211,8 @@ class GrammarCompiler:
                 return M.grammar_from_regex(spec.source)
             return M.grammar_from_lark(spec.source)
         except ValueError as e:
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {e}") from None
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: "
+                               f"{_short(str(e), 'rejected')}") from None
 
 
 class _LLGVocab:

@@ -29,6 +29,8 @@ class SamplingParams:
     tokens depend only on its own seed, never on what else is batched with it.
     ``structured`` constrains the output to a JSON schema, any JSON object, a regex or
     a Lark grammar (see ``ember.sampling.constraints.StructuredOutput``).
+    ``speculation`` lets the engine draft and verify several tokens per step where its
+    cost gate says it pays; the committed tokens are the same either way.
     """
 
     max_tokens: int | None = 256
@@ -44,15 +46,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     structured: StructuredOutput | None = None  # constrain the output (JSON, regex, Lark)
+    speculation: bool = True  # let the engine verify draft tokens (never changes the output)
+    # reasoning tokens allowed before the closing tag is forced (thinking templates only)
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               "max_tokens", self.max_tokens, "must be an integer >= 1")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+               "max_tokens", self.max_tokens, "must be an integer >= 0")
         _check(_is_num(self.temperature) and 0 <= self.temperature <= 100,
                "temperature", self.temperature, "must be a number in [0, 100]")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
@@ -74,6 +80,14 @@ class SamplingParams:
                self.stop_token_ids, "must be non-negative integers")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "must be an integer in [0, 20]")
+        _check(self.thinking_budget is None or (_is_int(self.thinking_budget)
+                                                and self.thinking_budget >= 0),
+               "thinking_budget", self.thinking_budget, "must be an integer >= 0")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20]")
+        _check(isinstance(self.speculation, bool), "speculation", self.speculation,
+               "must be true or false")
 
     @property
     def greedy(self) -> bool:

@@ -3,11 +3,18 @@
 Pipeline, in this order: logit processors (grammar masks) → repetition / presence /
 frequency penalties → greedy shortcut → top-k → temperature → top-p → min-p → draw.
 
-Contract: exactly one draw from the request's own seeded generator per committed
-token, greedy included (its draw is discarded). The token is chosen by inverse-CDF
-on that single uniform, so a request's output depends on its seed and its logits
-alone — never on batch composition, and a speculative path that verifies several
-tokens can reproduce the same draws in order.
+Position-addressed randomness. The uniform a request draws for its output position
+``i`` is a pure function of ``(seed, i)`` (:func:`draw`): there is no generator state
+to advance. A plain run, a speculative run that samples verify rows it later
+discards, a preempted and recomputed run and a run in another batch therefore commit
+the same tokens whenever their logits are equal — "exactly one draw per committed
+token" holds by construction, because a committed token at position ``i`` is always
+the one drawn with ``draw(seed, i)``. Greedy rows ignore their draw.
+
+Batched. :func:`sample_rows` samples every row of a step — plain rows and the verify
+rows of speculative drafts, each conditioned on its own (possibly hypothetical)
+prefix — in one pass of tensor operations over the rows; nothing in a row's result
+depends on the other rows.
 """
 
 from __future__ import annotations
@@ -20,16 +27,41 @@ import torch
 
 from ember.sampling.params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw(seed: int, position: int) -> float:
+    """The uniform in [0, 1) for output ``position`` of a request seeded ``seed``."""
+    return (_mix(_mix(seed & _MASK64) ^ position) >> 11) * (1.0 / (1 << 53))
+
 
 @runtime_checkable
 class LogitProcessor(Protocol):
-    """Masks or reshapes a logits row before the rest of the pipeline."""
+    """Masks or reshapes a logits row before the rest of the pipeline.
+
+    Optional hooks, declared by presence: ``lookahead(token)`` and ``rollback(n)`` let
+    speculative decoding condition the processor on draft tokens and undo that; a
+    processor without them is never speculated past.
+    """
 
     def process(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor: ...
 
     def commit(self, token: int) -> None:
-        """Observe the committed token; called exactly once per sampled token."""
+        """Observe the committed token; called exactly once per committed token."""
         ...
+
+
+def can_speculate(processors: Sequence[LogitProcessor]) -> bool:
+    """Whether every processor can be conditioned on draft tokens (and undo it)."""
+    return all(hasattr(p, "lookahead") and hasattr(p, "rollback") for p in processors)
 
 
 @dataclass(frozen=True)
@@ -40,7 +72,7 @@ class TokenLogprobs:
 
 
 class Sampler:
-    """Per-request sampling state: parameters, generator, penalty counts, processors."""
+    """One request's sampling state: parameters, seed, penalty counts, processors."""
 
     def __init__(
         self,
@@ -52,79 +84,155 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.processors = list(processors)
-        self.generator = torch.Generator()
-        seed = params.seed if params.seed is not None else torch.seed()
-        self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self._penalized = (
+        self.seed = params.seed if params.seed is not None else int(torch.seed())
+        self.penalized = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
         )
-        if self._penalized:
-            self._seen = torch.zeros(vocab_size, dtype=torch.bool)
-            self._seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
-            self._output_counts = torch.zeros(vocab_size, dtype=torch.float32)
-
-    def sample(
-        self, logits: torch.Tensor, history: Sequence[int] = ()
-    ) -> tuple[int, TokenLogprobs | None]:
-        """Choose the next token from one logits row (vocab,) and commit it."""
-        logits = logits[: self.vocab_size].float()
-        raw = logits
-        for proc in self.processors:
-            logits = proc.process(logits, history)
-        if self._penalized:
-            logits = self._apply_penalties(logits)
-        u = float(torch.rand((), generator=self.generator))  # the one draw per token
-        token = int(logits.argmax()) if self.params.greedy else self._draw(logits, u)
-        self.commit(token)
-        return token, self._logprobs(raw, token)
+        if self.penalized:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
 
     def commit(self, token: int) -> None:
+        """A token was committed: processors and penalty counts observe it once."""
         for proc in self.processors:
             proc.commit(token)
-        if self._penalized:
-            self._seen[token] = True
-            self._output_counts[token] += 1
+        if self.penalized:
+            self.seen[token] = True
+            self.counts[token] += 1
 
-    def _apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        logits = logits.clone()
-        if p.repetition_penalty != 1.0:
-            seen = self._seen
-            logits[seen] = torch.where(
-                logits[seen] > 0, logits[seen] / p.repetition_penalty,
-                logits[seen] * p.repetition_penalty,
-            )
-        counts = self._output_counts
-        if p.frequency_penalty:
-            logits -= p.frequency_penalty * counts
-        if p.presence_penalty:
-            logits -= p.presence_penalty * (counts > 0).float()
-        return logits
-
-    def _draw(self, logits: torch.Tensor, u: float) -> int:
-        p = self.params
-        if 0 < p.top_k < logits.numel():
-            values, order = logits.topk(p.top_k)  # sorted; far cheaper than a full sort
-        else:
-            values, order = logits.sort(descending=True)
-        probs = torch.softmax(values / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (always at least one)
-            before = probs.cumsum(0) - probs
-            probs = probs.masked_fill(before >= p.top_p, 0.0)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs[0], 0.0)
-        cdf = probs.cumsum(0)
-        idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True))
-        return int(order[min(idx, order.numel() - 1)])
-
-    def _logprobs(self, raw: torch.Tensor, token: int) -> TokenLogprobs | None:
-        n = self.params.logprobs
-        if n is None:
+    def process(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor | None:
+        """The row after the processors (None when there are none): call it with the
+        processors positioned for the row (looked ahead through its assumed tokens)."""
+        if not self.processors:
             return None
-        lp = torch.log_softmax(raw, dim=-1)
-        top = lp.topk(n) if n else None
-        pairs = [(int(i), float(v)) for v, i in zip(*top, strict=True)] if top else []
-        return TokenLogprobs(token, float(lp[token]), pairs)
+        x = logits[: self.vocab_size].float()
+        for proc in self.processors:
+            x = proc.process(x, history)
+        return x
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int], position: int
+               ) -> tuple[int, TokenLogprobs | None]:
+        """Sample and commit one token from one logits row (the plain, one-row case)."""
+        row = SampleRow(self, logits, self.process(logits, history), (), position)
+        token, lp = sample_rows([row])[0]
+        self.commit(token)
+        return token, lp
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: the request's sampler, its raw logits, the logits after its
+    processors (None: no processors), the draft tokens assumed before this row (a
+    verify row's hypothetical prefix: penalties count them as if committed), and the
+    output position whose draw it uses."""
+
+    sampler: Sampler
+    logits: torch.Tensor  # (vocab,) or longer (padded vocab)
+    processed: torch.Tensor | None
+    assumed: Sequence[int]
+    position: int
+
+
+def sample_rows(rows: list[SampleRow], raw: torch.Tensor | None = None
+                ) -> list[tuple[int, TokenLogprobs | None]]:
+    """Sample every row through the rest of the pipeline; (token, logprobs) per row.
+
+    ``raw``, when the caller has it, is the rows' logits already stacked (row i is
+    ``rows[i].logits``). Logprobs are those of the raw logits (before processors and
+    filters), as the OpenAI API reports them.
+    """
+    if not rows:
+        return []
+    vocab = rows[0].sampler.vocab_size
+    if raw is None:
+        raw = torch.stack([r.logits[:vocab] for r in rows])
+    raw = raw[:, :vocab].float()
+    x = raw
+    if any(r.processed is not None for r in rows):
+        x = torch.stack([r.processed if r.processed is not None else raw[i]
+                         for i, r in enumerate(rows)])
+    x = _penalize(x, rows)
+    tokens = _choose(x, rows)
+    return [(t, _logprobs(raw[i], t, rows[i].sampler.params.logprobs))
+            for i, t in enumerate(tokens)]
+
+
+def _penalize(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    index = [i for i, r in enumerate(rows) if r.sampler.penalized]
+    if not index:
+        return x
+    seen = torch.stack([rows[i].sampler.seen for i in index])
+    counts = torch.stack([rows[i].sampler.counts for i in index])
+    for k, i in enumerate(index):
+        if rows[i].assumed:
+            extra = torch.as_tensor(list(rows[i].assumed), dtype=torch.long)
+            seen[k, extra] = True
+            counts[k].index_add_(0, extra, torch.ones(len(extra)))
+    params = [rows[i].sampler.params for i in index]
+    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params])[:, None]
+    sub = x[index]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    x = x.clone()
+    x[index] = sub
+    return x
+
+
+def _choose(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    params = [r.sampler.params for r in rows]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    out = [0] * len(rows)
+    if greedy:
+        for i, t in zip(greedy, x[greedy].argmax(dim=-1).tolist(), strict=True):
+            out[i] = t
+    if sampled:
+        u = torch.tensor([draw(rows[i].sampler.seed, rows[i].position) for i in sampled],
+                         dtype=torch.float64)
+        picks = _draw(x[sampled], [params[i] for i in sampled], u)
+        for i, t in zip(sampled, picks, strict=True):
+            out[i] = t
+    return out
+
+
+def _draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+    """top-k → temperature → top-p → min-p → inverse-CDF draw, row-wise."""
+    n = x.shape[0]
+    ks = [p.top_k if 0 < p.top_k < x.shape[1] else 0 for p in params]
+    if any(ks):
+        kth = x.topk(max(ks), dim=-1).values
+        rows = [i for i in range(n) if ks[i]]
+        threshold = kth[rows, [ks[i] - 1 for i in rows]]
+        x = x.clone()
+        x[rows] = torch.where(x[rows] < threshold[:, None], float("-inf"), x[rows])
+    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    probs = torch.softmax(x / temperature, dim=-1)
+    top_p = [i for i in range(n) if params[i].top_p < 1.0]
+    if top_p:
+        # keep the smallest set of most likely tokens whose mass reaches top_p
+        sub, order = probs[top_p].sort(dim=-1, descending=True)
+        limit = torch.tensor([params[i].top_p for i in top_p])[:, None]
+        sub = sub.masked_fill(sub.cumsum(-1) - sub >= limit, 0.0)
+        probs = probs.clone()
+        probs[top_p] = torch.zeros_like(sub).scatter(-1, order, sub)
+    min_p = torch.tensor([p.min_p for p in params])[:, None]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp(max=x.shape[1] - 1).tolist()
+
+
+def _logprobs(raw: torch.Tensor, token: int, n: int | None) -> TokenLogprobs | None:
+    if n is None:
+        return None
+    lp = torch.log_softmax(raw, dim=-1)
+    top = lp.topk(n) if n else None
+    pairs = [(int(i), float(v)) for v, i in zip(*top, strict=True)] if top else []
+    return TokenLogprobs(token, float(lp[token]), pairs)
