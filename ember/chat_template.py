@@ -20,13 +20,14 @@ A GGUF without ``tokenizer.chat_template`` (base models, e.g. Gemma 3 270M) make
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ember.errors import ChatTemplateError
+from ember.errors import ChatTemplateError, InvalidMessage
 
 # Plain ChatML, for callers that opt in when a GGUF carries no template.
 CHATML_TEMPLATE = (
@@ -144,11 +145,13 @@ class ChatTemplate:
         rendering; the markers split the output into what the template wrote (trusted:
         its control tokens count) and what the caller's messages contributed (never
         parsed for control tokens). Markers already present in content are dropped.
+        Messages are checked first (:func:`check_messages`): anything but string
+        content would reach the template unmarked, that is, trusted.
         """
         marked = [
             {**m, "content": _OPEN + _strip_markers(m["content"]) + _CLOSE}
             if isinstance(m.get("content"), str) else m
-            for m in messages
+            for m in check_messages(messages)
         ]
         text = self.render(marked, add_generation_prompt=add_generation_prompt, **extra)
         segments: list[tuple[str, bool]] = []
@@ -163,6 +166,52 @@ class ChatTemplate:
             segments.append((inner, False))
             segments.append((_strip_markers(rest), True))
         return [(t, trusted) for t, trusted in segments if t]
+
+
+ROLES = ("system", "user", "assistant")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages in the shape a template may see: a list of ``{"role", "content"[,
+    "name"]}`` with a known role, and content that is a string, None, or a list of
+    ``{"type": "text", "text": str}`` parts (joined). Raises :class:`InvalidMessage`
+    naming the field, e.g. ``messages[2].content``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidMessage("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidMessage(where, f"must be a dict, got {type(m).__name__}")
+        extra = sorted(set(m) - {"role", "content", "name"}, key=str)
+        if extra:
+            raise InvalidMessage(f"{where}.{extra[0]}", "is not a supported message field")
+        if m.get("role") not in ROLES:
+            raise InvalidMessage(f"{where}.role", f"must be one of {', '.join(ROLES)}, "
+                                                  f"got {m.get('role')!r}")
+        if "name" in m and not (isinstance(m["name"], str) and _NAME.fullmatch(m["name"])):
+            # templates render names as their own (trusted) text: no room for markup
+            raise InvalidMessage(f"{where}.name", "must match [A-Za-z0-9_-]{1,64}")
+        out.append({**m, "content": _content_text(m.get("content"), where)})
+    return out
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidMessage(f"{where}.content", "must be a string or a list of text parts, "
+                                                 f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise InvalidMessage(f"{where}.content[{j}]",
+                                 'must be {"type": "text", "text": <string>}')
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 # Private-use characters that delimit message content while rendering.

@@ -7,6 +7,7 @@ the server cannot honour (tools, logit_bias, audio, ...), is refused with an
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -15,6 +16,8 @@ from ember.sampling.constraints import GrammarError, StructuredOutput
 from ember.sampling.params import InvalidSamplingParams, SamplingParams
 
 MAX_N = 16
+# reasoning_effort → reasoning tokens allowed (thinking templates only)
+EFFORT_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096}
 
 
 class APIError(Exception):
@@ -38,8 +41,9 @@ def unsupported(param: str, why: str = "is not supported by this server") -> API
 
 
 class _Body(BaseModel):
-    # Unknown fields are kept so that they can be refused by name (see reject_extra).
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are kept so that they can be refused by name (see reject_extra);
+    # the published schema says what that amounts to: no other fields.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     _structured: StructuredOutput | None = PrivateAttr(None)  # from response_format
 
     @property
@@ -52,7 +56,57 @@ class _Body(BaseModel):
                               "is not a recognised parameter")
 
 
-class _Sampling(_Body):
+class SLOSpec(BaseModel):
+    """Extension ``slo``: this request's latency objectives (the server's by default)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(None, ge=1, le=3_600_000, allow_inf_nan=False,
+                                  description="milliseconds to the first token")
+    tpot_ms: float | None = Field(None, ge=1, le=3_600_000, allow_inf_nan=False,
+                                  description="milliseconds per output token")
+
+
+class _Request(_Body):
+    # extensions: scheduling and speculation
+    priority: int | None = Field(None, ge=-1000, le=1000,
+                                 description="lower is served first (default 0)")
+    slo: SLOSpec | None = None
+    speculation: bool = Field(True, description="false: never verify draft tokens "
+                              "(the output is the same either way)")
+    references: list[str] | None = Field(None, max_length=8, description="texts the reply "
+                                         "is likely to quote: drafts may copy from them")
+
+    @field_validator("references")
+    @classmethod
+    def _references(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and sum(len(t) for t in v) > 1_000_000:
+            raise ValueError("at most 1,000,000 characters of references")
+        return v
+
+
+class _Conversation(_Request):
+    """A request answered by the assistant of a chat (chat completions and responses):
+    it may offer tools and get a reasoning part."""
+
+    _tool_plan: Any = PrivateAttr(None)
+    _reasoning_split: Any = PrivateAttr(None)
+
+    @property
+    def tool_plan(self) -> Any:
+        """The :class:`ember.server.tools.ToolPlan`, or None without tools."""
+        return self._tool_plan
+
+    @property
+    def reasoning_split(self) -> Any:
+        """``(ThinkingTags, opened)`` when the reply has a reasoning part, else None."""
+        return self._reasoning_split
+
+    @reasoning_split.setter
+    def reasoning_split(self, value: Any) -> None:
+        self._reasoning_split = value
+
+
+class _Sampling(_Request):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -69,6 +123,12 @@ class _Sampling(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension
+    # standard fields with nothing to do here: accepted as long as they ask for nothing
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # a hint; the prefix cache needs none
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +142,8 @@ class _Sampling(_Body):
 
     def check_common(self) -> None:
         self.reject_extra()
+        check_unstored(self.store, "completions")
+        check_service_tier(self.service_tier)
         if self.logit_bias:
             raise unsupported("logit_bias")
         if self.stream_options is not None:
@@ -97,7 +159,7 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
     def sampling(self, max_tokens: int | None, logprobs: int | None,
-                 seed_offset: int = 0) -> SamplingParams:
+                 seed_offset: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -112,7 +174,9 @@ class _Sampling(_Body):
                 stop=list(self.stop or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured=self._structured,
+                speculation=self.speculation,
             )
         except InvalidSamplingParams as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -123,9 +187,26 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # what ember's (and OpenAI's) replies carry, so that a returned message is valid input
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def check(self, where: str) -> None:
+        self.reject_extra(where)
+        for name in ("audio", "function_call"):
+            if getattr(self, name) is not None:
+                raise unsupported(f"{where}.{name}")
+        if self.tool_calls and self.role != "assistant":
+            raise unsupported(f"{where}.tool_calls", f"on a '{self.role}' message")
+        if self.role == "function":
+            raise unsupported(f"{where}.role", "'function' is not supported (use 'tool')")
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, _Conversation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -139,29 +220,72 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     functions: Any = None
     function_call: Any = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)  # extension
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: str | None = None
 
     def validate_request(self) -> None:
+        from ember.server import tools
+
         self.check_common()
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "are not supported (only tool_choice 'none')")
-        for name in ("audio", "functions", "function_call"):
+        self._tool_plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.reasoning_effort not in (None, *EFFORT_BUDGETS):
+            raise APIError(400, f"'reasoning_effort' must be one of "
+                           f"{', '.join(EFFORT_BUDGETS)}, got {self.reasoning_effort!r}",
+                           param="reasoning_effort")
+        for name in ("audio", "functions", "function_call", "prediction",
+                     "web_search_options", "verbosity"):
             if getattr(self, name) is not None:
                 raise unsupported(name)
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "other than ['text'] are not supported")
         self._structured = structured_output(self.response_format, "response_format")
+        if self._tool_plan is not None:
+            if self._structured is not None:
+                raise unsupported("response_format", "with tools is not supported (use "
+                                  "tool_choice 'none', or a tool whose parameters are the "
+                                  "schema)")
+            self._structured = self._tool_plan.grammar()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
     def template_messages(self) -> list[dict[str, Any]]:
+        from ember.server import tools
+
         out = []
         for i, m in enumerate(self.messages):
-            m.reject_extra(f"messages[{i}]")
-            if m.role in ("tool", "function"):
-                raise unsupported(f"messages[{i}].role", f"'{m.role}' is not supported")
+            where = f"messages[{i}]"
+            m.check(where)
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": _text_content(m.content, f"messages[{i}]")})
+            content = _text_content(m.content, where)
+            if not content and m.refusal:
+                content = m.refusal  # what the assistant said, as a refusal
+            if m.tool_calls:
+                content = tools.history_text(content, m.tool_calls, where)
+            if role == "tool":  # as the Hermes format returns results: in a user turn
+                role, content = "user", tools.tool_result_text(content)
+            msg = {"role": role, "content": content}
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        if self._tool_plan is not None:  # the tools, told as the template cannot
+            offer = self._tool_plan.system_text()
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + offer}
+            else:
+                out.insert(0, {"role": "system", "content": offer})
         return out
+
+    @property
+    def thinking_budget(self) -> tuple[int, str] | None:
+        """The reasoning budget asked for, and the field that asked."""
+        if self.thinking_token_budget is not None:
+            return self.thinking_token_budget, "thinking_token_budget"
+        if self.reasoning_effort is not None:
+            return EFFORT_BUDGETS[self.reasoning_effort], "reasoning_effort"
+        return None
 
     @property
     def max_output(self) -> int | None:
@@ -178,6 +302,9 @@ def _text_content(content: Any, where: str,
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"'{where}.content' must be a string or a list of content parts, "
+                       f"got {type(content).__name__}", param=f"{where}.content")
     parts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in text_types:
@@ -195,7 +322,7 @@ def _text_content(content: Any, where: str,
 # ---------------------------------------------------------------------- completions
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -205,12 +332,20 @@ class CompletionRequest(_Sampling):
     def validate_request(self) -> None:
         self.check_common()
         self._structured = structured_output(self.response_format, "response_format")
-        if self.echo:
-            raise unsupported("echo")
+        if self.echo and self.stream:
+            raise unsupported("echo", "with stream: true is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens': 0 needs 'echo': true (nothing to return)",
+                           param="max_tokens")
         if self.suffix:
             raise unsupported("suffix")
         if self.best_of not in (None, 1, self.n):
             raise unsupported("best_of", "other than n is not supported")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """With ``echo``, the prompt's tokens get logprobs as the completion's do."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -224,7 +359,7 @@ class CompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------------- responses
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Conversation):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -244,18 +379,59 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
+    background: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream_options: dict[str, Any] | None = None
+    prompt: Any = None
+    conversation: Any = None
+
+    @property
+    def thinking_budget(self) -> tuple[int, str] | None:
+        effort = (self.reasoning or {}).get("effort")
+        return None if effort is None else (EFFORT_BUDGETS[effort], "reasoning.effort")
 
     def validate_request(self) -> None:
+        from ember.server import tools
+
         self.reject_extra()
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "are not supported (only tool_choice 'none')")
+        check_service_tier(self.service_tier)
+        if self.include:
+            raise unsupported("include[0]", f"{self.include[0]!r} is not supported")
+        if self.truncation not in (None, "disabled"):
+            raise unsupported("truncation", f"{self.truncation!r} is not supported "
+                              "(only 'disabled')")
+        if self.background:
+            raise unsupported("background", "true is not supported")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs")
+        for name in ("prompt", "conversation"):
+            if getattr(self, name) is not None:
+                raise unsupported(name)
+        if self.stream_options and set(self.stream_options) - {"include_obfuscation"}:
+            raise unsupported(f"stream_options.{sorted(self.stream_options)[0]}")
+        self._tool_plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                     flat=True)
         if self.previous_response_id:
             raise unsupported("previous_response_id", "is not supported (responses are not "
                               "stored; send the conversation as input)")
-        if self.store:
-            raise unsupported("store", "true is not supported (responses are not stored)")
+        check_unstored(self.store, "responses")
         if self.reasoning:
-            raise unsupported("reasoning")
+            extra = set(self.reasoning) - {"effort", "summary"}
+            if extra:
+                raise unsupported(f"reasoning.{sorted(extra)[0]}")
+            if self.reasoning.get("effort") not in (None, *EFFORT_BUDGETS):
+                raise APIError(400, f"'reasoning.effort' must be one of "
+                               f"{', '.join(EFFORT_BUDGETS)}", param="reasoning.effort")
+            if self.reasoning.get("summary") is not None:
+                raise unsupported("reasoning.summary", "is not supported (the reasoning "
+                                  "itself is returned)")
         if self.text and set(self.text) - {"format"}:
             raise unsupported(f"text.{sorted(set(self.text) - {'format'})[0]}")
         fmt = (self.text or {}).get("format")
@@ -264,6 +440,10 @@ class ResponsesRequest(_Body):
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items()
                                                           if k != "type"}}
         self._structured = structured_output(fmt, "text.format")
+        if self._tool_plan is not None:
+            if self._structured is not None:
+                raise unsupported("text.format", "with tools is not supported")
+            self._structured = self._tool_plan.grammar()
 
     def template_messages(self) -> list[dict[str, Any]]:
         msgs: list[dict[str, Any]] = []
@@ -273,7 +453,11 @@ class ResponsesRequest(_Body):
             return msgs + [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
-            if item.get("type", "message") != "message":
+            kind = item.get("type", "message")
+            if kind in ("function_call", "function_call_output"):
+                msgs.append(_function_item(item, where, msgs))
+                continue
+            if kind != "message":
                 raise unsupported(f"{where}.type", f"{item.get('type')!r} items are not "
                                   "supported")
             role = item.get("role")
@@ -286,6 +470,13 @@ class ResponsesRequest(_Body):
                          "content": content})
         if not msgs:
             raise APIError(400, "'input' must not be empty", param="input")
+        msgs = [{k: v for k, v in m.items() if k != "calls"} for m in msgs]
+        if self._tool_plan is not None:
+            offer = self._tool_plan.system_text()
+            if msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + offer}
+            else:
+                msgs.insert(0, {"role": "system", "content": offer})
         return msgs
 
     def sampling(self) -> SamplingParams:
@@ -296,9 +487,49 @@ class ResponsesRequest(_Body):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
-                structured=self._structured)
+                structured=self._structured, speculation=self.speculation)
         except InvalidSamplingParams as e:
             raise APIError(400, str(e), param=e.param) from None
+
+
+def _function_item(item: dict[str, Any], where: str, msgs: list[dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """A Responses ``function_call`` (the assistant's call) or ``function_call_output``
+    (its result) input item, as a chat message; consecutive calls share one turn."""
+    from ember.server import tools
+
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise APIError(400, f"'{where}.output' must be a string", param=f"{where}.output")
+        return {"role": "user", "content": tools.tool_result_text(output)}
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str):
+        raise APIError(400, f"'{where}.name' must be a string", param=f"{where}.name")
+    if not isinstance(arguments, str):
+        raise APIError(400, f"'{where}.arguments' must be a JSON string",
+                       param=f"{where}.arguments")
+    try:
+        json.loads(arguments)
+    except ValueError:
+        raise APIError(400, f"'{where}.arguments' is not JSON",
+                       param=f"{where}.arguments") from None
+    text = tools.history_text("", [{"function": {"name": name, "arguments": arguments}}],
+                              where)
+    if msgs and msgs[-1].get("calls"):  # the previous call's turn: append to it
+        last = msgs.pop()
+        return {**last, "content": last["content"] + "\n" + text}
+    return {"role": "assistant", "content": text, "calls": True}
+
+
+def check_unstored(store: bool | None, what: str) -> None:
+    if store:
+        raise unsupported("store", f"true is not supported ({what} are not stored)")
+
+
+def check_service_tier(tier: str | None) -> None:
+    if tier not in (None, "auto", "default"):
+        raise unsupported("service_tier", f"{tier!r} is not supported (auto, default)")
 
 
 def structured_output(fmt: Any, param: str) -> StructuredOutput | None:
@@ -370,3 +601,43 @@ def _param_path(loc: tuple[Any, ...]) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out
+
+
+# ---------------------------------------------------------------------- tokenizer routes
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` in vLLM's shape: a ``prompt``, or chat ``messages`` rendered
+    through the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for chat
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def validate_request(self) -> None:
+        self.reject_extra()
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'",
+                           param="prompt" if self.prompt is not None else "messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise unsupported("add_special_tokens", "true is not supported with 'messages' "
+                              "(the chat template adds them)")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for i, m in enumerate(self.messages or []):
+            m.check(f"messages[{i}]")
+            out.append({"role": "system" if m.role == "developer" else m.role,
+                        "content": _text_content(m.content, f"messages[{i}]") or m.refusal or ""})
+        return out
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+    def validate_request(self) -> None:
+        self.reject_extra()

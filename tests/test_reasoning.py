@@ -1,0 +1,108 @@
+"""Reasoning budgets on the real SmolLM2 (f32) with a chat template that opens a
+``<think>`` block: the budget closes the reasoning by forcing the closing tag, the
+answer always keeps its share of ``max_tokens``, nothing before the budget changes,
+and speculation does not change the result."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.config import EngineConfig
+from ember.engine.engine import InvalidRequest, LLMEngine
+from ember.sampling.params import SamplingParams
+from ember.sampling.reasoning import CLOSING, ThinkingTags, answer_reserve, split_reasoning
+
+pytestmark = pytest.mark.slow
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+            "{% endif %}")
+QUESTION = [{"role": "user", "content": "Is 17 a prime number? Think, then answer."}]
+TAGS = ThinkingTags()
+
+
+@pytest.fixture(scope="module")
+def make(smollm2_llm):
+    loaded = smollm2_llm.engine.loaded
+
+    def build(**options) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(loaded.path), num_kv_blocks=256,
+                                      chat_template=THINKING, **options), loaded=loaded)
+
+    return build
+
+
+def generate(engine: LLMEngine, params: SamplingParams):
+    req = engine.add_request(engine.loaded.encode_chat(QUESTION), params)
+    while engine.has_unfinished():
+        engine.step()
+    return req
+
+
+def test_the_budget_forces_the_closing_tag_and_the_answer_follows(make, smollm2_llm):
+    engine = make()
+    free = generate(engine, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    req = generate(engine, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                          thinking_budget=10))
+    close = engine.tokenizer.encode(CLOSING, add_bos=False)
+    out = req.output_ids
+    k = out.index(close[0], 10)  # where the forced tag starts
+    assert 10 <= k <= 12  # the budget, plus at most the tokens to end a character
+    assert out[:k] == free.output_ids[:k]  # untouched until the budget was spent
+    assert out[k:k + len(close)] == close
+    reasoning, answer = split_reasoning("<think>" + req.text, TAGS)
+    assert reasoning and answer  # the rest of max_tokens went to the answer
+    assert len(out) == 48
+    # the shared model's own template was not replaced
+    assert smollm2_llm.engine.loaded.chat_template.source != THINKING
+
+
+def test_max_tokens_always_leaves_the_answer_its_share(make):
+    engine = make()
+    req = generate(engine, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                          thinking_budget=10_000))
+    close = engine.tokenizer.encode(CLOSING, add_bos=False)
+    k = req.output_ids.index(close[0])
+    answer_tokens = len(req.output_ids) - k - len(close)
+    assert answer_tokens >= answer_reserve(32)
+    assert split_reasoning("<think>" + req.text, TAGS)[1]
+
+
+def test_speculation_does_not_change_a_budgeted_reply(make):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, thinking_budget=8)
+    on = generate(make(), params)
+    off = generate(make(speculation="off"), params)
+    assert on.output_ids == off.output_ids
+
+
+def test_a_budget_needs_a_thinking_template(smollm2_llm):
+    loaded = smollm2_llm.engine.loaded
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), num_kv_blocks=64), loaded=loaded)
+    with pytest.raises(InvalidRequest, match="thinking tags"):
+        engine.add_request([1, 2, 3], SamplingParams(thinking_budget=5))
+
+
+def test_split_reasoning():
+    assert split_reasoning("<think>a b</think>\n\nanswer", TAGS) == ("a b", "answer")
+    assert split_reasoning("plain answer", TAGS) == (None, "plain answer")
+    assert split_reasoning("<think>cut short", TAGS) == ("cut short", "")
+
+
+@pytest.mark.parametrize("text,opened", [
+    ("<think>\nweigh it up</think>\n\nYes, it is.", False),
+    ("\nweigh it up\n</think>\n\nYes.", True),
+    ("just an answer <think> in the middle", False),
+    ("<think>never closed", False),
+    ("<", False),
+])
+def test_streamed_splits_join_to_the_whole_split(text, opened):
+    from ember.sampling.reasoning import ReasoningStream
+
+    whole = split_reasoning((TAGS.open if opened else "") + text, TAGS)
+    for size in (1, 2, 5, 100):
+        stream = ReasoningStream(TAGS, opened)
+        parts = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)]
+        parts.append(stream.feed("", final=True))
+        reasoning = "".join(r for r, _ in parts)
+        answer = "".join(a for _, a in parts)
+        assert (reasoning.strip() or None, answer) == (whole[0] or None, whole[1]), size
