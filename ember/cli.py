@@ -52,6 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _sampling_args(s)
     s.add_argument("--raw", action="store_true", help="complete the text as is (no chat template)")
+    s.add_argument("--spec-stats", action="store_true",
+                   help="print what speculative decoding did (drafted, accepted, steps)")
     s.add_argument("prompt")
     s.set_defaults(func=cmd_generate)
 
@@ -66,18 +68,42 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[],
                    help="accept this bearer key (repeatable); its tenant is derived from it")
-    s.add_argument("--api-keys-file", type=Path, help="lines of 'KEY [TENANT]'")
+    s.add_argument("--api-keys-file", type=Path,
+                   help="lines of 'KEY [TENANT [WEIGHT]]' (WEIGHT: the tenant's fair share)")
+    s.add_argument("--slo-ttft", type=float, default=None,
+                   help="seconds to first token: requests predicted to miss it get 429")
+    s.add_argument("--slo-tpot", type=float, default=None,
+                   help="seconds per output token: steps carry only the prompt tokens "
+                        "that keep streams within it")
     s.add_argument("--served-model-name", help="model id clients use (default: the alias)")
     s.add_argument("--graceful-seconds", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, how long in-flight requests may finish")
+    s.add_argument("--metrics-api-key",
+                   help="bearer key /metrics requires (default: any --api-key, if set)")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413 before being read (default 4 MiB)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request may take to send its whole body (else 408)")
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    s.add_argument("--max-prefill-chunk", type=int, default=None,
+                   help="most prompt tokens one request prefills per step while others "
+                        "wait (default: a quarter of --max-num-batched-tokens)")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
     s.add_argument("--num-kv-blocks", type=int, default=None)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-queue", type=int, default=1024)
     s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--spec-ref", action="append", type=Path, default=[], metavar="FILE",
+                   help="a text every request may draft from (repeatable)")
+    s.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's (one with <think> "
+                        "enables reasoning output and budgets)")
+    s.add_argument("--spec-calibrate", action="store_true",
+                   help="measure this machine's step costs at startup (about 2 s)")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("bench", help="benchmarks (print figures, write JSON)")
@@ -102,6 +128,60 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--out", type=Path, default=Path("bench-results/constrained.json"))
     b.set_defaults(func=cmd_bench_constrained)
+    b = bench.add_parser("serve", help="goodput of OpenAI-compatible endpoints under load")
+    b.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="base URL of the endpoint (without /v1)")
+    b.add_argument("--model", default=None, help="model id to request (default: its first)")
+    b.add_argument("--api-keys", default="",
+                   help="comma-separated bearer keys, one per tenant (default: none)")
+    b.add_argument("--label", default=None, help="name in the table (default: the URL)")
+    b.add_argument("--compare", default=None, metavar="URL",
+                   help="a second endpoint, run on the same trace, alternating")
+    b.add_argument("--compare-model", default=None)
+    b.add_argument("--compare-api-keys", default=None, help="default: --api-keys")
+    b.add_argument("--compare-label", default=None)
+    b.add_argument("--workload", default="chat",
+                   choices=["chat", "docqa", "short-long", "json", "mix"])
+    b.add_argument("--tenants", type=int, default=None,
+                   help="tenants (default: the number of --api-keys, else 1)")
+    load = b.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=None, help="requests/s")
+    load.add_argument("--rates", default=None, help="comma-separated rates: a sweep")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: this many clients")
+    b.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson, < 1 burstier)")
+    b.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals per step (open loop)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="requests per step (overrides --duration)")
+    b.add_argument("--slo", default="ttft=2000,tpot=150",
+                   help="objectives in ms, e.g. ttft=2000,tpot=150")
+    b.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    b.add_argument("--warmup", type=int, default=4, help="requests sent first, not counted")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
+    b.add_argument("--plot", type=Path, default=None,
+                   help="write PNG plots with this path prefix (needs matplotlib)")
+    b.set_defaults(func=cmd_bench_serve)
+    b = bench.add_parser("spec", help="speculative decoding: speedup per task, vs llama.cpp")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--concurrency", default="1,16", help="comma-separated request counts")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary: measure its n-gram speculation too")
+    b.add_argument("--llama-only", action="store_true",
+                   help="measure only llama.cpp (with --llama-server)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
+    b.set_defaults(func=cmd_bench_spec)
+    b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--out", type=Path, default=Path("bench-results/step_costs.json"))
+    b.set_defaults(func=cmd_bench_spec_cost)
     b = bench.add_parser("compare", help="ember vs llama.cpp on the same GGUF and threads")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
     b.add_argument("--weights", default=None,
@@ -133,13 +213,84 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         model=args.model, weights=args.weights, threads=args.threads,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching)
+        max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
+        speculation=args.speculation, calibrate_costs=args.spec_calibrate,
+        spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
+        chat_template=(args.chat_template.read_text(encoding="utf-8")
+                       if args.chat_template else None))
     ensure_model(args.model)  # a bad name fails here, before the server starts
-    keys = load_api_keys(args.api_key, args.api_keys_file)
-    config = ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name)
+    keys, weights = load_api_keys(args.api_key, args.api_keys_file)
+    for name in ("max_request_bytes", "header_timeout", "body_timeout", "slo_ttft",
+                 "slo_tpot"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                             f"got {getattr(args, name)}")
+    config = ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name,
+                          metrics_api_key=args.metrics_api_key,
+                          max_request_bytes=args.max_request_bytes,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                          tenant_weights=weights)
     return run_server(config, args.host, args.port, args.graceful_seconds)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ember.bench.goodput import Objectives
+    from ember.bench.loadgen import Endpoint
+    from ember.bench.serve import Plan
+    from ember.bench.serve import main as bench_main
+
+    slo = Objectives.parse(args.slo)
+    keys = [k for k in args.api_keys.split(",") if k]
+    endpoints = [Endpoint(args.url.rstrip("/"), args.model or "", keys,
+                          args.label or args.url)]
+    if args.compare:
+        other = keys if args.compare_api_keys is None else [
+            k for k in args.compare_api_keys.split(",") if k]
+        endpoints.append(Endpoint(args.compare.rstrip("/"), args.compare_model or "", other,
+                                  args.compare_label or args.compare))
+    if len({e.label for e in endpoints}) < len(endpoints):
+        raise ValueError("--label and --compare-label must differ")
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    elif args.request_rate:
+        rates = [args.request_rate]
+    elif args.concurrency:
+        rates = []
+    else:
+        raise ValueError("give --request-rate, --rates or --concurrency")
+    for name, value in (("rates", min(rates, default=1)), ("burstiness", args.burstiness),
+                        ("duration", args.duration), ("timeout", args.timeout),
+                        ("concurrency", args.concurrency or 1),
+                        ("num-requests", args.num_requests or 1)):
+        if not value > 0:
+            raise ValueError(f"--{name} must be positive, got {value}")
+    plan = Plan(rates, args.concurrency, args.duration, args.num_requests, args.burstiness,
+                args.workload, args.tenants or max(1, len(keys)), args.seed, args.timeout,
+                args.warmup)
+    bench_main(endpoints, plan, slo, args.out, args.plot)
+    return 0
+
+
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from ember.bench.spec import main_spec
+
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    main_spec(args.model, args.weights, args.threads, _int_list(args.concurrency,
+                                                                "--concurrency"),
+              args.reps, args.out, args.llama_server, skip_ember=args.llama_only)
+    return 0
+
+
+def cmd_bench_spec_cost(args: argparse.Namespace) -> int:
+    from ember.bench.spec import main_cost
+
+    main_cost(args.model, args.weights, args.threads, args.out)
+    return 0
 
 
 def cmd_bench_constrained(args: argparse.Namespace) -> int:
@@ -203,6 +354,9 @@ def _model_args(s: argparse.ArgumentParser) -> None:
                    help="weight format: auto (q4 where the native kernel builds, else f32), "
                         "q4, f32 (the exact oracle), bf16")
     s.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    s.add_argument("--speculation", choices=["auto", "off"], default="auto",
+                   help="auto: verify draft tokens where the cost gate says it pays "
+                        "(the output is the same either way); off: never")
     s.add_argument("--verbose", "-v", action="store_true", help="print load and speed figures")
 
 
@@ -217,8 +371,11 @@ def _sampling_args(s: argparse.ArgumentParser) -> None:
 
 
 def _params(args: argparse.Namespace):
-    from ember.sampling.params import SamplingParams
+    from ember.sampling.params import InvalidSamplingParams, SamplingParams
 
+    if args.max_tokens is not None and args.max_tokens < 1:  # 0 only scores a prompt
+        raise InvalidSamplingParams("max_tokens", f"must be an integer >= 1, got "
+                                    f"{args.max_tokens}")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -233,7 +390,8 @@ def _llm(args: argparse.Namespace):
     ensure_model(args.model)
     from ember.llm import LLM
 
-    llm = LLM(args.model, weights=args.weights, threads=args.threads)
+    llm = LLM(args.model, weights=args.weights, threads=args.threads,
+              speculation=args.speculation)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)
@@ -275,7 +433,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm, params = _llm(args)
     ids = llm.encode(args.prompt) if args.raw else llm.encode_chat(
         [{"role": "user", "content": args.prompt}])
-    _stream_reply(llm, ids, params, args.verbose)
+    out = _stream_reply(llm, ids, params, args.verbose)
+    if args.spec_stats:
+        print(out.spec.summary() if out.spec else "spec: off", file=sys.stderr)
     return 0
 
 
@@ -293,7 +453,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         try:
-            reply = _stream_reply(llm, llm.encode_chat(messages), params, args.verbose)
+            reply = _stream_reply(llm, llm.encode_chat(messages), params, args.verbose).text
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()  # the turn was abandoned; keep history consistent
@@ -301,25 +461,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool) -> str:
+def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool):
+    """Stream a reply to stdout; returns the final output."""
     start = time.perf_counter()
-    first = None
-    text, n = "", 0
+    first = last = None
     for out in llm.stream_ids(prompt_ids, params):
         if first is None:
             first = time.perf_counter()
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
-        text, n = out.text, len(out.token_ids)
+        last = out
         if out.error:
             raise EmberError(out.error)
     sys.stdout.write("\n")
+    n = len(last.token_ids) if last else 0
     if verbose and first is not None:
         decode = time.perf_counter() - first
         rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
         print(f"[prompt {len(prompt_ids)} tok, first token {first - start:.3f}s, "
               f"{n} tok, decode {rate:.1f} tok/s]", file=sys.stderr)
-    return text
+    return last
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,14 +17,18 @@ class EngineConfig:
 
     ``kv_cache_bytes`` sizes the paged KV pool unless ``num_kv_blocks`` is given.
     ``max_model_len`` (prompt + output) defaults to the model's context length.
-    ``weights`` defaults to ``f32``, the exact oracle; ``auto`` picks ``q4`` (native
-    int4/int8 kernels, ~5x faster decode) where its kernel builds.
+    ``weights`` defaults to ``auto``: ``q4`` (native int4/int8 kernels, ~5x faster
+    decode) where its kernel builds, else ``f32``; ``f32`` is the exact oracle.
+    ``max_prefill_chunk`` caps one request's prefill tokens in a step while others
+    are waiting or running (default: a quarter of ``max_num_batched_tokens``), so a
+    long prompt cannot hold up admissions; leftover budget still goes to it.
     """
 
     model: str = DEFAULT_MODEL
-    weights: str = "f32"
+    weights: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_prefill_chunk: int | None = None
     block_size: int = 16
     kv_cache_bytes: int = 2 * 1024**3
     num_kv_blocks: int | None = None
@@ -32,6 +36,11 @@ class EngineConfig:
     max_queue: int = 1024
     enable_prefix_caching: bool = True
     threads: int | None = None
+    speculation: str = "auto"  # "auto": requests may speculate (gated); "off": never
+    spec_max_draft: int = 16  # most draft tokens one request verifies in a step
+    spec_references: tuple[str, ...] = ()  # texts every request may draft from
+    chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
+    calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -44,7 +53,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "max_queue"):
             positive(name)
-        for name in ("num_kv_blocks", "max_model_len", "threads"):
+        if self.speculation not in ("auto", "off"):
+            raise InvalidConfig(f"speculation must be 'auto' or 'off', got {self.speculation!r}")
+        positive("spec_max_draft")
+        for name in ("num_kv_blocks", "max_model_len", "threads", "max_prefill_chunk"):
             positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1):
             raise InvalidConfig(f"block_size must be a power of two, got {self.block_size}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -199,6 +200,18 @@ def test_generate_tiny_model_raw(tiny_gguf: Path, home: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout.endswith("\n")  # the streamed text, then a newline
+
+
+def test_generate_spec_stats_reports_what_speculation_did(tiny_gguf: Path, home: Path) -> None:
+    args = ("generate", "--model", str(tiny_gguf), "--max-tokens", "12", "--raw", "--threads",
+            "1", "--temperature", "0", "--spec-stats", "a b c a b c a b c a b c")
+    on = ember(*args, home=home)
+    assert on.returncode == 0, on.stderr
+    assert re.search(r"spec: steps=\d+ \(verify \d+, fallback \d+, off \d+\) drafted=\d+",
+                     on.stderr), on.stderr
+    off = ember(*args, "--speculation", "off", home=home)
+    assert off.returncode == 0 and "spec: off" in off.stderr
+    assert on.stdout == off.stdout  # the same text either way
 
 
 def _twice(*args: str) -> tuple[str, str]:

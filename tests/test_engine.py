@@ -53,19 +53,45 @@ def test_small_chunked_prefill_budget_changes_nothing(make_tiny_engine):
     ps = prompts(6, seed=2, lo=40, hi=90)
     expected = [alone(make_tiny_engine, p, GREEDY) for p in ps]
     engine = make_tiny_engine(max_num_batched_tokens=7)
-    seen_chunks = []
-    outs = run(engine, [(p, GREEDY) for p in ps],
-               check=lambda e: seen_chunks.append(e.stats["steps"]))
+    steps = record_schedules(engine)
+    outs = run(engine, [(p, GREEDY) for p in ps])
     assert [o.token_ids for o in outs] == expected
-    assert engine.stats["steps"] > 90 // 7  # prefill really was chunked
+    assert steps and max(sum(n for _, n in rows) for rows in steps) <= 7  # the budget held
+    chunks: dict[str, list[int]] = {}
+    for rows in steps:
+        for rid, n in rows:
+            chunks.setdefault(rid, []).append(n)
+    # every prompt (40-89 tokens) was prefilled in budget-sized pieces, in order
+    for (rid, got), prompt in zip(sorted(chunks.items(), key=lambda kv: int(kv[0][4:])), ps,
+                                  strict=True):
+        prefill = []
+        for n in got:
+            prefill.append(n)
+            if sum(prefill) == len(prompt):
+                break
+        assert sum(prefill) == len(prompt) and len(prefill) >= -(-len(prompt) // 7), (rid, got)
+
+
+def record_schedules(engine: LLMEngine) -> list[list[tuple[str, int]]]:
+    """Record each step's rows as (request id, tokens) pairs."""
+    steps: list[list[tuple[str, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(proposals=None):
+        out = schedule(proposals)
+        steps.append([(r.request.request_id, r.num_tokens) for r in out.rows])
+        return out
+
+    engine.scheduler.schedule = recording
+    return steps
 
 
 def test_preempted_and_resumed_request_is_unchanged(make_tiny_engine):
     ps = prompts(8, seed=3, lo=20, hi=40)
     params = [sampled(i) for i in range(8)]
     expected = [alone(make_tiny_engine, p, sp) for p, sp in zip(ps, params, strict=True)]
-    # 12 blocks of 16 slots cannot hold 8 requests of up to 52 tokens at once.
-    engine = make_tiny_engine(num_kv_blocks=12, block_size=16, enable_prefix_caching=False)
+    # 10 blocks of 16 slots cannot hold 8 requests of up to 52 tokens at once.
+    engine = make_tiny_engine(num_kv_blocks=10, block_size=16, enable_prefix_caching=False)
     outs = run(engine, list(zip(ps, params, strict=True)))
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected
@@ -96,17 +122,33 @@ def test_tenants_never_share_prefix_cache(make_tiny_engine):
 
 def test_prefix_hit_with_colliding_hash_is_refused(make_tiny_engine, monkeypatch):
     """A hash collision must cost a miss, never serve another prompt's cache."""
-    import ember.kv.manager as manager
     import ember.kv.prefix as prefix
 
     monkeypatch.setattr(prefix, "chain_key", lambda parent, tokens: b"same-key")
-    monkeypatch.setattr(manager, "chain_key", lambda parent, tokens: b"same-key")
     engine = make_tiny_engine()
     a, b = prompts(2, seed=6, lo=40, hi=41)
     run(engine, [(a, GREEDY)])
     out = run(engine, [(b, GREEDY)])[0]
     assert out.cached_tokens == 0
     assert out.token_ids == alone(make_tiny_engine, b, GREEDY)
+
+
+def test_colliding_hash_never_serves_one_tenants_prefix_to_another(make_tiny_engine,
+                                                                   monkeypatch):
+    """Keys that ignore the chain (so the salt) collide across tenants for equal
+    tokens: the hit must still verify the chain's identity, salt included."""
+    import ember.kv.prefix as prefix
+
+    monkeypatch.setattr(prefix, "chain_key",
+                        lambda parent, tokens: bytes(str(list(tokens)), "ascii"))
+    engine = make_tiny_engine()
+    prompt = prompts(1, seed=9, lo=60, hi=61)[0]
+    run(engine, [(prompt, GREEDY)], tenant="alice")
+    again = run(engine, [(prompt, GREEDY)], tenant="alice")[0]
+    assert again.cached_tokens == 48  # alice's own blocks are still served
+    other = run(engine, [(prompt, GREEDY)], tenant="bob")[0]
+    assert other.cached_tokens == 0
+    engine.kv.check_no_leaks()
 
 
 def test_full_queue_raises_queue_full(make_tiny_engine):
@@ -256,3 +298,196 @@ def test_waiting_requests_never_hold_blocks_so_admission_cannot_deadlock(make_ti
             break
     assert not engine.has_unfinished()
     engine.kv.check_no_leaks()
+
+
+# ---------------------------------------------------------------- admission and aborts
+def test_a_request_aborted_while_waiting_is_never_scheduled(make_tiny_engine):
+    engine = make_tiny_engine()
+    steps = record_schedules(engine)
+    req = engine.add_request(prompts(1, seed=12)[0], GREEDY)
+    engine.abort(req.request_id)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outs] == [
+        (req.request_id, "abort", True)]
+    assert steps == [[]] and not engine.has_unfinished()
+    engine.kv.check_no_leaks()
+
+
+def test_a_short_request_is_admitted_while_a_long_prompt_prefills(make_tiny_engine):
+    """The long prompt's chunks are capped, so the short one gets budget at once."""
+    engine = make_tiny_engine(max_num_batched_tokens=64, max_prefill_chunk=16)
+    steps = record_schedules(engine)
+    long = engine.add_request([5 + i % 900 for i in range(1200)], GREEDY)
+    engine.step()
+    short = engine.add_request([7, 8, 9, 10], GREEDY)
+    engine.step()
+    assert short.num_output == 1, "the short request waited behind the long prompt"
+    assert long.num_output == 0 and long.kv_len > 64  # long prefill goes on, topped up
+    assert sum(n for _, n in steps[-1]) == 64  # and the step still used its whole budget
+
+
+def test_a_long_prompt_alone_still_gets_the_whole_budget(make_tiny_engine):
+    engine = make_tiny_engine(max_num_batched_tokens=64, max_prefill_chunk=16)
+    steps = record_schedules(engine)
+    req = engine.add_request([5 + i % 900 for i in range(200)], GREEDY)
+    engine.step()
+    assert steps == [[(req.request_id, 64)]]
+
+
+def test_a_waiting_request_hashes_its_prompt_once(make_tiny_engine, monkeypatch):
+    """The queue's head is probed every step until it fits; its block keys are kept."""
+    import ember.kv.prefix as prefix
+
+    calls = []
+    real = prefix.chain_key
+    monkeypatch.setattr(prefix, "chain_key", lambda p, t: calls.append(1) or real(p, t))
+    engine = make_tiny_engine(num_kv_blocks=8, block_size=16, max_num_seqs=4)
+    hog = engine.add_request([3] * 100, SamplingParams(max_tokens=20, ignore_eos=True,
+                                                       speculation=False))  # 1 token a step
+    engine.step()  # the hog holds 7 of the 8 blocks
+    engine.add_request([4] * 64, GREEDY)  # 5 blocks: waits until the hog is gone
+    for _ in range(5):
+        engine.step()
+    assert not hog.is_finished and len(engine.scheduler.waiting) == 1
+    hashed = len(calls)
+    for _ in range(5):
+        engine.step()
+    assert len(calls) == hashed  # no re-hashing while it waits
+    queries = engine.kv.prefix.queries
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.prefix.queries - queries == 63  # counted once, on admission
+
+
+def test_the_grammar_compiler_is_built_once_under_concurrent_first_use(make_tiny_engine,
+                                                                       monkeypatch):
+    import threading
+    import time as _time
+
+    import ember.engine.engine as engine_module
+
+    built = []
+
+    class SlowCompiler:
+        def __init__(self, tokenizer):
+            _time.sleep(0.05)  # widen the window a racy lazy init would lose
+            built.append(self)
+
+    monkeypatch.setattr(engine_module, "GrammarCompiler", SlowCompiler)
+    engine = make_tiny_engine()
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(engine.grammars)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and all(g is built[0] for g in seen)
+
+
+# ---------------------------------------------------------------- n > 1: forked choices
+@pytest.mark.parametrize("prompt_len", [37, 48], ids=["partial-last-block", "full-blocks"])
+def test_forked_choices_equal_their_solo_runs_and_share_the_prompt(make_tiny_engine,
+                                                                   prompt_len):
+    prompt = prompts(1, seed=13, lo=prompt_len, hi=prompt_len + 1)[0]
+    params = [sampled(100 + j) for j in range(4)]
+    expected = [alone(make_tiny_engine, prompt, p) for p in params]
+    engine = make_tiny_engine(enable_prefix_caching=False)
+    steps = record_schedules(engine)
+    group = engine.add_group(prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[r.request_id].token_ids for r in group] == expected
+    assert engine.stats["prompt_tokens"] == prompt_len  # the prompt ran once, for all four
+    scheduled = {rid for rows in steps for rid, _ in rows}
+    assert scheduled == {r.request_id for r in group}
+    engine.kv.check_no_leaks()
+
+
+def test_forks_fall_back_to_their_own_prefill_when_no_block_is_free(make_tiny_engine):
+    prompt = prompts(1, seed=14, lo=37, hi=38)[0]  # 3 blocks of 16, the last one partial
+    params = [sampled(200 + j) for j in range(3)]
+    expected = [alone(make_tiny_engine, prompt, p) for p in params]
+    engine = make_tiny_engine(num_kv_blocks=4, block_size=16)
+    group = engine.add_group(prompt, [replace_max(p, 8) for p in params])
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert [outs[r.request_id].token_ids for r in group] == [e[:8] for e in expected]
+    engine.kv.check_no_leaks()
+
+
+def replace_max(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def test_aborting_a_pending_fork_leaves_its_siblings_running(make_tiny_engine):
+    engine = make_tiny_engine()
+    prompt = prompts(1, seed=15, lo=40, hi=41)[0]
+    group = engine.add_group(prompt, [sampled(1), sampled(2), sampled(3)])
+    engine.abort(group[1].request_id)  # before the prompt is computed
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {group[0].request_id: "length", group[1].request_id: "abort",
+                        group[2].request_id: "length"}
+    engine.kv.check_no_leaks()
+
+
+def test_n_larger_than_max_num_seqs_is_refused(make_tiny_engine):
+    engine = make_tiny_engine(max_num_seqs=2)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_group([5, 6, 7], [GREEDY] * 3)
+    assert e.value.param == "n"
+
+
+def test_garbage_in_never_written_kv_memory_cannot_reach_any_output(make_tiny_engine):
+    """The pool starts uninitialized and attention reads whole blocks: fill it with NaN
+    (what reused memory can hold) and the streams must not change."""
+    ps = prompts(4, seed=16, lo=5, hi=40)
+    expected = [alone(make_tiny_engine, p, GREEDY) for p in ps]
+    engine = make_tiny_engine()
+    for cache in (*engine.runner.kv.k, *engine.runner.kv.v):
+        cache.fill_(float("nan"))
+    assert [o.token_ids for o in run(engine, [(p, GREEDY) for p in ps])] == expected
+
+
+def test_seats_count_the_siblings_still_to_be_forked(make_tiny_engine):
+    engine = make_tiny_engine(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=16)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request([5, 6], long)
+    engine.add_request([7, 8], long)
+    engine.step()
+    group = engine.add_group(prompts(1, seed=17, lo=60, hi=61)[0], [long, long])
+    engine.step()  # the group's first chunk: seats 2 + 2 are now spoken for
+    late = engine.add_request([9, 10], long)
+    for _ in range(8):
+        engine.step()
+        assert len(engine.scheduler.running) <= 4
+    assert group[1].num_output > 0 and late.num_output == 0
+
+
+def test_a_forked_choice_keeps_the_copied_part_of_its_prompt_block(make_tiny_engine):
+    """The partly filled last prompt block is copied into a block the child uses for
+    the first time; zeroing fresh blocks must not wipe that copy afterwards."""
+    engine = make_tiny_engine(enable_prefix_caching=False)
+    prompt = prompts(1, seed=18, lo=37, hi=38)[0]  # 2 full blocks + 5 positions
+    parent, child = engine.add_group(prompt, [sampled(1), sampled(2)])
+    while parent.num_output == 0:
+        engine.step()
+    engine.step()  # a step after the fork: fresh blocks get zeroed here
+    storage = engine.runner.kv
+    p_block, c_block = parent.block_table.blocks[2], child.block_table.blocks[2]
+    assert p_block != c_block
+    for cache in (*storage.k, *storage.v):
+        mine = cache[c_block * 16:c_block * 16 + 5]
+        assert torch.equal(mine, cache[p_block * 16:p_block * 16 + 5])
+        assert mine.abs().sum() > 0

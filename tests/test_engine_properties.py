@@ -1,4 +1,5 @@
-"""Property test: random arrivals, lengths and aborts over a tiny KV pool.
+"""Property test: random arrivals, lengths, tenants, priorities, n>1 groups and aborts
+over a tiny KV pool.
 
 After every step the invariants hold; every request finishes (none starves); and
 when the engine is idle no block is leaked — each is free or held only by the
@@ -15,7 +16,8 @@ from ember.engine.request import RequestStatus
 from ember.sampling.params import SamplingParams
 
 event = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 8), st.integers(0, 3)),
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 8), st.integers(0, 3),
+              st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.integers(1, 2)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("step"), st.integers(1, 4)),
 )
@@ -55,14 +57,15 @@ def test_random_traffic_keeps_invariants_and_leaks_nothing(make_tiny_engine, eve
     shared = [7, 8, 9, 10, 11, 12, 13, 14]  # a common prefix so the cache gets hits
     for ev in events:
         if ev[0] == "add":
-            _, plen, max_tokens, seed = ev
+            _, plen, max_tokens, seed, tenant, priority, n = ev
             prompt = (shared + [100 + seed] * plen)[:plen]
             max_tokens = min(max_tokens, 40 - plen) or 1
             if plen + max_tokens > 40:
                 continue
-            params = SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens,
-                                    ignore_eos=True)
-            ids.append(engine.add_request(prompt, params).request_id)
+            params = [SamplingParams(temperature=0.8, seed=seed + j, max_tokens=max_tokens,
+                                     ignore_eos=True) for j in range(n)]
+            group = engine.add_group(prompt, params, tenant=tenant, priority=priority)
+            ids += [r.request_id for r in group]
         elif ev[0] == "abort" and ids:
             engine.abort(ids[ev[1] % len(ids)])
         else:

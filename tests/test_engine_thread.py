@@ -80,3 +80,63 @@ def test_shutdown_finishes_open_streams_and_refuses_new_work(engine_thread):
     assert list(stream)[-1].finished
     with pytest.raises(EngineStopped):
         et.submit([1, 2], PARAMS, lambda out: None)
+
+
+@pytest.fixture
+def blocked_engine(engine_thread):
+    """An engine thread stuck at the start of a step (before it applies aborts) until
+    ``release`` is set; ``left`` is set when the step goes on."""
+    import threading as _threading
+
+    et = engine_thread(max_queue=3)
+    inside, release, left = _threading.Event(), _threading.Event(), _threading.Event()
+    real = et.engine.step
+
+    def step():
+        if not left.is_set():
+            inside.set()
+            release.wait(5)
+            left.set()
+        return real()
+
+    et.engine.step = step
+    yield et, inside, release, left
+    release.set()
+
+
+def test_submission_never_waits_for_the_engine_step(blocked_engine):
+    et, inside, release, left = blocked_engine
+    first = et.stream([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert inside.wait(10)  # the engine is now stuck in a step
+    queued = et.stream([7, 8], PARAMS)  # returns although no step can take it
+    queued2 = et.stream([7, 8], PARAMS)
+    with pytest.raises(QueueFull):  # one waiting, two handed over: the queue of 3 is full
+        et.submit([1, 2], PARAMS, lambda out: None)
+    assert not left.is_set(), "submission waited for the engine's step"
+    release.set()
+    for s in (first, queued, queued2):
+        assert list(s)[-1].finished
+
+
+def test_an_abort_before_the_engine_took_the_request_still_aborts_it(blocked_engine):
+    et, inside, release, _ = blocked_engine
+    first = et.stream([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert inside.wait(10)
+    late = et.stream([7, 8], SamplingParams(max_tokens=50, ignore_eos=True))
+    et.abort(late.request_id)  # still in the inbox: the engine has not seen it
+    release.set()
+    outs = list(late)
+    assert outs[-1].finish_reason == "abort" and outs[-1].token_ids == []
+    assert list(first)[-1].finish_reason == "length"
+    assert et.drain(timeout=5) and et.engine.kv.num_used == 0
+
+
+def test_n_choices_are_submitted_as_one_group(engine_thread):
+    et = engine_thread()
+    outs: list = []
+    first = et.submit([5, 6, 7, 8], [SamplingParams(max_tokens=4, seed=s, ignore_eos=True)
+                                     for s in (1, 2, 3)], outs.append)
+    assert first
+    assert et.drain(timeout=10)
+    finished = {o.request_id for o in outs if o.finished}
+    assert len(finished) == 3 and first in finished

@@ -1,36 +1,94 @@
 """LLMEngine: the synchronous core. ``step()`` reads as schedule → run → postprocess.
 
+Intake is split in two: :meth:`LLMEngine.prepare` validates a request and builds
+its state (sampler, grammar matcher) and is safe to call from any thread, so the
+server does that work off the engine thread; :meth:`LLMEngine.enqueue` hands the
+prepared requests to the scheduler and belongs to the engine thread.
+
+``n > 1`` choices of one prompt are one group: only the first request is
+scheduled; when its prompt is computed and its first token sampled, the siblings
+are forked from it at that very step (they share its full KV blocks, copy its
+partly filled last block, and sample their first tokens from the same logits).
+
 Failure handling: if the forward pass raises, every request in that step is failed
 with the error and its cache rewound to where it was (the invariant holds again);
-if sampling or stop handling of one request raises, only that request fails. In
+if sampling or stop handling of one request raises, only that request fails (and
+``error_param`` names the request parameter at fault, such as its grammar). In
 both cases the engine keeps serving the others, and the failed requests' blocks
 are released like any finished request's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ember.config import EngineConfig
+from ember.chat_template import ChatTemplate, ChatTemplateError
+from ember.config import EngineConfig, InvalidConfig
+from ember.engine.costs import StepCostModel
 from ember.engine.request import FinishReason, Request
-from ember.engine.runner import ModelRunner
+from ember.engine.runner import ModelRunner, ScheduledRow
 from ember.engine.scheduler import Scheduler
-from ember.errors import EmberError
-from ember.kv.blocks import KVStorage
+from ember.errors import EmberError, InvalidDecodeState
+from ember.kv.blocks import KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
-from ember.sampling.sampler import LogitProcessor, Sampler, TokenLogprobs
+from ember.sampling.reasoning import (
+    ThinkingBudget,
+    ThinkingTags,
+    answer_reserve,
+    open_in_prompt,
+)
+from ember.sampling.sampler import (
+    LogitProcessor,
+    Sampler,
+    SampleRow,
+    TokenLogprobs,
+    can_speculate,
+    sample_rows,
+)
+from ember.spec.index import RecyclingTable, SuffixAutomaton
+from ember.spec.speculator import TOPK, Proposal, SpecStats, Speculator
 from ember.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ember.engine")
+REFERENCE_CACHE = 32  # frozen reference indexes kept for reuse across requests
+FEED_ROWS = 4  # requests per step whose verification logits feed the recycling tables
+# Share of a TTFT objective the engine plans for: the rest is for what happens outside
+# it (reading and preparing the request, streaming the first token back).
+TTFT_MARGIN = 0.9
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives of a request: seconds to the first token, seconds per token.
+
+    With ``ttft``, a request the engine predicts cannot start in time — or that has
+    already waited past it — is refused (``finish_reason="rejected"``, with a
+    ``retry_after``) instead of being served late. With ``tpot``, steps carry only as
+    many prompt tokens as keep its stream within it (stall-free chunked prefill).
+    """
+
+    ttft: float | None = None
+    tpot: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft", "tpot"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise InvalidRequest(f"slo.{name}", f"must be a positive number of seconds, "
+                                                    f"got {value!r}")
 
 
 class QueueFull(EmberError):
@@ -61,6 +119,13 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # all tokens' (set once finished)
     delta_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    error_param: str | None = None  # set when the request's own parameter caused ``error``
+    retry_after: float | None = None  # rejected: seconds until it would likely be served
+    queued_seconds: float | None = None  # arrival to admission, once admitted
+    spec: SpecStats | None = None  # what speculation did (None: it did not speculate)
+    # with SamplingParams.prompt_logprobs, once finished: one per prompt token (None first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # set with prompt_logprobs
 
     @property
     def completion_tokens(self) -> int:
@@ -72,6 +137,11 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.threads or physical_cores())
         self.loaded = loaded or load_model(config.model, config.weights)
+        if config.chat_template is not None:  # a copy: a shared LoadedModel stays as it was
+            self.loaded = dataclasses.replace(self.loaded, chat_template=_template(
+                config.chat_template, self.loaded))
+        source = self.loaded.chat_template.source if self.loaded.chat_template else None
+        self.thinking_tags = ThinkingTags.of_template(source)
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
@@ -81,26 +151,225 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size)
         self.runner = ModelRunner(self.loaded.model, storage)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk, StepCostModel())
         self.model_salt = self.loaded.fingerprint().encode()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._fork_parent: dict[str, Request] = {}  # pending sibling id -> the request it forks
         self._aborts: set[str] = set()
-        self._lock = threading.Lock()  # guards _aborts only; the rest is engine-thread state
+        self._refused: list[Request] = []  # rejected at enqueue, reported at the next step
+        self._lock = threading.Lock()  # guards _aborts and the lazy grammar compiler
         self._grammars: GrammarCompiler | None = None
+        self._references: OrderedDict[str, SuffixAutomaton] = OrderedDict()
+        self._recycling_tables: dict[str, RecyclingTable] = {}
+        self._shared_references = [self._reference(t) for t in config.spec_references]
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # speculation over finished requests: per source [drafted, accepted], bonus, steps
+        self.spec_totals: dict[str, Any] = {"sources": {}, "bonus": 0, "steps": {
+            "verify": 0, "fallback": 0, "off": 0}}
+        self._start_costs()
+
+    def _start_costs(self) -> None:
+        """The step-cost model's starting point (calibrating runs requests: do it last)."""
+        from ember.engine.calibrate import initial_costs
+
+        coefficients = initial_costs(self, self.config.calibrate_costs)
+        self.scheduler.costs = StepCostModel(coefficients)
+        self.stats.update(prompt_tokens=0, generation_tokens=0, steps=0)
 
     # ---------------------------------------------------------------- intake
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler (built on first use; safe to call from any thread)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer)
+            with self._lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer)
         return self._grammars
+
+    def _thinking_budget(self, prompt_ids: list[int], p: SamplingParams) -> ThinkingBudget:
+        """The processor ending the reasoning: after ``p.thinking_budget`` tokens, and
+        always early enough to leave the answer its share of ``max_tokens``."""
+        if self.thinking_tags is None:
+            raise InvalidRequest("thinking_budget", "the model's chat template has no "
+                                 "thinking tags")
+        opened = open_in_prompt(self.tokenizer.decode(prompt_ids[-16:]), self.thinking_tags)
+        proc = ThinkingBudget(self.tokenizer, self.thinking_tags, p.thinking_budget or 0,
+                              opened)
+        if p.max_tokens is not None:
+            proc.budget = min(proc.budget, max(0, p.max_tokens - len(proc.close_ids)
+                                               - answer_reserve(p.max_tokens)))
+        return proc
 
     def salt_for(self, tenant: str | None) -> bytes:
         """Prefix-cache salt: model fingerprint + tenant. Never from request content."""
         return self.model_salt + b"\0tenant:" + (tenant or "").encode()
+
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        processors: Sequence[LogitProcessor] = (),
+        priority: int = 0,
+        slo: SLO | None = None,
+        weight: float = 1.0,
+        arrival: float | None = None,
+        references: Sequence[str] = (),
+    ) -> list[Request]:
+        """Validate and build the requests for one prompt: one per ``params`` (n choices).
+
+        ``tenant`` scopes the prefix cache and is the fair-share account; ``weight`` is
+        that tenant's share relative to others; ``priority`` orders service (lower
+        first); ``references`` are texts its drafts may copy from (speculation; the
+        server's ``--spec-ref`` texts always are); ``slo`` sets latency objectives (see
+        :class:`SLO`); ``arrival`` is when
+        the request arrived (``time.monotonic()``; default: now), which its TTFT counts
+        from — the server passes the moment it started reading the request.
+
+        Thread-safe; raises :class:`InvalidRequest` naming the culprit. Grammars are
+        compiled here (cached), so a bad one fails before anything is queued.
+        """
+        choices = [params] if isinstance(params, SamplingParams) else list(params)
+        if not 1 <= len(choices) <= self.config.max_num_seqs:
+            raise InvalidRequest("n", f"n must be between 1 and max_num_seqs "
+                                      f"({self.config.max_num_seqs}), got {len(choices)}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        if not (isinstance(weight, int | float) and weight > 0):
+            raise InvalidRequest("weight", f"must be a positive number, got {weight!r}")
+        if processors and len(choices) > 1:
+            raise InvalidRequest("processors", "processors hold per-request state; pass them "
+                                               "for a single choice only")
+        for p in choices:
+            prompt_ids = self._validate_prompt(prompt_ids, p)
+        group = []
+        for j, p in enumerate(choices):
+            procs = list(processors)
+            if p.structured is not None:
+                try:
+                    procs.append(self.grammars.processor(p.structured))
+                except GrammarError as e:
+                    raise InvalidRequest("structured", str(e)) from None
+            if p.thinking_budget is not None:
+                procs.append(self._thinking_budget(prompt_ids, p))
+            if request_id is None:
+                rid = f"req-{next(self._ids)}"
+            else:
+                rid = request_id if j == 0 else f"{request_id}-{j}"
+            group.append(Request(
+                request_id=rid,
+                prompt_ids=list(prompt_ids),
+                params=p,
+                sampler=Sampler(p, self.loaded.config.vocab_size, prompt_ids, procs),
+                block_table=self.kv.new_table(),
+                detokenizer=IncrementalDetokenizer(self.tokenizer),
+                eos_ids=frozenset(self.tokenizer.eog_ids),
+                max_total_tokens=self.max_model_len,
+                salt=self.salt_for(tenant),
+                tenant=tenant or "",
+                priority=priority,
+                weight=float(weight),
+                slo_ttft=slo.ttft if slo else None,
+                slo_tpot=slo.tpot if slo else None,
+                arrival_time=time.monotonic() if arrival is None else arrival,
+                speculator=self._speculator(prompt_ids, p, procs, tenant, references),
+                prompt_logprobs=[None] if p.prompt_logprobs is not None else [],
+            ))
+        return group
+
+    def _speculator(self, prompt_ids: list[int], params: SamplingParams,
+                    processors: list[LogitProcessor], tenant: str | None,
+                    references: Sequence[str]) -> Speculator | None:
+        """A request's draft sources, or None when it does not speculate."""
+        if (self.config.speculation == "off" or not params.speculation
+                or not can_speculate(processors)):
+            return None
+        grammar = next((p for p in processors if hasattr(p, "forced_tokens")), None)
+        documents = list(self._shared_references) + [self._reference(t) for t in references]
+        # a grammar cannot look past the end of generation even when it is ignored
+        enders = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos and grammar is None
+            else frozenset(self.tokenizer.eog_ids))
+        return Speculator(prompt_ids, documents=documents, recycling=self._recycling(tenant),
+                          grammar=grammar, max_draft=self.config.spec_max_draft,
+                          enders=enders, vocab_size=self.loaded.config.vocab_size)
+
+    def _reference(self, text: str) -> SuffixAutomaton:
+        """The frozen index of a reference text (built once, kept for reuse)."""
+        with self._lock:
+            index = self._references.get(text)
+            if index is not None:
+                self._references.move_to_end(text)
+                return index
+        index = SuffixAutomaton()
+        for token in self.tokenizer.encode(text):
+            index.extend(token)
+        index.freeze()
+        with self._lock:
+            self._references[text] = index
+            while len(self._references) > REFERENCE_CACHE:
+                self._references.popitem(last=False)
+        return index
+
+    def _recycling(self, tenant: str | None) -> RecyclingTable:
+        """The tenant's table of recent top-k successors (draft indexes never cross
+        tenants: what one tenant's logits ranked is never drafted for another)."""
+        with self._lock:
+            table = self._recycling_tables.get(tenant or "")
+            if table is None:
+                table = RecyclingTable(self.loaded.config.vocab_size)
+                self._recycling_tables[tenant or ""] = table
+            return table
+
+    def check_queue(self, pending: int = 0) -> None:
+        """Raise :class:`QueueFull` if the waiting queue (plus ``pending`` prompts that
+        are on their way in) leaves no room for one more."""
+        if len(self.scheduler.waiting) + pending >= self.config.max_queue:
+            raise QueueFull(f"waiting queue is full ({self.config.max_queue} requests)")
+
+    def enqueue(self, group: list[Request]) -> None:
+        """Queue a prepared group (engine thread only); the first request is scheduled,
+        the others fork from it when its prompt is computed. A group whose first token
+        is predicted to come after its TTFT objective is refused: it finishes as
+        ``rejected`` at the next step, with a ``retry_after``."""
+        for req in group:
+            if req.request_id in self._requests:
+                raise InvalidRequest("request_id",
+                                     f"request id {req.request_id!r} is already in use")
+        parent, *siblings = group
+        for req in group:
+            self._requests[req.request_id] = req
+        if parent.slo_ttft is not None:
+            waited = time.monotonic() - parent.arrival_time
+            predicted = waited + self.scheduler.predict_ttft(parent)
+            if predicted > TTFT_MARGIN * parent.slo_ttft:
+                self._refuse(group, predicted - TTFT_MARGIN * parent.slo_ttft)
+                return
+        parent.forks = siblings
+        for sibling in siblings:
+            self._fork_parent[sibling.request_id] = parent
+        self.scheduler.add(parent)
+
+    def _refuse(self, group: list[Request], retry_after: float) -> None:
+        for req in group:
+            req.retry_after = retry_after
+            req.finish(FinishReason.REJECTED, "the request would miss its time-to-first-token "
+                       f"objective ({req.slo_ttft:g} s)")
+        self._refused += group
+
+    def _shed_hopeless(self) -> list[Request]:
+        """Refuse waiting requests that can no longer start within their TTFT objective:
+        serving them would spend capacity on answers that miss anyway."""
+        lost = self.scheduler.hopeless(time.monotonic(), TTFT_MARGIN)
+        for req in lost:
+            req.retry_after = req.slo_ttft
+            req.finish(FinishReason.REJECTED, "the request cannot get its first token "
+                       f"within its objective ({req.slo_ttft:g} s)")
+        return lost
 
     def add_request(
         self,
@@ -109,34 +378,35 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         tenant: str | None = None,
-        processors: list[LogitProcessor] | tuple[()] = (),
+        processors: Sequence[LogitProcessor] = (),
+        priority: int = 0,
+        slo: SLO | None = None,
+        weight: float = 1.0,
     ) -> Request:
-        prompt_ids = self._validate_prompt(prompt_ids, params)
-        processors = list(processors)
-        if params.structured is not None:
-            try:
-                processors.append(self.grammars.processor(params.structured))
-            except GrammarError as e:
-                raise InvalidRequest("structured", str(e)) from None
-        if len(self.scheduler.waiting) >= self.config.max_queue:
-            raise QueueFull(f"waiting queue is full ({self.config.max_queue} requests)")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._requests:
-            raise InvalidRequest("request_id", f"request id {rid!r} is already in use")
-        req = Request(
-            request_id=rid,
-            prompt_ids=prompt_ids,
-            params=params,
-            sampler=Sampler(params, self.loaded.config.vocab_size, prompt_ids, processors),
-            block_table=self.kv.new_table(),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-            eos_ids=frozenset(self.tokenizer.eog_ids),
-            max_total_tokens=self.max_model_len,
-            salt=self.salt_for(tenant),
-        )
-        self._requests[rid] = req
-        self.scheduler.add(req)
-        return req
+        """Prepare and queue one request (caller on the engine's thread)."""
+        return self.add_group(prompt_ids, [params], request_id=request_id, tenant=tenant,
+                              processors=processors, priority=priority, slo=slo,
+                              weight=weight)[0]
+
+    def add_group(
+        self,
+        prompt_ids: list[int],
+        params: Sequence[SamplingParams],
+        *,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        processors: Sequence[LogitProcessor] = (),
+        priority: int = 0,
+        slo: SLO | None = None,
+        weight: float = 1.0,
+    ) -> list[Request]:
+        """Prepare and queue ``len(params)`` choices of one prompt, sharing its KV (the
+        options are :meth:`prepare`'s)."""
+        group = self.prepare(prompt_ids, params, request_id=request_id, tenant=tenant,
+                             processors=processors, priority=priority, slo=slo, weight=weight)
+        self.check_queue()
+        self.enqueue(group)
+        return group
 
     def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         prompt_ids = [int(t) for t in prompt_ids]
@@ -172,45 +442,268 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return an output for every request that changed."""
-        changed = self._apply_aborts()
-        sched = self.scheduler.schedule()
+        changed = self._apply_aborts() + self._shed_hopeless()
+        changed += self._refused
+        for req in self._refused:
+            self._requests.pop(req.request_id, None)
+        self._refused = []
+        self._retire()  # an aborted request must not be scheduled, even once
+        sched = self.scheduler.schedule(self._proposals())
         if sched.rows:
             self.stats["steps"] += 1
+            start = time.perf_counter()
             changed += self._run(sched.rows)
+            self.scheduler.costs.observe(sched.shape, time.perf_counter() - start)
+        self._retire()
+        return [self.output(r) for r in dict.fromkeys(changed)]
+
+    def _proposals(self) -> dict[Request, Proposal]:
+        """Drafts of the decoding requests that speculate (the gate picks among them)."""
+        out = {}
+        for req in self.scheduler.running:
+            spec = req.speculator
+            if spec is None or req.remaining_prefill != 1:
+                continue
+            proposal = spec.propose()
+            if proposal is None:
+                spec.stats.fallback_steps += 1
+            else:
+                out[req] = proposal
+        return out
+
+    def _retire(self) -> None:
+        """Drop finished requests: free their blocks, let their pending forks go alone."""
         finished = self.scheduler.remove_finished()
+        self._release_forks(finished)
         for req in finished:
             self._requests.pop(req.request_id, None)
-        return [self._output(r) for r in dict.fromkeys(changed)]
+            if req.speculator is not None:
+                self._count_spec(req.speculator.stats)
 
-    def _run(self, rows: list) -> list[Request]:
-        before = [(row.request, row.request.kv_len) for row in rows]
+    def _count_spec(self, s: SpecStats) -> None:
+        t = self.spec_totals
+        for name, (drafted, accepted) in s.by_source.items():
+            source = t["sources"].setdefault(name, [0, 0])
+            source[0] += drafted
+            source[1] += accepted
+        t["bonus"] += s.bonus
+        for kind in ("verify", "fallback", "off"):
+            t["steps"][kind] += getattr(s, f"{kind}_steps")
+
+    def _run(self, rows: list[ScheduledRow]) -> list[Request]:
+        self._zero_fresh_blocks()
         try:
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("forward pass failed")
-            for req, kv_len in before:
-                self.kv.truncate(req, kv_len)
-                req.finish(FinishReason.ERROR, f"forward pass failed: {e}")
-            return [req for req, _ in before]
-        changed, i = [], 0
+            for row in rows:  # nothing was committed: the invariant already holds
+                row.request.finish(FinishReason.ERROR, f"forward pass failed: {e}")
+            return [row.request for row in rows]
+        verify, scored, offset = [], [], 0
         for row in rows:
             req = row.request
+            if not req.num_output:
+                self.stats["prompt_tokens"] += row.num_tokens
+            req.block_table.kv_len += row.num_tokens  # the history it computed
             self.kv.register_computed(req)
-            self.stats["prompt_tokens"] += row.num_tokens if not req.num_output else 0
-            if not row.samples:
-                continue
-            try:
-                token, lp = req.sampler.sample(logits[i], req.token_ids)
-                req.append_token(token, lp)
-                req.check_invariant()
-                self.stats["generation_tokens"] += 1
-            except Exception as e:  # this request only
-                log.warning("request %s failed: %s", req.request_id, e)
-                self.kv.truncate(req, len(req.token_ids) - 1)
-                req.finish(FinishReason.ERROR, str(e))
-            i += 1
-            changed.append(req)
+            if row.prompt_positions:
+                n = len(row.prompt_positions)
+                self._record_prompt_logprobs(row, logits[offset:offset + n])
+                offset += n
+            if row.samples and req.params.max_tokens == 0:
+                req.finish(FinishReason.LENGTH)  # only the prompt was asked for
+                scored.append(req)
+            elif row.samples:
+                verify.append((row, logits[offset:offset + row.num_sampled]))
+                offset += row.num_sampled
+        changed = scored + self._verify(verify)
+        for row, row_logits in verify:
+            req = row.request
+            if req.forks and req.num_output == 1 and req.finish_reason is not FinishReason.ERROR:
+                changed += self._fork(req, row_logits[0])
         return changed
+
+    @staticmethod
+    def _record_prompt_logprobs(row: ScheduledRow, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after ``row.prompt_positions``, from the model's
+        raw distribution (no sampling parameters apply to a prompt)."""
+        req, n_top = row.request, row.request.params.prompt_logprobs or 0
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        following = torch.tensor([req.prompt_ids[p + 1] for p in row.prompt_positions])
+        chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
+        top = logprobs.topk(n_top) if n_top else None
+        for i, token in enumerate(following.tolist()):
+            alternatives = (list(zip(top.indices[i].tolist(), top.values[i].tolist(),
+                                     strict=True)) if top is not None else [])
+            req.prompt_logprobs.append(TokenLogprobs(token, chosen[i], alternatives))
+
+    def _verify(self, verify: list[tuple[ScheduledRow, torch.Tensor]]) -> list[Request]:
+        """Sample every row — plain rows and draft-verify rows alike, in one batch — and
+        commit each request's tokens. A request's failure fails it alone."""
+        batch: list[SampleRow] = []
+        plans = []
+        for row, row_logits in verify:
+            req = row.request
+            try:
+                processed = self._processed(req, row_logits, row.draft)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            plans.append((row, row_logits, len(batch)))
+            batch += [SampleRow(req.sampler, row_logits[j], processed[j], row.draft[:j],
+                                req.num_output + j) for j in range(len(row.draft) + 1)]
+        raw = torch.cat([row_logits for _, row_logits, _ in plans]) if plans else None
+        results = sample_rows(batch, raw)
+        topk = self._recycling_feed(plans, raw)
+        changed = [row.request for row, _ in verify]
+        for row, _, start in plans:
+            n = len(row.draft) + 1
+            try:
+                self._commit(row, topk.get(row.request), results[start:start + n])
+            except InvalidDecodeState:
+                raise  # an engine bug: fail loudly, not as one request's error
+            except Exception as e:
+                self._fail(row.request, e)
+        return changed
+
+    def _recycling_feed(self, plans: list[tuple[ScheduledRow, torch.Tensor, int]],
+                        raw: torch.Tensor | None) -> dict[Request, torch.Tensor]:
+        """Top-k rows for the recycling tables, from at most FEED_ROWS requests a step
+        (in turn): a table of successors fills as well from a few streams, and a top-k
+        over every row of a full batch would cost more than its drafts win there."""
+        wanting = [(row, start) for row, _, start in plans
+                   if row.request.speculator is not None and row.request.speculator.wants_topk]
+        if raw is None or not wanting:
+            return {}
+        if len(wanting) > FEED_ROWS:
+            turn = self.stats["steps"] * FEED_ROWS % len(wanting)
+            wanting = (wanting + wanting)[turn:turn + FEED_ROWS]
+        index = torch.cat([torch.arange(start, start + len(row.draft) + 1)
+                           for row, start in wanting])
+        topk = raw.index_select(0, index).topk(TOPK).indices
+        out, at = {}, 0
+        for row, _ in wanting:
+            n = len(row.draft) + 1
+            out[row.request] = topk[at:at + n]
+            at += n
+        return out
+
+    @staticmethod
+    def _processed(req: Request, row_logits: torch.Tensor, draft: list[int]
+                   ) -> list[torch.Tensor | None]:
+        """Each verify row after the request's processors, positioned for that row: the
+        processors look ahead through the draft tokens before it, then roll back."""
+        sampler = req.sampler
+        if not sampler.processors:
+            return [None] * (len(draft) + 1)
+        out, ahead = [], 0
+        try:
+            for j in range(len(draft) + 1):
+                out.append(sampler.process(row_logits[j], [*req.token_ids, *draft[:j]]))
+                if j < len(draft):
+                    for proc in sampler.processors:
+                        proc.lookahead(draft[j])  # type: ignore[attr-defined]
+                    ahead += 1
+        finally:
+            for proc in sampler.processors:
+                if ahead:
+                    proc.rollback(ahead)  # type: ignore[attr-defined]
+        return out
+
+    def _commit(self, row: ScheduledRow, topk: torch.Tensor | None,
+                results: list[tuple[int, TokenLogprobs | None]]) -> None:
+        """The one place a request's progress advances after its forward pass.
+
+        Commits sampled tokens while they equal the draft, then the first that differs
+        (the correction) or, after a fully accepted draft, the bonus; stops at a token
+        that finishes the request. The KV of rejected draft positions is dropped, and
+        only committed full blocks are registered in the prefix cache.
+        """
+        req, draft = row.request, row.draft
+        computed = req.kv_len  # the whole history; drafts sit after it
+        committed: list[int] = []
+        for j, (token, lp) in enumerate(results):
+            req.sampler.commit(token)
+            req.append_token(token, lp)
+            committed.append(token)
+            if req.is_finished or j == len(draft) or token != draft[j]:
+                break
+        req.block_table.kv_len = computed + len(draft)  # what the forward pass wrote
+        self.kv.truncate(req, computed + len(committed) - 1)  # keep accepted drafts only
+        self.kv.register_computed(req)
+        req.check_invariant()
+        self.stats["generation_tokens"] += len(committed)
+        spec = req.speculator
+        if spec is not None:
+            spec.observe(committed)
+            if spec.wants_topk and topk is not None:
+                inputs = [req.token_ids[computed - 1], *draft][:len(committed)]
+                spec.observe_topk(inputs, topk[:len(committed)])
+            if draft and row.proposal is not None:
+                accepted = 0
+                while (accepted < min(len(committed), len(draft))
+                       and committed[accepted] == draft[accepted]):
+                    accepted += 1
+                spec.feedback(row.proposal, len(draft), accepted,
+                              bonus=len(committed) == len(draft) + 1)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        param = getattr(e, "param", None)  # set when the request's own input is at fault
+        log.log(logging.INFO if param else logging.WARNING, "request %s failed: %s",
+                req.request_id, e)
+        self.kv.truncate(req, len(req.token_ids) - 1)
+        req.finish(FinishReason.ERROR, str(e), param)
+
+    def _zero_fresh_blocks(self) -> None:
+        """Zero blocks handed out for the first time, before anything reads them."""
+        fresh = self.kv.allocator.take_fresh()
+        if fresh:
+            self.runner.kv.zero_blocks(fresh)
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        """Sample and commit one token from one row (a forked sibling's first token)."""
+        try:
+            token, lp = req.sampler.sample(logits, req.token_ids, req.num_output)
+            req.append_token(token, lp)
+            req.check_invariant()
+            self.stats["generation_tokens"] += 1
+            if req.speculator is not None:
+                req.speculator.observe([token])
+        except InvalidDecodeState:
+            raise
+        except Exception as e:
+            self._fail(req, e)
+
+    def _fork(self, parent: Request, logits: torch.Tensor) -> list[Request]:
+        """Start the parent's siblings from its just-computed prompt and logits row."""
+        siblings, parent.forks = parent.forks, []
+        started, fallback = [], []
+        for child in siblings:
+            self._fork_parent.pop(child.request_id, None)
+            try:
+                copy = self.kv.fork(parent, child)
+            except OutOfBlocks:  # no block for its own copy: it prefills on its own
+                fallback.append(child)
+                continue
+            if copy is not None:
+                self._zero_fresh_blocks()  # before the copy fills one of them
+                self.runner.kv.copy_block(*copy)
+            if parent.params.prompt_logprobs is not None:
+                child.prompt_logprobs = list(parent.prompt_logprobs)
+            self.scheduler.start_running(child)
+            self._sample(child, logits)
+            started.append(child)
+        self.scheduler.requeue(fallback)
+        return started
+
+    def _release_forks(self, finished: list[Request]) -> None:
+        """Siblings of a request that ended before its prompt was computed prefill alone."""
+        for req in finished:
+            if req.forks:
+                for child in req.forks:
+                    self._fork_parent.pop(child.request_id, None)
+                self.scheduler.requeue(req.forks)
+                req.forks = []
 
     def _apply_aborts(self) -> list[Request]:
         with self._lock:
@@ -218,12 +711,18 @@ class LLMEngine:
         aborted = []
         for rid in ids:
             req = self._requests.get(rid)
-            if req is not None and not req.is_finished:
-                req.finish(FinishReason.ABORT)
-                aborted.append(req)
+            if req is None or req.is_finished:
+                continue
+            req.finish(FinishReason.ABORT)
+            aborted.append(req)
+            parent = self._fork_parent.pop(rid, None)
+            if parent is not None:  # a sibling still waiting for its fork: no blocks held
+                parent.forks.remove(req)
+                self._requests.pop(rid)
         return aborted
 
-    def _output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request) -> RequestOutput:
+        """The request's state for its caller; consumes the pending delta."""
         delta = req.take_delta()
         n_sent, out_ids = req.streamed_tokens, req.output_ids
         req.streamed_tokens = len(out_ids)
@@ -241,6 +740,14 @@ class LLMEngine:
             logprobs=req.logprobs if want_lp and req.is_finished else None,
             delta_logprobs=req.logprobs[n_sent:] if want_lp else None,
             error=req.error,
+            error_param=req.error_param,
+            retry_after=req.retry_after,
+            queued_seconds=(req.admitted_time - req.arrival_time
+                            if req.admitted_time is not None else None),
+            spec=req.speculator.stats if req.speculator is not None else None,
+            prompt_logprobs=(req.prompt_logprobs if req.params.prompt_logprobs is not None
+                             and req.is_finished else None),
+            prompt_token_ids=req.prompt_ids if req.params.prompt_logprobs is not None else None,
         )
 
     # ---------------------------------------------------------------- introspection
@@ -254,5 +761,30 @@ class LLMEngine:
             "prefix_cache_queries": prefix.queries if prefix else 0,
             "prefix_cache_hits": prefix.hits if prefix else 0,
             "preemptions": self.scheduler.num_preemptions,
+            "tenants": self._tenant_counts(),
+            "spec": self.spec_totals,
             **self.stats,
         }
+
+    def _tenant_counts(self) -> dict[str, dict[str, int]]:
+        """Running and waiting requests per tenant (safe to call from any thread)."""
+        counts: dict[str, dict[str, int]] = {}
+        for state, reqs in (("running", list(self.scheduler.running)),
+                            ("waiting", list(self.scheduler.waiting))):
+            for req in reqs:
+                counts.setdefault(req.tenant, {"running": 0, "waiting": 0})[state] += 1
+        return counts
+
+
+def _template(source: str, loaded: LoadedModel) -> ChatTemplate:
+    """A chat template given as text, with the model's BOS/EOS texts."""
+    old, tok = loaded.chat_template, loaded.tokenizer
+
+    def text(token: int | None) -> str:
+        return "" if token is None else tok.token_bytes(token).decode("utf-8", "replace")
+
+    try:
+        return ChatTemplate(source, bos_token=old.bos_token if old else text(tok.bos_id),
+                            eos_token=old.eos_token if old else text(tok.eos_id))
+    except ChatTemplateError as e:
+        raise InvalidConfig(f"chat_template: {e}") from None

@@ -1,11 +1,17 @@
 """EngineThread: one thread owns the engine; callers talk to it through queues.
 
 Callers (the HTTP server's event loop, or any thread) submit requests and receive
-each request's outputs through a callback or a thread-safe queue. Submissions are
-executed on the engine thread, between steps, so the model, the KV pool and the
-sampler states are only ever touched by that thread. ``submit`` returns once the
-engine accepted the request, and re-raises ``QueueFull`` / ``InvalidRequest`` in
-the caller's thread so it can answer 429 / 400 at once.
+each request's outputs through a callback or a thread-safe queue. The model, the
+KV pool and the scheduler are only ever touched by the engine thread.
+
+Submitting never waits for the engine. A caller first takes a :class:`Slot` (this
+is where a full queue is refused, at once), prepares its requests with
+``engine.prepare`` in its own thread (validation, grammar compilation: a bad
+request is refused there, also at once), and hands them over with ``Slot.submit``,
+which only puts them in the inbox. The engine thread moves them into the scheduler
+between steps. A queue of N therefore bounds the requests being prepared, in the
+inbox and waiting in the scheduler together, and a burst beyond it gets its
+``QueueFull`` in microseconds rather than after the next step.
 """
 
 from __future__ import annotations
@@ -14,11 +20,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ember.engine.engine import LLMEngine, RequestOutput
+from ember.engine.request import FinishReason, Request
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor
@@ -34,13 +40,8 @@ class EngineStopped(EmberError):
 
 @dataclass
 class _Submit:
-    prompt_ids: list[int]
-    params: SamplingParams
-    tenant: str | None
-    processors: list[LogitProcessor]
+    group: list[Request]
     callback: OutputCallback
-    request_id: str | None
-    future: Future
 
 
 class RequestStream:
@@ -61,12 +62,45 @@ class RequestStream:
                 return
 
 
+class Slot:
+    """A place in the engine's queue, held from admission until the requests are handed
+    over (or released). Use as a context manager: leaving without submitting releases."""
+
+    def __init__(self, owner: EngineThread) -> None:
+        self._owner = owner
+        self._open = True
+
+    def submit(self, group: list[Request], callback: OutputCallback) -> list[str]:
+        """Hand prepared requests (one group: n choices of a prompt) to the engine thread;
+        returns their ids at once. ``callback`` receives every output of every request,
+        on the engine thread."""
+        if not self._open:
+            raise RuntimeError("slot already used")
+        self._open = False
+        return self._owner._hand_over(group, callback)
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._owner._release_slot()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[_Submit | None] = queue.Queue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
+        self._lock = threading.Lock()  # guards the three fields below
+        self._slots = 0  # groups admitted to the queue but not yet in the scheduler
+        self._in_inbox: set[str] = set()  # ids handed over, not yet enqueued
+        self._cancelled: set[str] = set()  # of those, the ones aborted meanwhile
         self._stopping = False
         self.error: BaseException | None = None
 
@@ -78,23 +112,36 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    # ------------------------------------------------------------ callers
+    def slot(self) -> Slot:
+        """Take a place in the queue now; raises ``QueueFull`` or ``EngineStopped``."""
+        with self._lock:
+            if self._stopping or not self.alive:
+                raise EngineStopped("the engine is not running")
+            self.engine.check_queue(pending=self._slots)
+            self._slots += 1
+        return Slot(self)
+
+    def queue_full(self) -> bool:
+        """Whether :meth:`slot` would raise ``QueueFull`` now (a lock-free read)."""
+        return len(self.engine.scheduler.waiting) + self._slots >= self.engine.config.max_queue
+
     def submit(
         self,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         callback: OutputCallback,
         *,
         tenant: str | None = None,
         processors: list[LogitProcessor] | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; return its id once the engine accepted it."""
-        if self._stopping or not self.alive:
-            raise EngineStopped("the engine is not running")
-        fut: Future = Future()
-        self._inbox.put(_Submit(prompt_ids, params, tenant, processors or [], callback,
-                                request_id, fut))
-        return fut.result()
+        """Prepare and queue a request (several params: n choices of one prompt, the
+        first id is returned); raises QueueFull / InvalidRequest here, in the caller."""
+        with self.slot() as slot:
+            group = self.engine.prepare(prompt_ids, params, tenant=tenant,
+                                        processors=processors or (), request_id=request_id)
+            return slot.submit(group, callback)[0]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, **kw: object) -> RequestStream:
         s = RequestStream()
@@ -102,28 +149,50 @@ class EngineThread:
         return s
 
     def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._in_inbox:
+                self._cancelled.add(request_id)
+                return
         self.engine.abort(request_id)
 
     def abort_all(self) -> None:
         """Abort every request the thread delivers outputs for (thread-safe)."""
+        with self._lock:
+            self._cancelled |= self._in_inbox
         for rid in list(self._callbacks):
             self.engine.abort(rid)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, abort whatever is still running, and join the thread."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout)
 
     def drain(self, timeout: float) -> bool:
         """Stop accepting and wait up to ``timeout`` s for in-flight requests to finish."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._callbacks or not self._inbox.empty():
+        while self._callbacks or self._slots:
             if time.monotonic() >= deadline or not self.alive:
                 return False
             time.sleep(0.02)
         return True
+
+    def _hand_over(self, group: list[Request], callback: OutputCallback) -> list[str]:
+        ids = [r.request_id for r in group]
+        with self._lock:
+            if self._stopping or not self.alive:
+                self._slots -= 1
+                raise EngineStopped("the engine is not running")
+            self._in_inbox.update(ids)
+        self._inbox.put(_Submit(group, callback))
+        return ids
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._slots -= 1
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -142,10 +211,10 @@ class EngineThread:
             log.exception("engine thread crashed")
             self.error = e
         finally:
-            self._finish_all("the engine stopped")
+            self._finish_all()
 
     def _take_submissions(self, block: bool) -> bool:
-        """Admit queued submissions; return False when asked to stop."""
+        """Move handed-over groups into the engine; return False when asked to stop."""
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
@@ -154,17 +223,28 @@ class EngineThread:
             block = False
             if item is None:
                 return False
-            try:
-                req = self.engine.add_request(item.prompt_ids, item.params,
-                                              request_id=item.request_id, tenant=item.tenant,
-                                              processors=item.processors)
-            except Exception as e:
-                item.future.set_exception(e)
-                continue
-            self._callbacks[req.request_id] = item.callback
-            item.future.set_result(req.request_id)
+            self._enqueue(item)
 
-    def _finish_all(self, reason: str) -> None:
+    def _enqueue(self, item: _Submit) -> None:
+        ids = [r.request_id for r in item.group]
+        try:
+            self.engine.enqueue(item.group)
+        except Exception as e:  # a duplicate caller-chosen id: fail the group in-band
+            for req in item.group:
+                req.finish(FinishReason.ERROR, str(e))
+                self._deliver(item.callback, self.engine.output(req))
+            ids = []
+        for rid in ids:
+            self._callbacks[rid] = item.callback
+        with self._lock:
+            self._slots -= 1
+            self._in_inbox.difference_update(r.request_id for r in item.group)
+            cancelled = self._cancelled.intersection(ids)
+            self._cancelled.difference_update(cancelled)
+        for rid in cancelled:
+            self.engine.abort(rid)
+
+    def _finish_all(self) -> None:
         for rid in list(self._callbacks):
             self.engine.abort(rid)
         if self._callbacks:
@@ -175,13 +255,17 @@ class EngineThread:
                         self._deliver(cb, out)
             except Exception:  # pragma: no cover
                 log.exception("final step failed")
+        with self._lock:
+            self._stopping = True
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and not item.future.done():
-                item.future.set_exception(EngineStopped(reason))
+            if item is not None:  # handed over as the engine stopped: ends like the rest
+                for req in item.group:
+                    req.finish(FinishReason.ABORT)
+                    self._deliver(item.callback, self.engine.output(req))
 
     @staticmethod
     def _deliver(cb: OutputCallback, out: RequestOutput) -> None:
@@ -189,3 +273,4 @@ class EngineThread:
             cb(out)
         except Exception:  # a broken consumer must not take the engine down
             log.exception("output callback failed for %s", out.request_id)
+

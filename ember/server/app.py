@@ -1,43 +1,69 @@
-"""The OpenAI-compatible HTTP server: routes, auth, streaming, overload, cancellation.
+"""The OpenAI-compatible HTTP server: routes, auth, admission, streaming, cancellation.
 
-The event loop never touches the model: each generation is handed to the
-:class:`EngineThread` and its outputs come back through ``call_soon_threadsafe``
-into an asyncio queue. A client that disconnects (streaming or not) has its request
-aborted, which frees its KV blocks at the next engine step.
+A generation request goes through the same steps on every route:
+
+1. on the event loop, only cheap checks: the API key (compared in constant time),
+   the content type, the body size and read deadline (:mod:`ember.server.transport`)
+   and a place in the engine's queue (429 at once when it is full);
+2. in a small pool of preparation threads, everything that costs CPU in proportion
+   to the input: JSON decoding, validation, a bound on the prompt's length from its
+   character count (a huge prompt is refused before it is tokenized), the chat
+   template, tokenization, and the engine's own ``prepare`` (grammar compilation);
+3. a non-blocking hand-over to the :class:`EngineThread`; outputs come back through
+   ``call_soon_threadsafe`` into an asyncio queue.
+
+A client that disconnects, at any point, has its requests aborted at the next
+engine step (their KV blocks are freed then) and is counted as a client abort
+(HTTP 499 in the metrics, one log line), never as a server error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import gc
 import hashlib
-import json
+import hmac
 import logging
+import math
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.config import EngineConfig
-from ember.engine.engine import InvalidRequest, LLMEngine, QueueFull, RequestOutput
-from ember.engine.thread import EngineStopped, EngineThread
+from ember.engine.engine import SLO, InvalidRequest, LLMEngine, QueueFull, RequestOutput
+from ember.engine.request import Request as EngineRequest
+from ember.engine.thread import EngineStopped, EngineThread, Slot
 from ember.errors import EmberError
-from ember.sampling.constraints import GrammarError, StructuredOutput
 from ember.sampling.params import SamplingParams
-from ember.sampling.sampler import TokenLogprobs
+from ember.sampling.reasoning import open_in_prompt
+from ember.server import openapi
 from ember.server import protocol as P
+from ember.server import render as R
 from ember.server.metrics import Metrics
+from ember.server.transport import (
+    ClientGone,
+    JSONBody,
+    decode_json,
+    disconnected,
+    guarded_protocol,
+    read_body,
+)
 
 log = logging.getLogger("ember.server")
 DEFAULT_TENANT = "default"
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -45,25 +71,85 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     served_model_name: str | None = None
+    metrics_api_key: str | None = None  # else /metrics takes the API keys, if any
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive
+    body_timeout: float = 60.0  # seconds for a request's whole body to arrive
+    prep_threads: int = 2  # threads that decode, template and tokenize requests
+    slo_ttft: float | None = None  # default seconds to first token (requests may set theirs)
+    slo_tpot: float | None = None  # default seconds per output token
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
 
 
-def load_api_keys(keys: list[str], keys_file: Path | None) -> dict[str, str]:
-    """``--api-key K`` (tenant derived from the key) and a file of ``KEY [TENANT]`` lines."""
+def load_api_keys(keys: list[str], keys_file: Path | None
+                  ) -> tuple[dict[str, str], dict[str, float]]:
+    """``--api-key K`` (tenant derived from the key) and a file of ``KEY [TENANT [WEIGHT]]``
+    lines; returns key -> tenant and tenant -> fair-share weight (default 1)."""
     out = {k: _tenant_of(k) for k in keys}
+    weights: dict[str, float] = {}
     if keys_file is not None:
         for n, line in enumerate(keys_file.read_text().splitlines(), 1):
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
-            if len(parts) > 2:
-                raise EmberError(f"{keys_file}:{n}: expected 'KEY [TENANT]', got {line!r}")
-            out[parts[0]] = parts[1] if len(parts) == 2 else _tenant_of(parts[0])
-    return out
+            if len(parts) > 3:
+                raise EmberError(f"{keys_file}:{n}: expected 'KEY [TENANT [WEIGHT]]', "
+                                 f"got {line!r}")
+            tenant = parts[1] if len(parts) >= 2 else _tenant_of(parts[0])
+            out[parts[0]] = tenant
+            if len(parts) == 3:
+                weights[tenant] = _weight(parts[2], f"{keys_file}:{n}")
+    return out, weights
+
+
+def _weight(text: str, where: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = 0.0
+    if not weight > 0 or weight != weight or weight == float("inf"):
+        raise EmberError(f"{where}: the weight must be a positive number, got {text!r}")
+    return weight
 
 
 def _tenant_of(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+@dataclass
+class Route:
+    """What differs between the generation routes."""
+
+    body: type[P._Body]
+    primary: str  # the field holding the prompt: messages, prompt or input
+    grammar: str  # the field holding the output format
+    build: Callable[[Server, Any], list[tuple[list[int], list[SamplingParams]]]]
+    cap: Callable[[Any], str] = lambda req: "max_tokens"  # the request's output-cap name
+
+    def names(self, req: Any) -> dict[str, str]:
+        """Engine parameter names -> the names this request used for them."""
+        grammar = "tools" if getattr(req, "tool_plan", None) is not None else self.grammar
+        return {"max_tokens": self.cap(req), "structured": grammar,
+                "prompt": self.primary, "n": "n"}
+
+
+@dataclass
+class Admitted:
+    """A validated, prepared generation request holding its places in the queue."""
+
+    req: Any  # the protocol body
+    groups: list[list[EngineRequest]]  # one per prompt: its n choices
+    slots: list[Slot]
+    names: dict[str, str]
+
+    def release(self) -> None:
+        for slot in self.slots:
+            slot.release()
 
 
 class Server:
@@ -75,6 +161,9 @@ class Server:
         self.load_error: str | None = None
         self.metrics = Metrics(self._engine_stats)
         self._engine = engine
+        self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
+        self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
+        self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
 
     # ------------------------------------------------------------ lifecycle
     def start_loading(self) -> threading.Thread:
@@ -87,6 +176,10 @@ class Server:
             engine = self._engine or LLMEngine(self.config.engine)
             self.thread = EngineThread(engine).start()
             log.info("model %s loaded in %.2fs", engine.loaded.name, engine.loaded.load_seconds)
+            # torch, the model and the tokenizer are a million long-lived objects: left in
+            # the collected generations, every full collection walks them all (~100 ms,
+            # measured), stalling the event loop mid-burst. They live as long as we do.
+            gc.freeze()
         except Exception as e:
             log.exception("loading the model failed")
             self.load_error = str(e)
@@ -97,11 +190,14 @@ class Server:
 
     @property
     def engine(self) -> LLMEngine:
+        return self._thread().engine
+
+    def _thread(self) -> EngineThread:
         if not self.ready:
             raise P.APIError(503, self.load_error or "the model is still loading",
                              type="server_error", code="model_not_ready")
         assert self.thread is not None
-        return self.thread.engine
+        return self.thread
 
     def model_names(self) -> list[str]:
         engine = self.engine
@@ -116,122 +212,319 @@ class Server:
     def _engine_stats(self) -> dict[str, Any]:
         return self.thread.engine.metrics() if self.thread else {}
 
-    # ------------------------------------------------------------ requests
-    def tenant(self, request: Request) -> str:
-        keys = self.config.api_keys
-        if not keys:
-            return DEFAULT_TENANT
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+    # ------------------------------------------------------------ auth
+    def _bearer(self, request: Request) -> bytes:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
             raise P.APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
-        tenant = keys.get(token.strip())
+        return _digest(token.strip())
+
+    def tenant(self, request: Request) -> str:
+        """The tenant of the request's API key (every key is compared: constant time)."""
+        if not self._keys:
+            return DEFAULT_TENANT
+        tenant = self._owner(self._bearer(request))
         if tenant is None:
             raise P.APIError(401, "invalid API key", code="invalid_api_key")
         return tenant
+
+    def _owner(self, digest: bytes) -> str | None:
+        tenant = None
+        for key, owner in self._keys:
+            if hmac.compare_digest(key, digest):
+                tenant = owner
+        return tenant
+
+    def authorized(self, authorization: bytes) -> bool:
+        """Whether a raw ``Authorization`` header holds a valid key (or none is needed)."""
+        if not self._keys:
+            return True
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        return (scheme.lower() == "bearer" and bool(token.strip())
+                and self._owner(_digest(token.strip())) is not None)
+
+    def check_metrics_access(self, request: Request) -> None:
+        if self._metrics_key is None:
+            self.tenant(request)  # the API keys, if any
+        elif not hmac.compare_digest(self._bearer(request), self._metrics_key):
+            raise P.APIError(401, "invalid metrics API key", code="invalid_api_key")
+
+    # ------------------------------------------------------------ admission
+    async def admit(self, request: Request, route: Route) -> Admitted:
+        """Steps 1 and 2 of the module docstring; the result holds its queue places."""
+        arrival = time.monotonic()  # what the client's TTFT counts from
+        tenant = self.tenant(request)
+        raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
+        thread = self._thread()
+        with _as_api_errors({}):
+            first = thread.slot()
+        try:
+            loop = asyncio.get_running_loop()
+            req, groups = await loop.run_in_executor(self._prep, self._prepare, route, raw,
+                                                     tenant, arrival)
+            slots = [first]
+            with _as_api_errors({}):
+                slots += [thread.slot() for _ in groups[1:]]
+        except BaseException:
+            first.release()
+            raise
+        return Admitted(req, groups, slots, route.names(req))
+
+    def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float
+                 ) -> tuple[Any, list[list[EngineRequest]]]:
+        """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
+        req = P.parse(route.body, decode_json(raw))
+        self.check_model(req.model)
+        names = route.names(req)
+        with _as_api_errors({}):
+            slo = self._slo(req)
+        groups = []
+        for prompt_ids, params in route.build(self, req):
+            with _as_api_errors(names):
+                groups.append(self.engine.prepare(
+                    prompt_ids, params, tenant=tenant, priority=req.priority or 0, slo=slo,
+                    weight=self.config.tenant_weights.get(tenant, 1.0), arrival=arrival,
+                    references=req.references or ()))
+        return req, groups
+
+    def _slo(self, req: Any) -> SLO | None:
+        """The request's objectives: its own ``slo`` extension, else the server's."""
+        own = req.slo or P.SLOSpec()
+        ttft = own.ttft_ms / 1000 if own.ttft_ms is not None else self.config.slo_ttft
+        tpot = own.tpot_ms / 1000 if own.tpot_ms is not None else self.config.slo_tpot
+        return SLO(ttft, tpot) if ttft is not None or tpot is not None else None
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names():
             raise P.APIError(404, f"the model '{model}' does not exist; this server serves "
                              f"'{self.model_names()[0]}'", param="model", code="model_not_found")
 
-    async def check_grammar(self, spec: StructuredOutput | None, param: str) -> None:
-        """Compile the request's grammar now (cached), so a bad one is a 400 up front."""
-        if spec is None:
-            return
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt that cannot fit the context window: no
+        token is longer than the vocabulary's longest, so ``chars / longest`` tokens is
+        a lower bound."""
+        longest = self.engine.tokenizer.max_token_bytes
+        at_least = -(-chars // longest)
+        limit = self.engine.max_model_len
+        if at_least > limit:
+            raise P.APIError(400, f"'{param}' is at least {at_least} tokens long ({chars} "
+                             f"characters); the context window is {limit} tokens",
+                             param=param, code="context_length_exceeded")
+
+    def chat_ids(self, messages: list[dict[str, Any]], param: str) -> list[int]:
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), param)
         try:
-            await asyncio.to_thread(self.engine.grammars.compile, spec)
-        except GrammarError as e:
-            raise P.APIError(400, f"invalid {param}: {e}", param=param) from None
+            return self.engine.loaded.encode_chat(messages)
+        except EmberError as e:
+            where = getattr(e, "param", None)
+            if where and where.startswith("messages"):
+                where = param + where[len("messages"):]
+            raise P.APIError(400, f"cannot apply the chat template: {e}",
+                             param=where or param) from None
 
-    async def generate(self, prompt_ids: list[int], params: list[SamplingParams], tenant: str,
-                       request: Request, max_tokens_param: str = "max_tokens"
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield ``(choice_index, output)`` for ``len(params)`` choices of one prompt.
+    # ------------------------------------------------------------ tokenizer routes
+    @property
+    def prep_pool(self) -> ThreadPoolExecutor:
+        """The threads that decode, template and tokenize requests off the event loop."""
+        return self._prep
 
-        Choice 0 is submitted first; the others follow once it has produced its first
-        token, by which time the prompt's full blocks are in the prefix cache, so the
-        siblings reuse them instead of recomputing the prompt. ``max_tokens_param`` is
-        the request's own name for the output cap, which errors about it then name.
+    def tokenize(self, req: P.TokenizeRequest) -> dict[str, Any]:
+        """Runs in a preparation thread (a long prompt takes a while to tokenize)."""
+        loaded, tokenizer = self.engine.loaded, self.engine.tokenizer
+        if req.messages is not None:
+            messages = req.template_messages()
+            self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            try:
+                ids = loaded.encode_chat(messages, req.add_generation_prompt)
+            except EmberError as e:
+                raise P.APIError(400, f"cannot apply the chat template: {e}",
+                                 param="messages") from None
+        else:
+            assert req.prompt is not None
+            self.check_prompt_chars(len(req.prompt), "prompt")
+            add_bos = tokenizer.add_bos if req.add_special_tokens in (None, True) else False
+            ids = tokenizer.encode(req.prompt, add_bos=add_bos)
+        strs = ([tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ids]
+                if req.return_token_strs else None)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    def detokenize(self, req: P.DetokenizeRequest) -> dict[str, Any]:
+        vocab = self.engine.tokenizer.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise P.APIError(400, f"'tokens[{i}]' = {t} is not a token id (0..{vocab - 1})",
+                                 param=f"tokens[{i}]")
+        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        loaded, tok = self.engine.loaded, self.engine.tokenizer
+
+        def text(token: int | None) -> str | None:
+            return None if token is None else tok.token_bytes(token).decode("utf-8", "replace")
+
+        return {"tokenizer_class": type(tok).__name__, "model": self.model_names()[0],
+                "vocab_size": tok.vocab_size, "model_max_length": self.engine.max_model_len,
+                "bos_token": text(tok.bos_id), "bos_token_id": tok.bos_id,
+                "eos_token": text(tok.eos_id), "eos_token_id": tok.eos_id,
+                "add_bos_token": bool(tok.add_bos),
+                "chat_template": loaded.chat_template.source if loaded.chat_template else None}
+
+    # ------------------------------------------------------------ generation
+    def generate(self, adm: Admitted, request: Request
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Hand the admitted groups to the engine now; iterate ``(choice index, output)``.
+
+        Choice ``i`` is choice ``i % n`` of prompt ``i // n``. A failed output becomes
+        an APIError (400 when the request's own parameter caused it, else 500).
+        Leaving the iteration early aborts whatever is still running.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        thread = self.thread
-        assert thread is not None
-        ids: dict[int, str] = {}
-        open_choices: set[int] = set()
+        reqs = [r for group in adm.groups for r in group]
+        where = {r.request_id: i for i, r in enumerate(reqs)}
 
-        async def submit(i: int) -> None:
-            def deliver(out: RequestOutput, i: int = i) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, out))
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (where[out.request_id], out))
 
-            ids[i] = await asyncio.to_thread(thread.submit, prompt_ids, params[i], deliver,
-                                             tenant=tenant)
-            open_choices.add(i)
+        thread = self._thread()
+        submitted: list[EngineRequest] = []
+        try:
+            with _as_api_errors(adm.names):
+                for group, slot in zip(adm.groups, adm.slots, strict=True):
+                    slot.submit(group, deliver)
+                    submitted += group
+        except BaseException:
+            adm.release()
+            for r in submitted:
+                thread.abort(r.request_id)
+            raise
+        return self._outputs(reqs, queue, thread, adm.names, disconnected(request))
 
-        timings = {i: _Timing() for i in range(len(params))}
+    async def _outputs(self, reqs: list[EngineRequest], queue: asyncio.Queue,
+                       thread: EngineThread, names: dict[str, str], gone: asyncio.Future
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        open_choices = set(range(len(reqs)))
+        timings = {i: _Timing() for i in open_choices}
         latest: dict[int, RequestOutput] = {}
         try:
-            await self._guard(submit(0), max_tokens_param)
-            pending_siblings = len(params) > 1
             while open_choices:
-                i, out = await self._next(queue, request)
+                i, out = await _next(queue, gone)
                 timings[i].seen(out)
                 latest[i] = out
                 if out.finished:
                     open_choices.discard(i)
-                    self._observe(timings[i], out)
+                    self._observe(timings[i], out, reqs[i])
+                    if out.finish_reason == "rejected":
+                        raise _unattainable(out)
+                    if out.finish_reason == "error":
+                        raise _failure(out, names)
                 yield i, out
-                if pending_siblings:
-                    pending_siblings = False
-                    for j in range(1, len(params)):
-                        await self._guard(submit(j), max_tokens_param)
         finally:
-            for i in open_choices:  # the client went away (or the server failed)
-                thread.abort(ids[i])
+            gone.cancel()
+            for i in open_choices:  # the client went away (or a sibling failed)
+                thread.abort(reqs[i].request_id)
                 done = latest[i].completion_tokens if i in latest else 0
                 self.metrics.observe_request(timings[i].ttft, timings[i].itls,
                                              time.monotonic() - timings[i].start,
-                                             len(prompt_ids), done, "abort")
+                                             reqs[i].num_prompt, done, "abort")
 
-    async def _guard(self, coro: Any, max_tokens_param: str = "max_tokens") -> None:
-        try:
-            await coro
-        except QueueFull as e:
-            raise P.APIError(429, f"server overloaded: {e}; retry later", type="rate_limit_error",
-                             code="queue_full",
-                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except InvalidRequest as e:
-            if e.param == "max_tokens" and max_tokens_param != "max_tokens":
-                raise P.APIError(400, str(e).replace("max_tokens (", f"{max_tokens_param} ("),
-                                 param=max_tokens_param) from None
-            raise P.APIError(400, str(e), param=e.param) from None
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
-
-    @staticmethod
-    async def _next(queue: asyncio.Queue, request: Request) -> tuple[int, RequestOutput]:
-        """Next output; notices a client that went away while we wait."""
-        getter = asyncio.ensure_future(queue.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({getter}, timeout=0.25)
-                if done:
-                    return getter.result()
-                if await request.is_disconnected():
-                    raise ClientGone()
-        finally:
-            getter.cancel()
-
-    def _observe(self, t: _Timing, out: RequestOutput) -> None:
+    def _observe(self, t: _Timing, out: RequestOutput, req: EngineRequest) -> None:
         self.metrics.observe_request(t.ttft, t.itls, time.monotonic() - t.start,
                                      out.prompt_tokens, out.completion_tokens,
-                                     out.finish_reason or "error")
+                                     out.finish_reason or "error", out.queued_seconds)
+        if req.slo_ttft is not None or req.slo_tpot is not None:
+            self.metrics.observe_slo(_met(t, out, req))
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before its request finished."""
+def _met(t: _Timing, out: RequestOutput, req: EngineRequest) -> bool:
+    """Whether a finished request met its objectives, as its client saw them."""
+    if out.finish_reason not in ("stop", "length") or t.ttft is None:
+        return False
+    if req.slo_ttft is not None and t.ttft > req.slo_ttft:
+        return False
+    if req.slo_tpot is not None and out.completion_tokens > 1 and t.last is not None:
+        tpot = (t.last - t.first) / (out.completion_tokens - 1)  # type: ignore[operator]
+        return tpot <= req.slo_tpot
+    return True
+
+
+def _unattainable(out: RequestOutput) -> P.APIError:
+    wait = max(1, math.ceil(out.retry_after or 1))
+    return P.APIError(429, f"server overloaded: {out.error}; retry after {wait} s",
+                      type="rate_limit_error", code="slo_unattainable",
+                      headers={"Retry-After": str(wait)})
+
+
+def _overloaded(why: str) -> P.APIError:
+    return P.APIError(429, f"server overloaded: {why}; retry later", type="rate_limit_error",
+                      code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+class AdmissionGate:
+    """ASGI middleware: while the queue is full, answer a generation request 429 at once.
+
+    In a burst, the cost of each refusal is what the last request in line waits for;
+    refusing here, before routing, body reading and exception handling, makes it a few
+    microseconds instead of most of a millisecond. An unauthenticated request passes
+    through (the route answers 401); a slot freed meanwhile lets the next one in.
+    """
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        thread = self.server.thread
+        if (scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
+                and scope["method"] == "POST" and thread is not None and thread.queue_full()
+                and self.server.authorized(dict(scope["headers"]).get(b"authorization", b""))):
+            e = _overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
+            self.server.metrics.count_http(scope["path"], 429)
+            body = JSONBody(e.body(), status_code=429,
+                            headers={**e.headers, "Connection": "close"})
+            await body(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _failure(out: RequestOutput, names: dict[str, str]) -> P.APIError:
+    if out.error_param:
+        param = names.get(out.error_param, out.error_param)
+        return P.APIError(400, f"{param}: {out.error}", param=param,
+                          code="invalid_request_during_generation")
+    return P.APIError(500, f"generation failed: {out.error}", type="server_error")
+
+
+@contextlib.contextmanager
+def _as_api_errors(names: dict[str, str]) -> Iterator[None]:
+    """Engine admission errors as HTTP errors, named as the request named things."""
+    try:
+        yield
+    except QueueFull as e:
+        raise _overloaded(str(e)) from None
+    except InvalidRequest as e:
+        param = names.get(e.param, e.param)
+        message = str(e)
+        if e.param == "max_tokens":
+            message = message.replace("max_tokens (", f"{param} (")
+        elif e.param == "structured":
+            message = f"invalid {param}: {message}"
+        raise P.APIError(400, message, param=param) from None
+    except EngineStopped as e:
+        raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
+
+
+async def _next(queue: asyncio.Queue, gone: asyncio.Future) -> tuple[int, RequestOutput]:
+    """The next output, or ClientGone as soon as the client disconnects."""
+    getter = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        raise ClientGone()
+    finally:
+        getter.cancel()
 
 
 @dataclass
@@ -256,139 +549,204 @@ class _Timing:
         self.last = now
 
 
+# ====================================================================== routes' prompts
+def _chat_prompts(server: Server, req: P.ChatCompletionRequest
+                  ) -> list[tuple[list[int], list[SamplingParams]]]:
+    prompt_ids = server.chat_ids(req.template_messages(), "messages")
+    params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
+    budget = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    if budget is not None:
+        params = [dataclasses.replace(p, thinking_budget=budget) for p in params]
+    return [(prompt_ids, params)]
+
+
+def _reasoning(server: Server, req: Any, prompt_ids: list[int],
+               asked: tuple[int, str] | None) -> int | None:
+    """The thinking budget of a chat request (None: the model does not think), and
+    how its reply splits (``req.reasoning_split``)."""
+    tags = server.engine.thinking_tags
+    if tags is None:
+        if asked is not None:
+            raise P.APIError(400, f"'{asked[1]}' needs a model whose chat template has "
+                             "thinking tags", param=asked[1])
+        return None
+    if req.tool_plan is not None:
+        return None  # a tool grammar starts at the first token: no reasoning
+    opened = open_in_prompt(server.engine.tokenizer.decode(prompt_ids[-16:]), tags)
+    req.reasoning_split = (tags, opened)
+    return asked[0] if asked is not None else 1 << 30  # the answer's share still holds
+
+
+def _completion_prompts(server: Server, req: P.CompletionRequest
+                        ) -> list[tuple[list[int], list[SamplingParams]]]:
+    prompts = req.prompts()
+    if req.stream and len(prompts) > 1:
+        raise P.unsupported("prompt", "as a batch is not supported with stream: true")
+    for p in prompts:
+        server.check_prompt_chars(len(p), "prompt")  # token ids: one each
+    params = [req.sampling(req.max_tokens, req.logprobs, j, req.prompt_logprobs)
+              for j in range(req.n)]
+    return [(server.engine.loaded.encode_prompt(p), params) for p in prompts]
+
+
+def _responses_prompts(server: Server, req: P.ResponsesRequest
+                       ) -> list[tuple[list[int], list[SamplingParams]]]:
+    prompt_ids = server.chat_ids(req.template_messages(), "input")
+    params = req.sampling()
+    budget = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    if budget is not None:
+        params = dataclasses.replace(params, thinking_budget=budget)
+    return [(prompt_ids, [params])]
+
+
+CHAT = Route(P.ChatCompletionRequest, "messages", "response_format", _chat_prompts,
+             lambda req: "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+COMPLETIONS = Route(P.CompletionRequest, "prompt", "response_format", _completion_prompts)
+RESPONSES = Route(P.ResponsesRequest, "input", "text.format", _responses_prompts,
+                  lambda req: "max_output_tokens")
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+
 # ====================================================================== the app
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="ember", version="0.1.0",
+    app = FastAPI(title="ember", version="0.1.0", default_response_class=JSONBody,
                   description="OpenAI-compatible server for GGUF models")
     app.state.server = server
 
     @app.exception_handler(P.APIError)
-    async def _api_error(request: Request, e: P.APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: P.APIError) -> Response:
         server.metrics.count_http(request.url.path, e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONBody(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone) -> Response:
+        server.metrics.count_client_abort(request.url.path)
+        log.info("client disconnected: %s %s (request aborted)", request.method,
+                 request.url.path)
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> Response:
         return await _api_error(request, P.APIError(400, f"invalid request: {e.errors()[0]}"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        return await _api_error(request, P.APIError(e.status_code, str(e.detail),
+                                                    headers=dict(e.headers or {})))
+
     @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return await _api_error(request, P.APIError(500, f"internal error: {e}",
+        return await _api_error(request, P.APIError(500, f"internal error: {type(e).__name__}",
                                                     type="server_error"))
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    @app.get("/health", responses=openapi.HEALTH)
+    async def health() -> Response:
         if server.ready:
-            return JSONResponse({"status": "ok"})
+            return JSONBody({"status": "ok"})
         status = "error" if server.load_error else "loading"
-        return JSONResponse({"status": status, "error": server.load_error}, status_code=503)
+        return JSONBody({"status": status, "error": server.load_error}, status_code=503)
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
+    async def metrics(request: Request) -> Response:
+        server.check_metrics_access(request)
         return PlainTextResponse(server.metrics.render(),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
+    @app.get("/v1/models", responses=openapi.MODELS)
+    async def models(request: Request) -> Response:
         server.tenant(request)
         created = int(time.time())
         data = [{"id": n, "object": "model", "created": created, "owned_by": "ember"}
                 for n in server.model_names()[:1]]
-        return JSONResponse({"object": "list", "data": data})
+        return _ok(request, server, {"object": "list", "data": data})
 
-    async def admit(request: Request, body: type[P._Body], grammar_param: str
-                    ) -> tuple[str, Any, Any]:
-        """Auth, parse, model and grammar checks shared by the generation routes."""
-        tenant = server.tenant(request)
-        req = P.parse(body, await _json(request))
-        server.check_model(req.model)
-        await server.check_grammar(req.structured, grammar_param)
-        return tenant, req, server.engine.loaded
-
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi.route(P.ChatCompletionRequest,
+                                                      openapi.ChatCompletion))
     async def chat(request: Request) -> Response:
-        tenant, req, loaded = await admit(request, P.ChatCompletionRequest, "response_format")
-        prompt_ids = _chat_ids(loaded, req.template_messages())
-        params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
-        cap = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        stream = server.generate(prompt_ids, params, tenant, request, cap)
-        ids = _Ids("chatcmpl")
+        adm = await server.admit(request, CHAT)
+        req, tokenizer, ids = adm.req, server.engine.tokenizer, R.Ids("chatcmpl")
+        stream = server.generate(adm, request)
         if req.stream:
-            return await _sse(request, server, _chat_chunks(stream, req, ids, loaded.tokenizer))
+            return await _sse(request, server, R.chat_chunks(stream, req, ids, tokenizer))
         outs = await _collect(stream, req.n)
-        return _ok(request, server, _chat_body(outs, req, ids, loaded.tokenizer))
+        return _ok(request, server, R.chat_body(outs, req, ids, tokenizer))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi.route(P.CompletionRequest, openapi.Completion))
     async def completions(request: Request) -> Response:
-        tenant, req, loaded = await admit(request, P.CompletionRequest, "response_format")
-        prompts = [loaded.encode_prompt(p) for p in req.prompts()]
-        if req.stream and len(prompts) > 1:
-            raise P.unsupported("prompt", "as a batch is not supported with stream: true")
-        params = [req.sampling(req.max_tokens, req.logprobs, j) for j in range(req.n)]
-        ids = _Ids("cmpl")
+        adm = await server.admit(request, COMPLETIONS)
+        req, tokenizer, ids = adm.req, server.engine.tokenizer, R.Ids("cmpl")
+        stream = server.generate(adm, request)
         if req.stream:
-            stream = server.generate(prompts[0], params, tenant, request)
-            return await _sse(request, server, _completion_chunks(stream, req, ids,
-                                                                  loaded.tokenizer))
-        all_outs = []
-        for p in prompts:
-            all_outs.append(await _collect(server.generate(p, params, tenant, request), req.n))
-        return _ok(request, server, _completion_body(all_outs, req, ids, loaded.tokenizer))
+            return await _sse(request, server, R.completion_chunks(stream, req, ids, tokenizer))
+        outs = await _collect(stream, req.n * len(adm.groups))
+        per_prompt = [outs[p * req.n:(p + 1) * req.n] for p in range(len(adm.groups))]
+        echoed = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts()] \
+            if req.echo else None
+        return _ok(request, server, R.completion_body(per_prompt, req, ids, tokenizer,
+                                                      echoed))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", **openapi.route(P.ResponsesRequest, openapi.ResponseObject))
     async def responses(request: Request) -> Response:
-        tenant, req, loaded = await admit(request, P.ResponsesRequest, "text.format")
-        prompt_ids = _chat_ids(loaded, req.template_messages())
-        stream = server.generate(prompt_ids, [req.sampling()], tenant, request,
-                                 "max_output_tokens")
-        ids = _Ids("resp")
+        adm = await server.admit(request, RESPONSES)
+        req, ids = adm.req, R.Ids("resp")
+        stream = server.generate(adm, request)
         if req.stream:
-            return await _sse(request, server, _response_events(stream, req, ids))
+            return await _sse(request, server, R.response_events(stream, req, ids))
         out = (await _collect(stream, 1))[0]
-        return _ok(request, server, _response_body(req, ids, out, "completed"))
+        return _ok(request, server, R.response_body(req, ids, out, "completed"))
 
+    @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
+    async def tokenize(request: Request) -> Response:
+        body = await _tokenizer_body(request, server, P.TokenizeRequest)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(server.prep_pool, server.tokenize, body)
+        return _ok(request, server, out)
+
+    @app.post("/detokenize", **openapi.route(P.DetokenizeRequest, openapi.Detokenized, False))
+    async def detokenize(request: Request) -> Response:
+        body = await _tokenizer_body(request, server, P.DetokenizeRequest)
+        return _ok(request, server, server.detokenize(body))
+
+    @app.get("/tokenizer_info", responses=openapi.TOKENIZER_INFO)
+    async def tokenizer_info(request: Request) -> Response:
+        server.tenant(request)
+        return _ok(request, server, server.tokenizer_info())
+
+    openapi.install(app)
     return app
 
 
+async def _tokenizer_body(request: Request, server: Server, model: type) -> Any:
+    server.tenant(request)
+    served = server.model_names()  # 503 while the model loads
+    raw = await read_body(request, server.config.max_request_bytes, server.config.body_timeout)
+    body = P.parse(model, decode_json(raw))
+    if body.model is not None and body.model not in served:
+        raise P.APIError(404, f"model '{body.model}' does not exist", param="model",
+                         code="model_not_found")
+    return body
+
+
 # ---------------------------------------------------------------------- helpers
-async def _json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise P.APIError(400, f"malformed JSON body: {e}") from None
-
-
-def _chat_ids(loaded: Any, messages: list[dict[str, Any]]) -> list[int]:
-    try:
-        return loaded.encode_chat(messages)
-    except EmberError as e:
-        raise P.APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-
-
-def _ok(request: Request, server: Server, body: dict[str, Any]) -> JSONResponse:
+def _ok(request: Request, server: Server, body: dict[str, Any]) -> Response:
     server.metrics.count_http(request.url.path, 200)
-    return JSONResponse(body)
+    return JSONBody(body)
 
 
-async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]], n: int
+                   ) -> list[RequestOutput]:
     final: dict[int, RequestOutput] = {}
-    try:
-        async for i, out in stream:
-            if out.finished:
-                final[i] = out
-    except ClientGone:
-        raise P.APIError(499, "client closed the request") from None
-    for out in final.values():
-        if out.finish_reason == "error":
-            raise P.APIError(500, f"generation failed: {out.error}", type="server_error")
+    async for i, out in stream:
+        if out.finished:
+            final[i] = out
     return [final[i] for i in range(n)]
 
 
 async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> Response:
     """Start streaming only once the first event exists, so that errors raised before
-    any token (queue full, bad request) are answered as plain JSON with their status."""
+    any token (a bad request, a grammar failing on the first token) are answered as
+    plain JSON with their status."""
     try:
         first = await events.__anext__()
     except StopAsyncIteration:
@@ -400,240 +758,17 @@ async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> 
             async for event in events:
                 yield event
         except (ClientGone, asyncio.CancelledError):
-            pass
+            server.metrics.count_client_abort(request.url.path)
+            log.info("client disconnected mid-stream: %s %s (request aborted)",
+                     request.method, request.url.path)
         except P.APIError as e:  # mid-stream failure: say so in-band, then end
-            yield _data(e.body())
+            yield R.sse_data(e.body())
         finally:
             await events.aclose()
 
     server.metrics.count_http(request.url.path, 200)
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Ids:
-    def __init__(self, prefix: str) -> None:
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-
-def _chunk_writer(ids: _Ids, req: Any, object_name: str) -> Callable[..., str]:
-    """SSE ``data:`` events of one streamed response; usage only if the client asked."""
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        body = {"id": ids.id, "object": object_name, "created": ids.created,
-                "model": req.model, "system_fingerprint": None, "choices": choices}
-        if req.include_usage:
-            body["usage"] = usage
-        return _data(body)
-
-    return chunk
-
-
-def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    prompt = outs[0].prompt_tokens if outs else 0
-    completion = sum(o.completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens if outs else 0}}
-
-
-def _token_text(tokenizer: Any, token: int) -> tuple[str, list[int]]:
-    raw = tokenizer.token_bytes(token)
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _chat_logprobs(lps: list[TokenLogprobs] | None, tokenizer: Any) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    content = []
-    for lp in lps:
-        text, raw = _token_text(tokenizer, lp.token)
-        top = []
-        for t, v in lp.top:
-            ttext, traw = _token_text(tokenizer, t)
-            top.append({"token": ttext, "logprob": v, "bytes": traw})
-        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
-    return {"content": content, "refusal": None}
-
-
-def _completion_logprobs(lps: list[TokenLogprobs] | None, tokenizer: Any,
-                         offset: int = 0) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        text, _ = _token_text(tokenizer, lp.token)
-        tokens.append(text)
-        token_lps.append(lp.logprob)
-        tops.append({_token_text(tokenizer, t)[0]: v for t, v in lp.top})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def _chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: _Ids,
-               tokenizer: Any) -> dict[str, Any]:
-    choices = [{
-        "index": i,
-        "message": {"role": "assistant", "content": o.text, "refusal": None},
-        "logprobs": _chat_logprobs(o.logprobs, tokenizer),
-        "finish_reason": o.finish_reason,
-    } for i, o in enumerate(outs)]
-    return {"id": ids.id, "object": "chat.completion", "created": ids.created,
-            "model": req.model, "choices": choices, "usage": _usage(outs),
-            "system_fingerprint": None}
-
-
-async def _chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
-                       req: P.ChatCompletionRequest, ids: _Ids, tokenizer: Any
-                       ) -> AsyncIterator[str]:
-    chunk = _chunk_writer(ids, req, "chat.completion.chunk")
-
-    started: set[int] = set()
-    finals: dict[int, RequestOutput] = {}
-    async for i, out in stream:
-        if i not in started:
-            started.add(i)
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        if out.delta_text or out.delta_token_ids:
-            yield chunk([{"index": i, "delta": {"content": out.delta_text},
-                          "logprobs": _chat_logprobs(out.delta_logprobs, tokenizer),
-                          "finish_reason": None}])
-        if out.finished:
-            if out.finish_reason == "error":
-                raise P.APIError(500, f"generation failed: {out.error}", type="server_error")
-            finals[i] = out
-            yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                          "finish_reason": out.finish_reason}])
-    if req.include_usage:
-        yield chunk([], _usage([finals[i] for i in sorted(finals)]))
-    yield "data: [DONE]\n\n"
-
-
-def _completion_body(all_outs: list[list[RequestOutput]], req: P.CompletionRequest, ids: _Ids,
-                     tokenizer: Any) -> dict[str, Any]:
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                          "prompt_tokens_details": {"cached_tokens": 0}}
-    for p, outs in enumerate(all_outs):
-        for j, o in enumerate(outs):
-            choices.append({"index": p * req.n + j, "text": o.text,
-                            "logprobs": _completion_logprobs(o.logprobs, tokenizer),
-                            "finish_reason": o.finish_reason})
-        u = _usage(outs)
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            usage[k] += u[k]
-        usage["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"][
-            "cached_tokens"]
-    return {"id": ids.id, "object": "text_completion", "created": ids.created,
-            "model": req.model, "choices": choices, "usage": usage, "system_fingerprint": None}
-
-
-async def _completion_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
-                             req: P.CompletionRequest, ids: _Ids, tokenizer: Any
-                             ) -> AsyncIterator[str]:
-    chunk = _chunk_writer(ids, req, "text_completion")
-
-    finals: dict[int, RequestOutput] = {}
-    offsets: dict[int, int] = {}
-    async for i, out in stream:
-        if out.delta_text or out.delta_token_ids:
-            lp = _completion_logprobs(out.delta_logprobs, tokenizer, offsets.get(i, 0))
-            offsets[i] = offsets.get(i, 0) + len(out.delta_text)
-            yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,
-                          "finish_reason": None}])
-        if out.finished:
-            if out.finish_reason == "error":
-                raise P.APIError(500, f"generation failed: {out.error}", type="server_error")
-            finals[i] = out
-            yield chunk([{"index": i, "text": "", "logprobs": None,
-                          "finish_reason": out.finish_reason}])
-    if req.include_usage:
-        yield chunk([], _usage([finals[i] for i in sorted(finals)]))
-    yield "data: [DONE]\n\n"
-
-
-def _response_body(req: P.ResponsesRequest, ids: _Ids, out: RequestOutput | None,
-                   status: str, msg_id: str | None = None) -> dict[str, Any]:
-    text = out.text if out else ""
-    done = out is not None and out.finished
-    if done and out.finish_reason == "length":
-        status = "incomplete"
-    item = {"id": msg_id or f"msg_{ids.id[5:]}", "type": "message", "role": "assistant",
-            "status": "completed" if done else "in_progress",
-            "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}] if done else []}
-    usage = None
-    if done:
-        usage = {"input_tokens": out.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": out.cached_tokens},
-                 "output_tokens": out.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": out.prompt_tokens + out.completion_tokens}
-    return {
-        "id": ids.id.replace("resp-", "resp_"), "object": "response",
-        "created_at": ids.created, "status": status, "model": req.model,
-        "output": [item] if done else [],
-        "usage": usage, "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "parallel_tool_calls": False, "tool_choice": req.tool_choice or "none", "tools": [],
-        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-        "metadata": req.metadata or {},
-        "store": False, "truncation": "disabled", "user": req.user,
-    }
-
-
-async def _response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
-                           req: P.ResponsesRequest, ids: _Ids) -> AsyncIterator[str]:
-    seq = iter(range(1 << 30))
-    msg_id = f"msg_{ids.id[5:]}"
-
-    def event(kind: str, **payload: Any) -> str:
-        body = {"type": kind, "sequence_number": next(seq), **payload}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    first = await stream.__anext__()  # admission errors surface before any event
-    in_progress = _response_body(req, ids, None, "in_progress", msg_id)
-    yield event("response.created", response=in_progress)
-    yield event("response.in_progress", response=in_progress)
-    part_ref = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-    yield event("response.output_item.added", output_index=0,
-                item={"id": msg_id, "type": "message", "role": "assistant",
-                      "status": "in_progress", "content": []})
-    yield event("response.content_part.added", **part_ref,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-    final = None
-
-    async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-        yield first
-        async for item in stream:
-            yield item
-
-    async for _, out in outputs():
-        if out.delta_text:
-            yield event("response.output_text.delta", **part_ref, delta=out.delta_text,
-                        logprobs=[])
-        if out.finished:
-            final = out
-    assert final is not None
-    if final.finish_reason == "error":
-        raise P.APIError(500, f"generation failed: {final.error}", type="server_error")
-    done = _response_body(req, ids, final, "completed", msg_id)
-    part = done["output"][0]["content"][0]
-    yield event("response.output_text.done", **part_ref, text=final.text, logprobs=[])
-    yield event("response.content_part.done", **part_ref, part=part)
-    yield event("response.output_item.done", output_index=0, item=done["output"][0])
-    kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
-    yield event(kind, response=done)
 
 
 SHUTDOWN_FLUSH_SECONDS = 2.0
@@ -646,12 +781,16 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
     stream gets its finish chunk and ``[DONE]``), and return 0."""
     import uvicorn
 
+    _log_to_stderr()
     server = Server(config)
     server.start_loading()
     app = create_app(server)
     # uvicorn cancels whatever is still running after its own timeout; ember aborts the
     # generations first, at ``graceful_seconds``, and leaves uvicorn time to flush them.
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+    uv_config = uvicorn.Config(AdmissionGate(app, server), host=host, port=port,
+                               log_level="warning",
+                               http=guarded_protocol(config.header_timeout,
+                                                     server.metrics.count_slow_close),
                                timeout_graceful_shutdown=graceful_seconds
                                + SHUTDOWN_FLUSH_SECONDS)
     uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds, server.abort_all)
@@ -665,6 +804,15 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
         server.thread.shutdown(timeout=graceful_seconds)
     print("ember: stopped", flush=True)
     return 0
+
+
+def _log_to_stderr() -> None:
+    """ember's own log lines (model loaded, client disconnects, failed requests) at INFO."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ember_log = logging.getLogger("ember")
+    ember_log.addHandler(handler)
+    ember_log.setLevel(logging.INFO)
 
 
 def _uvicorn_server(base: type, config: Any, graceful_seconds: float,
