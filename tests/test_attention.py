@@ -40,7 +40,8 @@ def test_mixed_decode_verify_and_prefill_rows_match_dense_attention() -> None:
     batch = AttentionBatch.build(rows, BLOCK)
     assert len(batch.short) == 2  # decode rows and verify rows apart
     q = torch.randn(batch.num_tokens, H, D, generator=g)
-    out = paged_attention(q, k_cache, v_cache, batch)
+    out = paged_attention(q, k_cache.view(pool, BLOCK, HKV, D), v_cache.view(pool, BLOCK, HKV, D),
+                          batch)
     offset = 0
     for row in rows:
         slots = (row.blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)

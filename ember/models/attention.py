@@ -124,11 +124,11 @@ def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows
     return _ShortRows(index, valid, blocks, mask[:, None])
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """K or V of ``blocks`` (any shape of block ids) as (*blocks.shape[:-1], L, H, D)."""
-    by_block = cache.view(-1, block_size, *cache.shape[1:])
-    out = torch.index_select(by_block, 0, blocks.reshape(-1))
-    return out.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V of ``blocks`` (any shape of block ids) as (*blocks.shape[:-1], L, H, D) in
+    ``dtype``; ``cache`` is one layer's (num_blocks, block_size, H, D) view of the pool."""
+    out = torch.index_select(cache, 0, blocks.reshape(-1)).to(dtype)
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def paged_attention(
@@ -136,21 +136,23 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
-    The batch's new K/V must already be written to the cache. Returns (T, n_heads, head_dim).
+    ``k_cache`` and ``v_cache`` are one layer's (num_blocks, block_size, n_kv_heads,
+    head_dim) views of the KV pool, in any dtype. The batch's new K/V must already be
+    written to them. Returns (T, n_heads, head_dim) in ``q``'s dtype.
     """
     out = torch.empty_like(q)
-    bs = batch.block_size
+    dt = q.dtype
     for g in batch.short:
         qs = q[g.index].transpose(1, 2)  # (B, H, Q, D)
-        ks = _gather(k_cache, g.blocks, bs).transpose(1, 2)  # (B, Hkv, L, D)
-        vs = _gather(v_cache, g.blocks, bs).transpose(1, 2)
+        ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
+        vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask,
                                              enable_gqa=True).transpose(1, 2)  # (B, Q, H, D)
         out[g.index[g.valid]] = os_[g.valid]
     for p in batch.prefills:
         qp = q[p.q_index].transpose(0, 1)  # (H, q_len, D)
-        kp = _gather(k_cache, p.blocks, bs)[: p.ctx_len].transpose(0, 1)  # (Hkv, L, D)
-        vp = _gather(v_cache, p.blocks, bs)[: p.ctx_len].transpose(0, 1)
+        kp = _gather(k_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)  # (Hkv, L, D)
+        vp = _gather(v_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
                                             is_causal=p.mask is None, enable_gqa=True)
         out[p.q_index] = op.transpose(0, 1)

@@ -159,6 +159,8 @@ class LlamaModel:
         qk_heads = c.n_heads + c.n_kv_heads
         rotation = self.rope.rotation(batch.positions)
         x = self.embed(tokens)
+        slot_blocks = batch.slot_mapping // batch.block_size
+        slot_offsets = batch.slot_mapping % batch.block_size
         for i, layer in enumerate(self.layers):
             h = self.norm(x, layer.attn_norm, c.norm_eps)
             qkv = layer.qkv(h)
@@ -166,9 +168,7 @@ class LlamaModel:
             qk = self.rope.apply(qkv[:, : q_dim + kv_dim].view(n, qk_heads, c.head_dim), rotation)
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
             v = qkv[:, q_dim + kv_dim :]
-            kv.k[i].index_copy_(0, batch.slot_mapping, k.to(kv.k[i].dtype))
-            kv.v[i].index_copy_(0, batch.slot_mapping,
-                                v.view(n, c.n_kv_heads, c.head_dim).to(kv.v[i].dtype))
+            kv.write(i, slot_blocks, slot_offsets, k, v.view(n, c.n_kv_heads, c.head_dim))
             attn = paged_attention(q, kv.k[i], kv.v[i], batch)
             x = x + layer.o(attn.reshape(n, q_dim))
             h = self.norm(x, layer.ffn_norm, c.norm_eps)
