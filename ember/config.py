@@ -41,6 +41,11 @@ class EngineConfig:
     spec_references: tuple[str, ...] = ()  # texts every request may draft from
     chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
     calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
+    kv_dtype: str = "f32"  # KV pool storage: f32 (exact), f16 or bf16 (half the memory)
+    kv_cache_dir: str | None = None  # a disk tier for the prefix cache (docs/kv-cache.md)
+    kv_disk_bytes: int = 16 * 1024**3  # the disk tier's budget (LRU beyond it)
+    kv_fsync: str = "batch"  # disk tier durability: always | batch | never
+    kv_restore: str = "auto"  # auto: restore from disk where faster than recomputing; always
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -51,8 +56,19 @@ class EngineConfig:
                 raise InvalidConfig(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
-                     "max_queue"):
+                     "max_queue", "kv_disk_bytes"):
             positive(name)
+        from ember.kv.blocks import KV_DTYPES
+        from ember.kv.disk import FSYNC_POLICIES
+
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidConfig(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                                f"got {self.kv_dtype!r}")
+        if self.kv_fsync not in FSYNC_POLICIES:
+            raise InvalidConfig(f"kv_fsync must be one of {', '.join(FSYNC_POLICIES)}, "
+                                f"got {self.kv_fsync!r}")
+        if self.kv_restore not in ("auto", "always"):
+            raise InvalidConfig(f"kv_restore must be 'auto' or 'always', got {self.kv_restore!r}")
         if self.speculation not in ("auto", "off"):
             raise InvalidConfig(f"speculation must be 'auto' or 'off', got {self.speculation!r}")
         positive("spec_max_draft")

@@ -71,7 +71,7 @@ def _store(cache: PrefixCache, alloc: BlockAllocator, salt: bytes, tokens: list[
     for i, key in enumerate(keys):
         block = alloc.allocate()
         chunk = tokens[i * cache.block_size:(i + 1) * cache.block_size]
-        serial = cache.insert(block, key, parent, salt, chunk)
+        serial = cache.insert(block, key, parent, salt, chunk, keys[i - 1] if i else b"")
         alloc.decref(block)
         cache.on_released(block)
         if serial is None:

@@ -34,13 +34,16 @@ import torch
 
 from ember.chat_template import ChatTemplate, ChatTemplateError
 from ember.config import EngineConfig, InvalidConfig
-from ember.engine.costs import StepCostModel
+from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner, ScheduledRow
 from ember.engine.scheduler import Scheduler
 from ember.errors import EmberError, InvalidDecodeState
-from ember.kv.blocks import KVStorage, OutOfBlocks
+from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
+from ember.kv.disk import DiskStore
+from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
+from ember.kv.tier import DiskTier
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
@@ -145,15 +148,22 @@ class LLMEngine:
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
-        block_bytes = KVStorage.bytes_per_block(
-            cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, torch.float32)
+        kv_dtype = KV_DTYPES[config.kv_dtype]
+        block_bytes = KVStorage.bytes_per_block_of(
+            cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size)
+        storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype)
+        log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
+                 num_blocks, config.block_size, config.kv_dtype,
+                 block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
         self.model_salt = self.loaded.fingerprint().encode()
+        self.disk: DiskStore | None = None
+        if config.kv_cache_dir is not None:
+            self._attach_disk_tier(storage)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._fork_parent: dict[str, Request] = {}  # pending sibling id -> the request it forks
@@ -169,6 +179,26 @@ class LLMEngine:
         self.spec_totals: dict[str, Any] = {"sources": {}, "bonus": 0, "steps": {
             "verify": 0, "fallback": 0, "off": 0}}
         self._start_costs()
+
+    def _attach_disk_tier(self, storage: KVStorage) -> None:
+        """Back the prefix cache with a block store under ``config.kv_cache_dir``."""
+        c, cfg = self.config, self.loaded.config
+        fp = disk_fingerprint(self.loaded.fingerprint(), f"kv:{c.kv_dtype}",
+                              f"block:{c.block_size}", f"layers:{cfg.n_layers}",
+                              f"kv_heads:{cfg.n_kv_heads}", f"head_dim:{cfg.head_dim}",
+                              "layout:block,layer,kv,pos,head,dim")
+        assert c.kv_cache_dir is not None
+        self.disk = DiskStore(c.kv_cache_dir, fp, c.kv_disk_bytes, c.kv_fsync)
+
+        def recompute_seconds(tokens: int, end: int) -> float:
+            return self.scheduler.costs.predict(StepShape(tokens, 1, tokens * end))
+
+        self.kv.attach_tier(DiskTier(self.disk, storage, recompute_seconds, c.kv_restore))
+
+    def close(self) -> None:
+        """Finish writing the disk tier (if any). The engine stays usable."""
+        if self.disk is not None:
+            self.disk.flush()
 
     def _start_costs(self) -> None:
         """The step-cost model's starting point (calibrating runs requests: do it last)."""

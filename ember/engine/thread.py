@@ -212,6 +212,7 @@ class EngineThread:
             self.error = e
         finally:
             self._finish_all()
+            self.engine.close()
 
     def _take_submissions(self, block: bool) -> bool:
         """Move handed-over groups into the engine; return False when asked to stop."""

@@ -23,8 +23,17 @@ class OutOfBlocks(EmberError):
     """The pool has no free block left; the scheduler preempts or waits."""
 
 
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
 class KVStorage:
-    """The pool's tensors: per layer, keys and values of shape (slots, n_kv_heads, head_dim)."""
+    """The pool: one tensor of shape (blocks, layers, 2, block_size, n_kv_heads, head_dim).
+
+    A block — every layer's keys and values — is one contiguous unit, so it is copied
+    out (to disk), in (a restore) or to another block with one operation. ``k[i]`` and
+    ``v[i]`` are layer ``i``'s views of shape (blocks, block_size, n_kv_heads, head_dim).
+    The dtype is the storage's only: attention computes in the model's dtype.
+    """
 
     def __init__(
         self,
@@ -37,29 +46,46 @@ class KVStorage:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.dtype = dtype
         # Uninitialized on purpose: pages are only touched once used, so a large pool
         # costs nothing up front. Attention reads whole blocks, whose unwritten tail it
         # masks out; a masked value still multiplies a zero weight, and 0 × NaN is NaN,
         # so each block is zeroed the first time it is handed out (``zero_blocks`` with
         # ``BlockAllocator.take_fresh``).
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.pool = torch.empty((num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim),
+                                dtype=dtype)
+        self.k = [self.pool[:, i, 0] for i in range(n_layers)]
+        self.v = [self.pool[:, i, 1] for i in range(n_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.pool[0].numel() * self.pool.element_size()
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero blocks used for the first time (later uses leave finite values)."""
-        index = torch.tensor(blocks, dtype=torch.long)
-        for cache in (*self.k, *self.v):
-            cache.view(self.num_blocks, self.block_size, *cache.shape[1:])[index] = 0
+        self.pool[torch.tensor(blocks, dtype=torch.long)] = 0
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys and values of block ``src`` into block ``dst``."""
-        bs = self.block_size
-        for cache in (*self.k, *self.v):
-            cache[dst * bs:(dst + 1) * bs] = cache[src * bs:(src + 1) * bs]
+        self.pool[dst] = self.pool[src]
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store layer ``layer``'s K and V (T, n_kv_heads, head_dim) of T positions."""
+        self.k[layer][blocks, offsets] = k.to(self.dtype)
+        self.v[layer][blocks, offsets] = v.to(self.dtype)
+
+    def block_bytes(self, block: int) -> bytes:
+        """Block ``block``'s keys and values, all layers, as bytes (one copy)."""
+        return self.pool[block].view(torch.uint8).numpy().tobytes()
+
+    def load_block(self, block: int, data: bytes) -> None:
+        """Fill block ``block`` from :meth:`block_bytes` output."""
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.pool[block].view(torch.uint8).view(-1).copy_(src)
 
     @staticmethod
-    def bytes_per_block(
+    def bytes_per_block_of(
         n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -81,6 +107,11 @@ class BlockAllocator:
         never written: the storage zeroes them before they are read)."""
         fresh, self._fresh = self._fresh, []
         return fresh
+
+    def filled(self, block: int) -> None:
+        """The caller wrote all of ``block`` (a restore): it must not be zeroed as fresh."""
+        if block in self._fresh:
+            self._fresh.remove(block)
 
     @property
     def num_free(self) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ember.engine.request import Request
 from ember.kv.blocks import BlockAllocator, BlockTable
-from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys
+from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys, root_key
+from ember.kv.tier import DiskTier
 
 
 class KVCacheManager:
@@ -26,6 +27,7 @@ class KVCacheManager:
         # per request: identity serials of its leading full blocks registered so far;
         # a trailing None means the cache refused one, so later blocks are not offered
         self._chains: dict[str, list[int | None]] = {}
+        self.tier: DiskTier | None = None
 
     # ------------------------------------------------------------ capacity
     @property
@@ -68,7 +70,18 @@ class KVCacheManager:
             return []
         extend_keys(req.block_hashes, req.salt, req.token_ids, self.block_size)
         # the last token is always recomputed for its logits
-        return self.prefix.lookup(req.salt, req.token_ids[:-1], req.block_hashes)
+        tokens = req.token_ids[:-1]
+        found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
+        if self.tier is not None:
+            found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
+        return found
+
+    def attach_tier(self, tier: DiskTier) -> None:
+        """Back the prefix cache with a disk tier (spill on release, restore on lookup)."""
+        if self.prefix is None:
+            raise ValueError("a KV disk tier needs the prefix cache")
+        self.tier = tier
+        self.prefix.spill = tier
 
     def can_admit(self, found: list[CachedBlock], n_tokens: int) -> bool:
         """Whether a request holding no blocks fits with ``found`` attached and room for
@@ -126,7 +139,8 @@ class KVCacheManager:
         for i in range(len(chain), full):
             serial = self.prefix.insert(req.block_table.blocks[i], req.block_hashes[i],
                                         chain[-1] if chain else ROOT, req.salt,
-                                        req.token_ids[i * bs:(i + 1) * bs])
+                                        req.token_ids[i * bs:(i + 1) * bs],
+                                        req.block_hashes[i - 1] if i else root_key(req.salt))
             chain.append(serial)
             if serial is None:
                 break

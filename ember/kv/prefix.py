@@ -7,16 +7,16 @@ two tenants never share keys and cannot observe each other's prefixes.
 
 A hash hit is never trusted alone. Every cached block records its *identity*: a
 serial number that is never reused, the serial of the block before it in its chain
-(0 for a first block, which records the salt instead) and its own token ids. A hit
-on block ``i`` is served only if its tokens equal the request's and its parent is
-exactly the block served for ``i - 1`` (or, for ``i = 0``, its salt is the
-request's). By induction a served block was computed after the very same salt and
+(0 for a first block), the salt and its own token ids. A hit on block ``i`` is
+served only if its salt and tokens equal the request's and its parent is exactly
+the block served for ``i - 1``. By induction a served block was computed after the very same salt and
 tokens, so a hash collision anywhere in a chain can only cost a miss, never serve
 another prompt's or another tenant's cache.
 
 The cache holds one reference on each cached block. Blocks whose only reference is
 the cache's are *evictable*; they sit in an LRU and are reclaimed only when the
-pool runs out of free blocks.
+pool runs out of free blocks. With a disk tier (ember.kv.tier) a block is handed to
+it the first time it becomes evictable, so that it outlives eviction and the process.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ember.kv.blocks import BlockAllocator
 
@@ -67,8 +68,16 @@ class _Entry:
     key: bytes
     serial: int
     parent: int  # serial of the previous block of the chain, ROOT for a first block
-    salt: bytes | None  # first blocks only: the salt the chain was computed under
+    salt: bytes  # the salt the chain was computed under
     tokens: tuple[int, ...]
+    parent_key: bytes  # chain key of the previous block (the root key for a first block)
+
+
+class Spill(Protocol):
+    """Where a cached block goes when it first becomes evictable (the disk tier)."""
+
+    def spill(self, block: int, key: bytes, parent_key: bytes, salt: bytes,
+              tokens: tuple[int, ...]) -> None: ...
 
 
 class PrefixCache:
@@ -78,6 +87,8 @@ class PrefixCache:
         self._by_key: dict[bytes, int] = {}
         self._entries: dict[int, _Entry] = {}  # block id -> identity
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.spill: Spill | None = None
+        self._stored: set[int] = set()  # cached blocks the spill already has
         self._serials = itertools.count(ROOT + 1)
         self.queries = 0  # prompt tokens looked up (once per admitted request)
         self.hits = 0  # prompt tokens served from cache
@@ -115,8 +126,7 @@ class PrefixCache:
                 break
             entry = self._entries[block]
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            if entry.parent != parent or entry.tokens != chunk or (
-                    parent == ROOT and entry.salt != salt):
+            if entry.parent != parent or entry.tokens != chunk or entry.salt != salt:
                 break  # a hash collision: the block holds another chain's cache
             found.append(CachedBlock(block, entry.serial))
             parent = entry.serial
@@ -131,19 +141,21 @@ class PrefixCache:
         self.hits += len(found) * self.block_size
 
     def insert(self, block: int, key: bytes, parent: int, salt: bytes,
-               tokens: Sequence[int]) -> int | None:
+               tokens: Sequence[int], parent_key: bytes, stored: bool = False) -> int | None:
         """Make a full, computed block findable; return the serial of its identity.
 
         ``parent`` is the serial returned for the previous block of the same sequence
-        (ROOT for its first block). If an identical block is already cached, its serial
+        (ROOT for its first block) and ``parent_key`` that block's chain key (the root
+        key for a first block). If an identical block is already cached, its serial
         is returned and ``block`` stays private. ``None`` means the block cannot be
-        cached (it already is, under another identity).
+        cached (it already is, under another identity). ``stored``: the spill already
+        has this block (it was restored from there).
         """
         tokens = tuple(tokens)
         existing = self._by_key.get(key)
         if existing is not None:
             e = self._entries[existing]
-            if e.parent == parent and e.tokens == tokens and (parent != ROOT or e.salt == salt):
+            if e.parent == parent and e.tokens == tokens and e.salt == salt:
                 return e.serial
             # Same key, other identity: usually an orphan whose parent was evicted and
             # recomputed under a new serial, in theory a hash collision. Newest wins.
@@ -152,16 +164,35 @@ class PrefixCache:
             return None
         serial = next(self._serials)
         self._by_key[key] = block
-        self._entries[block] = _Entry(key, serial, parent, salt if parent == ROOT else None,
-                                      tokens)
+        self._entries[block] = _Entry(key, serial, parent, salt, tokens, parent_key)
+        if stored:
+            self._stored.add(block)
         self.allocator.incref(block)
         return serial
 
     def on_released(self, block: int) -> None:
-        """A user dropped its reference; if only the cache holds it now, it is evictable."""
-        if block in self._entries and self.allocator.refcount[block] == 1:
-            self._evictable[block] = None
-            self._evictable.move_to_end(block)
+        """A user dropped its reference; if only the cache holds it now, it is evictable
+        (and, the first time, handed to the spill: its contents are final)."""
+        entry = self._entries.get(block)
+        if entry is None or self.allocator.refcount[block] != 1:
+            return
+        self._evictable[block] = None
+        self._evictable.move_to_end(block)
+        if self.spill is not None and block not in self._stored:
+            self._stored.add(block)
+            self.spill.spill(block, entry.key, entry.parent_key, entry.salt, entry.tokens)
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Hold a reference on cached ``blocks`` so that no eviction can take them."""
+        for block in blocks:
+            self._evictable.pop(block, None)
+            self.allocator.incref(block)
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Drop references taken by :meth:`pin` or by allocating a block since cached."""
+        for block in blocks:
+            self.allocator.decref(block)
+            self.on_released(block)
 
     def evict(self, n: int) -> int:
         """Free up to ``n`` least recently used evictable blocks; return how many."""
@@ -177,4 +208,5 @@ class PrefixCache:
         entry = self._entries.pop(block)
         del self._by_key[entry.key]
         self._evictable.pop(block, None)
+        self._stored.discard(block)
         self.allocator.decref(block)

@@ -1,0 +1,316 @@
+"""A crash-safe store of KV blocks on disk: the prefix cache's second tier.
+
+One file per block, named by the block's chain key (``<key hex>.kvb``), in a
+directory per model fingerprint. A file is::
+
+    header   magic, format version, fingerprint, chain key, parent key,
+             salt length, token count, payload length          (_HEAD)
+    salt     the tenant salt the chain was computed under
+    tokens   the block's token ids (u32 each)
+    payload  the block's K and V bytes, all layers (one contiguous unit)
+    checksum blake2b-256 over everything above
+
+A block is served only if every field verifies: magic, version and fingerprint
+(model weights hash, weight format, KV dtype, block size, layer/head geometry: see
+:func:`fingerprint`), the checksum, and then, by the caller, that the salt, parent
+key and tokens are the ones the request would compute. Anything else is a miss; a
+file that fails its checksum or cannot be parsed is deleted and counted as corrupt.
+
+Writes are atomic: a temp file is written, optionally fsynced (``fsync``: ``always``
+fsyncs each file before its rename and the directory after; ``batch`` fsyncs the
+files of a drained batch together before renaming them; ``never`` leaves it to the
+page cache), then renamed over the final name. A process killed at any instant
+leaves whole blocks or temp files, which the next start deletes. Without fsync a
+power loss can leave a renamed file short or zeroed: its checksum fails, so it is
+deleted, never served. The index is the directory itself, scanned at startup
+(names and sizes only; contents are verified when read), so it is never lost.
+
+Writes happen on a background thread: ``put`` copies the bytes into a bounded
+queue and returns; a block waiting there is already readable. The directory is
+kept under ``capacity`` bytes by deleting least recently used blocks.
+
+This module does not import torch: payloads are bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"EMBERKV\0"
+VERSION = 1
+SUFFIX = ".kvb"
+FSYNC_POLICIES = ("always", "batch", "never")
+_HEAD = struct.Struct("<8sI32s16s16sIIQ")
+_SUM = 32
+
+
+class CorruptBlock(ValueError):
+    """Stored bytes that do not parse or fail their checksum."""
+
+
+def fingerprint(*parts: object) -> bytes:
+    """32 bytes naming everything a block's bytes depend on besides its tokens."""
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    key: bytes  # the block's chain key
+    parent: bytes  # the previous block's chain key (the root key for a first block)
+    salt: bytes
+    tokens: tuple[int, ...]
+    payload: bytes
+
+
+def encode(fp: bytes, rec: BlockRecord) -> bytes:
+    head = _HEAD.pack(MAGIC, VERSION, fp, rec.key, rec.parent, len(rec.salt),
+                      len(rec.tokens), len(rec.payload))
+    body = b"".join((head, rec.salt, struct.pack(f"<{len(rec.tokens)}I", *rec.tokens),
+                     rec.payload))
+    return body + hashlib.blake2b(body, digest_size=_SUM).digest()
+
+
+def decode(data: bytes, fp: bytes) -> BlockRecord | None:
+    """The record in ``data``; None if it is whole but for another fingerprint or
+    format version. Raises :class:`CorruptBlock` if it is torn or altered."""
+    if len(data) < _HEAD.size + _SUM:
+        raise CorruptBlock(f"{len(data)} bytes is shorter than a header")
+    magic, version, got_fp, key, parent, n_salt, n_tokens, n_payload = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptBlock("bad magic")
+    end = _HEAD.size + n_salt + 4 * n_tokens + n_payload
+    if end + _SUM != len(data):
+        raise CorruptBlock(f"lengths say {end + _SUM} bytes, the file has {len(data)}")
+    if hashlib.blake2b(data[:end], digest_size=_SUM).digest() != data[end:]:
+        raise CorruptBlock("checksum mismatch")
+    if version != VERSION or got_fp != fp:
+        return None
+    at = _HEAD.size
+    salt = data[at:at + n_salt]
+    at += n_salt
+    tokens = struct.unpack_from(f"<{n_tokens}I", data, at)
+    at += 4 * n_tokens
+    return BlockRecord(key, parent, bytes(salt), tokens, bytes(data[at:end]))
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0  # blocks read and verified
+    misses: int = 0  # lookups of a key the store did not have (or could not serve)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt: int = 0  # files deleted because they failed to verify
+    evicted: int = 0  # files deleted to stay under capacity
+    dropped: int = 0  # writes skipped because the write queue was full
+
+
+class DiskStore:
+    """Blocks on disk under ``root / <fingerprint>``, at most ``capacity`` bytes."""
+
+    def __init__(self, root: str | Path, fp: bytes, capacity: int, fsync: str = "batch",
+                 queue_bytes: int = 256 * 1024**2) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
+        self.fp = fp
+        self.dir = Path(root) / fp.hex()[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.queue_bytes = queue_bytes
+        self.stats = DiskStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self._size = 0
+        self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # written by the thread
+        self._pending_bytes = 0
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="ember-kv-disk",
+                                        daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ index
+    def _scan(self) -> None:
+        files = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(".tmp"):  # a write that never reached its rename
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                key = bytes.fromhex(name[:-len(SUFFIX)])
+                st = entry.stat()
+            except (ValueError, FileNotFoundError):
+                continue
+            files.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(files):
+            self._index[key] = size
+            self._size += size
+        self._shrink()
+        log.info("KV disk store %s: %d blocks, %.1f MB", self.dir, len(self._index),
+                 self._size / 1e6)
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / (key.hex() + SUFFIX)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._pending or key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index.keys() | self._pending.keys())
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def _shrink(self) -> None:
+        """Delete least recently used files until under capacity (lock held)."""
+        while self._size > self.capacity and self._index:
+            self._forget(next(iter(self._index)))
+            self.stats.evicted += 1
+
+    def _forget(self, key: bytes) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._size -= size
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
+
+    # ------------------------------------------------------------ reads
+    def get(self, key: bytes) -> BlockRecord | None:
+        """The verified record stored under ``key``, or None (counted as a miss)."""
+        with self._lock:
+            data = self._pending.get(key)
+            known = data is not None or key in self._index
+        if not known:
+            self.stats.misses += 1
+            return None
+        if data is None:
+            try:
+                data = self._path(key).read_bytes()
+            except FileNotFoundError:
+                with self._lock:
+                    self._index.pop(key, None)
+                self.stats.misses += 1
+                return None
+        try:
+            rec = decode(data, self.fp)
+            if rec is not None and rec.key != key:
+                raise CorruptBlock("the file holds another key")
+        except CorruptBlock as e:
+            log.warning("KV disk block %s is corrupt (%s): deleted", key.hex(), e)
+            with self._lock:
+                self._forget(key)
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            return None
+        if rec is None:
+            self.stats.misses += 1
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.bytes_read += len(data)
+        return rec
+
+    def discard(self, key: bytes) -> None:
+        """Delete a block that verified but does not belong where it was looked up."""
+        with self._lock:
+            self._pending.pop(key, None)
+            self._forget(key)
+
+    # ------------------------------------------------------------ writes
+    def put(self, rec: BlockRecord) -> bool:
+        """Queue ``rec`` for writing; False if it was dropped (queue full) or stored."""
+        data = encode(self.fp, rec)
+        with self._lock:
+            if rec.key in self._index or rec.key in self._pending:
+                return False
+            if self._pending_bytes + len(data) > self.queue_bytes or self._closed:
+                self.stats.dropped += 1
+                return False
+            self._pending[rec.key] = data
+            self._pending_bytes += len(data)
+            self._wake.notify()
+        return True
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk."""
+        with self._lock:
+            while self._pending:
+                self._wake.wait(0.05)
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        self._writer.join(timeout=5)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._pending:
+                    return
+                batch = list(self._pending.items())
+            try:
+                self._write(batch)
+            except OSError as e:  # a full disk, say: these blocks are simply not stored
+                log.warning("KV disk store: writing %d blocks failed: %s", len(batch), e)
+            with self._lock:
+                for key, data in batch:
+                    if self._pending.pop(key, None) is not None:
+                        self._pending_bytes -= len(data)
+                self._wake.notify_all()
+
+    def _write(self, batch: Sequence[tuple[bytes, bytes]]) -> None:
+        temps = []
+        for key, data in batch:
+            tmp = self.dir / f".{key.hex()}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync == "always":
+                    f.flush()
+                    os.fsync(f.fileno())
+            temps.append((key, tmp, len(data)))
+        if self.fsync == "batch":
+            for _, tmp, _ in temps:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        for key, tmp, size in temps:
+            os.replace(tmp, self._path(key))
+            with self._lock:
+                if key not in self._index:
+                    self._index[key] = size
+                    self._size += size
+                    self.stats.bytes_written += size
+                self._shrink()
+        if self.fsync != "never":
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,128 @@
+"""The prefix cache's disk tier: spill cached blocks to a DiskStore, restore chains.
+
+Spill. A cached block is written to disk the first time it becomes evictable (its
+last request released it), once: a block evicted later is already on disk, and a
+process that dies keeps everything that was cached. Writing happens on the
+store's thread; here the block's bytes are copied out in one operation.
+
+Restore. A prefix lookup that stops in RAM at block ``i`` continues on disk: the run
+of blocks ``i, i+1, ...`` whose keys the store holds is restored into free blocks
+(evicting cached LRU blocks if needed, never the ones this lookup found) and
+inserted into the RAM cache, so the request is admitted with them like any hit.
+Each restored block must verify in the store (format, fingerprint, checksum) and
+then carry the request's salt, its tokens and its parent's chain key; the first
+that does not ends the restore (a miss, the rest is recomputed).
+
+Restore or recompute, by measurement: a run is restored only if reading its bytes
+(at the read bandwidth measured on earlier restores) is predicted to take less time
+than recomputing its tokens (the step cost model's prediction for a prefill of
+that length at that position), and each decision is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ember.kv.blocks import BlockAllocator
+from ember.kv.disk import BlockRecord, DiskStore
+from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, root_key
+
+READ_BPS_PRIOR = 500e6  # bytes/s until a restore has been timed (a cold SSD read)
+EWMA = 0.3  # weight of the newest restore's measured bandwidth
+
+
+class BlockBytes(Protocol):
+    """What the tier needs of the KV storage: one block's bytes out and in."""
+
+    def block_bytes(self, block: int) -> bytes: ...
+
+    def load_block(self, block: int, data: bytes) -> None: ...
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+
+class DiskTier:
+    def __init__(self, store: DiskStore, storage: BlockBytes,
+                 recompute_seconds: Callable[[int, int], float], policy: str = "auto") -> None:
+        """``recompute_seconds(tokens, end)``: predicted time to prefill ``tokens``
+        positions ending at position ``end``. ``policy`` ``always`` restores whatever
+        the store has (to measure or test restores), ``auto`` only where faster."""
+        self.store = store
+        self.policy = policy
+        self.storage = storage
+        self.recompute_seconds = recompute_seconds
+        self.read_bps = READ_BPS_PRIOR
+        self.decisions = {"restore": 0, "recompute": 0}
+        self.restored_blocks = 0
+
+    # ------------------------------------------------------------ spill
+    def spill(self, block: int, key: bytes, parent_key: bytes, salt: bytes,
+              tokens: tuple[int, ...]) -> None:
+        if key not in self.store:
+            self.store.put(BlockRecord(key, parent_key, salt, tokens,
+                                       self.storage.block_bytes(block)))
+
+    # ------------------------------------------------------------ restore
+    def _run_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        n = 0
+        while start + n < stop and keys[start + n] in self.store:
+            n += 1
+        return n
+
+    def worth_restoring(self, n_blocks: int, block_size: int, start: int) -> bool:
+        """Whether reading ``n_blocks`` is predicted faster than recomputing them."""
+        read = n_blocks * self.storage.bytes_per_block / self.read_bps
+        tokens = n_blocks * block_size
+        recompute = self.recompute_seconds(tokens, (start + n_blocks) * block_size)
+        restore = read < recompute or self.policy == "always"
+        self.decisions["restore" if restore else "recompute"] += 1
+        return restore
+
+    def extend(self, cache: PrefixCache, salt: bytes, tokens: Sequence[int],
+               keys: Sequence[bytes], found: list[CachedBlock]) -> list[CachedBlock]:
+        """``found`` (the RAM hits for ``tokens``) extended with blocks restored from disk."""
+        bs = cache.block_size
+        start = len(found)
+        n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // bs))
+        if n == 0 or not self.worth_restoring(n, bs, start):
+            return found
+        allocator: BlockAllocator = cache.allocator
+        held = [f.block for f in found]
+        cache.pin(held)  # restoring must not evict what this lookup already found
+        restored: list[int] = []
+        began, nbytes = time.perf_counter(), 0
+        try:
+            parent_key = keys[start - 1] if start else root_key(salt)
+            parent = found[-1].serial if found else ROOT
+            for i in range(start, start + n):
+                rec = self.store.get(keys[i])
+                chunk = tuple(tokens[i * bs:(i + 1) * bs])
+                if rec is None or rec.salt != salt or rec.tokens != chunk or (
+                        rec.parent != parent_key):
+                    break  # another chain's block under this key: a miss, recompute
+                if len(rec.payload) != self.storage.bytes_per_block:
+                    self.store.discard(keys[i])
+                    break
+                if allocator.num_free == 0 and cache.evict(1) == 0:
+                    break
+                block = allocator.allocate()
+                restored.append(block)
+                self.storage.load_block(block, rec.payload)
+                allocator.filled(block)
+                nbytes += len(rec.payload)
+                serial = cache.insert(block, keys[i], parent, salt, chunk, parent_key,
+                                      stored=True)
+                if serial is None:
+                    break
+                found.append(CachedBlock(block, serial))
+                parent_key, parent = keys[i], serial
+        finally:
+            cache.unpin(held + restored)  # restored blocks: the cache's reference remains
+        seconds = time.perf_counter() - began
+        if nbytes and seconds > 0:
+            self.read_bps += EWMA * (nbytes / seconds - self.read_bps)
+        self.restored_blocks += len(found) - start
+        return found

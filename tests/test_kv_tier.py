@@ -1,0 +1,121 @@
+"""The prefix cache's disk tier in the engine (ember.kv.tier): exact, isolated, bounded.
+
+A "restart" is a new engine over the same ``kv_cache_dir``, which starts with an
+empty RAM cache: whatever it reuses came from disk. (tests/e2e/test_kv_restart.py
+kills a real server instead.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_engine import GREEDY, prompts, run
+
+from ember.config import EngineConfig
+from ember.engine.engine import LLMEngine
+from ember.kv.prefix import extend_keys
+from ember.sampling.params import SamplingParams
+
+
+def disk_engine(make, root: Path, **options) -> LLMEngine:
+    options.setdefault("kv_restore", "always")  # the tiny model recomputes faster than disk
+    return make(kv_cache_dir=str(root), **options)
+
+
+def cached_blocks(engine: LLMEngine, tokens: list[int], tenant: str | None = None) -> list[int]:
+    salt = engine.salt_for(tenant)
+    keys: list[bytes] = []
+    extend_keys(keys, salt, tokens, engine.config.block_size)
+    return [hit.block for hit in engine.kv.prefix.lookup(salt, tokens, keys)]
+
+
+def test_restored_blocks_are_bytewise_the_computed_ones_and_serve_the_same_tokens(
+        make_tiny_engine, tmp_path):
+    ps = prompts(4, seed=31, lo=40, hi=90)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    first = disk_engine(make_tiny_engine, tmp_path)
+    run(first, [(p, params) for p in ps])
+    ram = run(first, [(p, params) for p in ps])  # RAM hits: the tail is recomputed
+    first.close()
+    restarted = disk_engine(make_tiny_engine, tmp_path)
+    disk = run(restarted, [(p, params) for p in ps])
+    for p, a, b in zip(ps, ram, disk, strict=True):
+        assert b.cached_tokens == a.cached_tokens > 0
+        assert b.token_ids == a.token_ids and b.logprobs == a.logprobs  # bitwise floats
+        n = b.cached_tokens // restarted.config.block_size  # the blocks it restored
+        old, new = cached_blocks(first, p)[:n], cached_blocks(restarted, p)[:n]
+        assert len(new) == len(old) == n > 0
+        for x, y in zip(old, new, strict=True):
+            assert first.runner.kv.block_bytes(x) == restarted.runner.kv.block_bytes(y)
+    assert restarted.disk is not None and restarted.disk.stats.hits > 0
+    assert restarted.disk.stats.corrupt == 0
+    restarted.kv.check_no_leaks()
+
+
+def test_another_tenant_model_format_dtype_or_block_size_never_reuses_blocks(
+        make_tiny_engine, tmp_path, tiny_gguf, smollm2_file):
+    from tiny_model import write_tiny_llama
+
+    p = prompts(1, seed=32, lo=70, hi=71)[0]
+    first = disk_engine(make_tiny_engine, tmp_path)
+    want = run(first, [(p, GREEDY)], tenant="a")[0].token_ids
+    first.close()
+    again = disk_engine(make_tiny_engine, tmp_path)
+    assert run(again, [(p, GREEDY)], tenant="a")[0].cached_tokens > 0  # the control
+
+    other = write_tiny_llama(tmp_path / "other.gguf", smollm2_file, seed=1)
+    for tenant, options in [("b", {}), ("a", {"kv_dtype": "bf16"}), ("a", {"block_size": 8}),
+                            ("a", {"model": str(other), "loaded": None})]:
+        if "model" in options:
+            engine = LLMEngine(EngineConfig(model=options["model"], weights="f32",
+                                            num_kv_blocks=256, kv_cache_dir=str(tmp_path),
+                                            kv_restore="always"))
+        else:
+            engine = disk_engine(make_tiny_engine, tmp_path, **options)
+        out = run(engine, [(p, GREEDY)], tenant=tenant)[0]
+        assert out.cached_tokens == 0, (tenant, options)
+        assert engine.disk is not None and engine.disk.stats.hits == 0, (tenant, options)
+        if "model" not in options and options.get("kv_dtype") is None:
+            assert out.token_ids == want  # same model: recomputed, the same tokens
+
+
+def test_the_disk_budget_is_respected_and_restores_stay_in_the_pool(make_tiny_engine,
+                                                                    tmp_path):
+    engine = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=1)
+    run(engine, [(prompts(1, seed=33, lo=40, hi=41)[0], GREEDY)])
+    engine.close()
+    assert engine.disk is not None
+    stats = engine.disk.stats
+    assert stats.evicted > 0 and not list(engine.disk.dir.glob("*.kvb"))  # 1 byte fits none
+    budget = 5 * (stats.bytes_written // stats.evicted)  # five block files
+    engine = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=budget)
+    ps = prompts(6, seed=34, lo=60, hi=90)  # 4-5 blocks each, 12 blocks in RAM
+    for p in ps:
+        run(engine, [(p, GREEDY)])
+    engine.close()
+    files = list(engine.disk.dir.glob("*.kvb"))
+    assert 0 < sum(f.stat().st_size for f in files) <= budget
+    # restores go into the pool's 12 blocks, evicting cached ones, never beyond
+    again = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=budget)
+    out = run(again, [(ps[-1], GREEDY)])[0]
+    assert out.cached_tokens > 0
+    assert again.runner.kv.pool.shape[0] == 12
+    again.kv.check_no_leaks()
+
+
+@pytest.mark.parametrize("restore", ["auto", "always"])
+def test_restore_or_recompute_is_decided_and_counted(make_tiny_engine, tmp_path, restore):
+    p = prompts(1, seed=35, lo=80, hi=81)[0]
+    first = disk_engine(make_tiny_engine, tmp_path)
+    run(first, [(p, GREEDY)])
+    first.close()
+    engine = disk_engine(make_tiny_engine, tmp_path, kv_restore=restore)
+    assert engine.kv.tier is not None
+    engine.kv.tier.read_bps = 1.0  # a disk this slow never pays
+    out = run(engine, [(p, GREEDY)])[0]
+    decided = engine.kv.tier.decisions
+    if restore == "auto":
+        assert out.cached_tokens == 0 and decided["recompute"] >= 1 and decided["restore"] == 0
+    else:
+        assert out.cached_tokens > 0 and decided["restore"] >= 1
