@@ -61,6 +61,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _sampling_args(s)
     s.add_argument("--system", help="system message")
+    s.add_argument("--conversation", type=Path, default=None, metavar="FILE",
+                   help="keep the conversation and its KV here: a later chat on the same "
+                        "FILE resumes it warm (docs/kv-cache.md)")
     s.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(s)
@@ -97,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-queue", type=int, default=1024)
     s.add_argument("--no-prefix-caching", action="store_true")
+    _add_kv_flags(s)
     s.add_argument("--spec-ref", action="append", type=Path, default=[], metavar="FILE",
                    help="a text every request may draft from (repeatable)")
     s.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
@@ -176,6 +180,17 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="measure only llama.cpp (with --llama-server)")
     b.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
     b.set_defaults(func=cmd_bench_spec)
+    b = bench.add_parser("kv", help="KV disk tier: follow-up TTFT cold, RAM, disk, restart")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--history", type=int, default=2000, help="conversation tokens")
+    b.add_argument("--kv-dtype", default="f32,f16", help="comma-separated KV dtypes")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before the restart run (needs root)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
+    b.set_defaults(func=cmd_bench_kv)
     b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
     b.add_argument("--weights", default="auto")
@@ -205,6 +220,27 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_kv_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--kv-dtype", default="f32", choices=("f32", "f16", "bf16"),
+                   help="KV cache storage (f32 exact; f16/bf16 half the memory and disk)")
+    s.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks on disk here: they outlive eviction "
+                        "and restarts (docs/kv-cache.md)")
+    s.add_argument("--kv-disk-bytes", type=int, default=16 * 1024**3,
+                   help="the disk tier's budget; least recently used blocks go beyond it")
+    s.add_argument("--kv-fsync", default="batch", choices=("always", "batch", "never"),
+                   help="when disk blocks are fsynced (a crash never leaves a torn "
+                        "block served, whatever the choice)")
+    s.add_argument("--kv-restore", default="auto", choices=("auto", "always"),
+                   help="auto: restore from disk only where faster than recomputing")
+
+
+def _kv_options(args: argparse.Namespace) -> dict:
+    return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
+                kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
+                kv_restore=args.kv_restore)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
@@ -220,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculation=args.speculation, calibrate_costs=args.spec_calibrate,
         spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
         chat_template=(args.chat_template.read_text(encoding="utf-8")
-                       if args.chat_template else None))
+                       if args.chat_template else None), **_kv_options(args))
     ensure_model(args.model)  # a bad name fails here, before the server starts
     keys, weights = load_api_keys(args.api_key, args.api_keys_file)
     for name in ("max_request_bytes", "header_timeout", "body_timeout", "slo_ttft",
@@ -283,6 +319,16 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     main_spec(args.model, args.weights, args.threads, _int_list(args.concurrency,
                                                                 "--concurrency"),
               args.reps, args.out, args.llama_server, skip_ember=args.llama_only)
+    return 0
+
+
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    from ember.bench.kv import main as bench_main
+
+    if args.reps < 1 or args.history < 32:
+        raise ValueError("--reps must be at least 1 and --history at least 32")
+    bench_main(args.model, args.weights, args.threads, args.history, args.reps,
+               [d for d in args.kv_dtype.split(",") if d], args.drop_caches, args.out)
     return 0
 
 
@@ -442,6 +488,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     llm, params = _llm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    saved = _ConversationFile(llm, args.conversation) if args.conversation else None
+    if saved is not None and saved.state.messages:
+        messages = saved.state.messages
+        warm = llm.engine.import_prefix(saved.state.blocks)
+        print(f"[resumed {len(messages)} messages from {args.conversation}, "
+              f"{warm} tokens of KV restored]", file=sys.stderr)
     print("ember chat — empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
@@ -459,6 +511,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()  # the turn was abandoned; keep history consistent
             continue
         messages.append({"role": "assistant", "content": reply})
+        if saved is not None:
+            saved.save(messages)
+
+
+class _ConversationFile:
+    """``ember chat --conversation``: after each reply, append its new KV blocks and the
+    messages, committed together (a kill mid-reply loses only that turn)."""
+
+    def __init__(self, llm, path: Path) -> None:
+        from ember.kv import conversation
+
+        self.llm, self.path = llm, path
+        self.fp = llm.engine.kv_fingerprint()
+        self.state = conversation.read(path, self.fp)
+
+    def save(self, messages: list[dict]) -> None:
+        from ember.kv import conversation
+
+        history = self.llm.encode_chat(messages, add_generation_prompt=False)
+        blocks = self.llm.engine.export_prefix(history)
+        have = self.state.blocks
+        if [b.key for b in blocks[:len(have)]] != [b.key for b in have]:
+            self.state = conversation.Conversation()  # history rewritten: start over
+            have = []
+        self.state = conversation.append(self.path, self.fp, self.state, messages,
+                                         blocks[len(have):])
 
 
 def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool):
@@ -478,7 +556,8 @@ def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool):
     if verbose and first is not None:
         decode = time.perf_counter() - first
         rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
-        print(f"[prompt {len(prompt_ids)} tok, first token {first - start:.3f}s, "
+        print(f"[prompt {len(prompt_ids)} tok ({last.cached_tokens} cached), "
+              f"first token {first - start:.3f}s, "
               f"{n} tok, decode {rate:.1f} tok/s]", file=sys.stderr)
     return last
 

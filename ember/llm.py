@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ember.config import EngineConfig
@@ -83,6 +84,32 @@ class LLM:
             if not req.is_finished:  # the consumer stopped early (e.g. Ctrl-C)
                 self.engine.abort(req.request_id)
                 self.engine.step()
+
+    # ------------------------------------------------------------ KV files
+    def save_prefix(self, tokens: Prompt, path: str | Path, tenant: str | None = None) -> int:
+        """Write the KV of ``tokens``' full blocks to a new conversation file at ``path``
+        (computing what is not cached); returns how many tokens it holds."""
+        ids = self.encode(tokens)
+        from ember.kv import conversation
+
+        if len(self.engine.export_prefix(ids, tenant)) * self.engine.config.block_size < (
+                len(ids) // self.engine.config.block_size * self.engine.config.block_size):
+            self._run([ids], SamplingParams(max_tokens=1), tenant)  # fills the cache
+        blocks = self.engine.export_prefix(ids, tenant)
+        Path(path).unlink(missing_ok=True)
+        conversation.append(path, self.engine.kv_fingerprint(), conversation.Conversation(),
+                            None, blocks)
+        return sum(len(b.tokens) for b in blocks)
+
+    def load_prefix(self, path: str | Path, tenant: str | None = None) -> list[int]:
+        """Cache the KV in a file from :meth:`save_prefix` (or ``ember chat
+        --conversation``); returns the tokens it covers — a prompt that starts with them
+        skips their prefill. Raises ConversationError for another model's file."""
+        from ember.kv import conversation
+
+        conv = conversation.read(path, self.engine.kv_fingerprint())
+        n = self.engine.import_prefix(conv.blocks, tenant)
+        return [t for b in conv.blocks for t in b.tokens][:n]
 
     def _run(
         self,

@@ -140,7 +140,8 @@ i = {first}
 while True:
     store.put(record(i))
     i += 1
-    if i % 8 == 0:
+    if i % 8 == 0:  # as an engine does: a few blocks at a time, written while it goes on
+        store.flush()
         print(i, flush=True)
 """
 

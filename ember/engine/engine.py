@@ -40,10 +40,11 @@ from ember.engine.runner import ModelRunner, ScheduledRow
 from ember.engine.scheduler import Scheduler
 from ember.errors import EmberError, InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
-from ember.kv.disk import DiskStore
+from ember.kv.disk import BlockRecord, DiskStore
 from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
-from ember.kv.tier import DiskTier
+from ember.kv.prefix import extend_keys
+from ember.kv.tier import DiskTier, restore_chain
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
@@ -180,15 +181,49 @@ class LLMEngine:
             "verify": 0, "fallback": 0, "off": 0}}
         self._start_costs()
 
+    def kv_fingerprint(self) -> bytes:
+        """What stored KV bytes depend on besides their tokens and salt: the weights
+        (file hash and format), the KV dtype, the block size and the geometry."""
+        c, cfg = self.config, self.loaded.config
+        return disk_fingerprint(self.loaded.fingerprint(), f"kv:{c.kv_dtype}",
+                                f"block:{c.block_size}", f"layers:{cfg.n_layers}",
+                                f"kv_heads:{cfg.n_kv_heads}", f"head_dim:{cfg.head_dim}",
+                                "layout:block,layer,kv,pos,head,dim")
+
+    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None
+                      ) -> list[BlockRecord]:
+        """The cached full blocks of ``tokens`` (the longest cached prefix), as records."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return []
+        salt = self.salt_for(tenant)
+        keys: list[bytes] = []
+        extend_keys(keys, salt, tokens, self.config.block_size)
+        return [BlockRecord(*prefix.identity(hit.block), self.runner.kv.block_bytes(hit.block))
+                for hit in prefix.lookup(salt, tokens, keys)]
+
+    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None) -> int:
+        """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives)
+        for ``tenant``; returns how many tokens they cover. Records that do not verify
+        for this tenant (salt, chain keys, parents) end the import."""
+        prefix = self.kv.prefix
+        if prefix is None or not records:
+            return 0
+        salt = self.salt_for(tenant)
+        tokens = [t for rec in records for t in rec.tokens]
+        keys: list[bytes] = []
+        extend_keys(keys, salt, tokens, self.config.block_size)
+        found = prefix.lookup(salt, tokens, keys)
+        restore_chain(prefix, self.runner.kv, salt, tokens, keys, found,
+                      lambda i: records[i], len(keys), stored=False)
+        return len(found) * self.config.block_size
+
     def _attach_disk_tier(self, storage: KVStorage) -> None:
         """Back the prefix cache with a block store under ``config.kv_cache_dir``."""
-        c, cfg = self.config, self.loaded.config
-        fp = disk_fingerprint(self.loaded.fingerprint(), f"kv:{c.kv_dtype}",
-                              f"block:{c.block_size}", f"layers:{cfg.n_layers}",
-                              f"kv_heads:{cfg.n_kv_heads}", f"head_dim:{cfg.head_dim}",
-                              "layout:block,layer,kv,pos,head,dim")
+        c = self.config
         assert c.kv_cache_dir is not None
-        self.disk = DiskStore(c.kv_cache_dir, fp, c.kv_disk_bytes, c.kv_fsync)
+        self.disk = DiskStore(c.kv_cache_dir, self.kv_fingerprint(), c.kv_disk_bytes,
+                              c.kv_fsync)
 
         def recompute_seconds(tokens: int, end: int) -> float:
             return self.scheduler.costs.predict(StepShape(tokens, 1, tokens * end))
@@ -793,8 +828,19 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "tenants": self._tenant_counts(),
             "spec": self.spec_totals,
+            "kv_disk": self.disk_metrics(),
             **self.stats,
         }
+
+    def disk_metrics(self) -> dict[str, Any] | None:
+        """The disk tier's counters, decisions and size; None without a disk tier."""
+        tier = self.kv.tier
+        if self.disk is None or tier is None:
+            return None
+        return {**dataclasses.asdict(self.disk.stats), "blocks": len(self.disk),
+                "bytes": self.disk.size_bytes, "decisions": dict(tier.decisions),
+                "restored_blocks": tier.restored_blocks,
+                "read_bytes_per_second": tier.read_bps}
 
     def _tenant_counts(self) -> dict[str, dict[str, int]]:
         """Running and waiting requests per tenant (safe to call from any thread)."""

@@ -25,8 +25,9 @@ power loss can leave a renamed file short or zeroed: its checksum fails, so it i
 deleted, never served. The index is the directory itself, scanned at startup
 (names and sizes only; contents are verified when read), so it is never lost.
 
-Writes happen on a background thread: ``put`` copies the bytes into a bounded
-queue and returns; a block waiting there is already readable. The directory is
+Writes happen on a background thread: ``put`` queues the record (bounded in bytes)
+and returns; the thread encodes and checksums it. A queued block is already
+readable. The directory is
 kept under ``capacity`` bytes by deleting least recently used blocks.
 
 This module does not import torch: payloads are bytes.
@@ -132,7 +133,9 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self._size = 0
-        self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # written by the thread
+        # queued for the writer thread, which encodes them (the checksum is off the
+        # caller's thread) and serves reads meanwhile
+        self._pending: OrderedDict[bytes, BlockRecord] = OrderedDict()
         self._pending_bytes = 0
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -197,19 +200,22 @@ class DiskStore:
     def get(self, key: bytes) -> BlockRecord | None:
         """The verified record stored under ``key``, or None (counted as a miss)."""
         with self._lock:
-            data = self._pending.get(key)
-            known = data is not None or key in self._index
+            queued = self._pending.get(key)
+            known = queued is not None or key in self._index
         if not known:
             self.stats.misses += 1
             return None
-        if data is None:
-            try:
-                data = self._path(key).read_bytes()
-            except FileNotFoundError:
-                with self._lock:
-                    self._index.pop(key, None)
-                self.stats.misses += 1
-                return None
+        if queued is not None:
+            self.stats.hits += 1
+            self.stats.bytes_read += len(queued.payload)
+            return queued
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self._index.pop(key, None)
+            self.stats.misses += 1
+            return None
         try:
             rec = decode(data, self.fp)
             if rec is not None and rec.key != key:
@@ -240,15 +246,15 @@ class DiskStore:
     # ------------------------------------------------------------ writes
     def put(self, rec: BlockRecord) -> bool:
         """Queue ``rec`` for writing; False if it was dropped (queue full) or stored."""
-        data = encode(self.fp, rec)
+        size = len(rec.payload)
         with self._lock:
             if rec.key in self._index or rec.key in self._pending:
                 return False
-            if self._pending_bytes + len(data) > self.queue_bytes or self._closed:
+            if self._pending_bytes + size > self.queue_bytes or self._closed:
                 self.stats.dropped += 1
                 return False
-            self._pending[rec.key] = data
-            self._pending_bytes += len(data)
+            self._pending[rec.key] = rec
+            self._pending_bytes += size
             self._wake.notify()
         return True
 
@@ -278,14 +284,15 @@ class DiskStore:
             except OSError as e:  # a full disk, say: these blocks are simply not stored
                 log.warning("KV disk store: writing %d blocks failed: %s", len(batch), e)
             with self._lock:
-                for key, data in batch:
+                for key, rec in batch:
                     if self._pending.pop(key, None) is not None:
-                        self._pending_bytes -= len(data)
+                        self._pending_bytes -= len(rec.payload)
                 self._wake.notify_all()
 
-    def _write(self, batch: Sequence[tuple[bytes, bytes]]) -> None:
+    def _write(self, batch: Sequence[tuple[bytes, BlockRecord]]) -> None:
         temps = []
-        for key, data in batch:
+        for key, rec in batch:
+            data = encode(self.fp, rec)
             tmp = self.dir / f".{key.hex()}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -9,9 +9,9 @@ A hash hit is never trusted alone. Every cached block records its *identity*: a
 serial number that is never reused, the serial of the block before it in its chain
 (0 for a first block), the salt and its own token ids. A hit on block ``i`` is
 served only if its salt and tokens equal the request's and its parent is exactly
-the block served for ``i - 1``. By induction a served block was computed after the very same salt and
-tokens, so a hash collision anywhere in a chain can only cost a miss, never serve
-another prompt's or another tenant's cache.
+the block served for ``i - 1``. By induction a served block was computed after the
+very same salt and tokens, so a hash collision anywhere in a chain can only cost a
+miss, never serve another prompt's or another tenant's cache.
 
 The cache holds one reference on each cached block. Blocks whose only reference is
 the cache's are *evictable*; they sit in an LRU and are reclaimed only when the
@@ -131,6 +131,11 @@ class PrefixCache:
             found.append(CachedBlock(block, entry.serial))
             parent = entry.serial
         return found
+
+    def identity(self, block: int) -> tuple[bytes, bytes, bytes, tuple[int, ...]]:
+        """A cached block's chain key, parent key, salt and tokens."""
+        e = self._entries[block]
+        return e.key, e.parent_key, e.salt, e.tokens
 
     def acquire(self, found: Sequence[CachedBlock], queried_tokens: int) -> None:
         """Take a reference on each found block for a request; count the query once."""

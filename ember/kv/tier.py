@@ -89,40 +89,62 @@ class DiskTier:
         n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // bs))
         if n == 0 or not self.worth_restoring(n, bs, start):
             return found
-        allocator: BlockAllocator = cache.allocator
-        held = [f.block for f in found]
-        cache.pin(held)  # restoring must not evict what this lookup already found
-        restored: list[int] = []
-        began, nbytes = time.perf_counter(), 0
-        try:
-            parent_key = keys[start - 1] if start else root_key(salt)
-            parent = found[-1].serial if found else ROOT
-            for i in range(start, start + n):
-                rec = self.store.get(keys[i])
-                chunk = tuple(tokens[i * bs:(i + 1) * bs])
-                if rec is None or rec.salt != salt or rec.tokens != chunk or (
-                        rec.parent != parent_key):
-                    break  # another chain's block under this key: a miss, recompute
-                if len(rec.payload) != self.storage.bytes_per_block:
-                    self.store.discard(keys[i])
-                    break
-                if allocator.num_free == 0 and cache.evict(1) == 0:
-                    break
-                block = allocator.allocate()
-                restored.append(block)
-                self.storage.load_block(block, rec.payload)
-                allocator.filled(block)
-                nbytes += len(rec.payload)
-                serial = cache.insert(block, keys[i], parent, salt, chunk, parent_key,
-                                      stored=True)
-                if serial is None:
-                    break
-                found.append(CachedBlock(block, serial))
-                parent_key, parent = keys[i], serial
-        finally:
-            cache.unpin(held + restored)  # restored blocks: the cache's reference remains
+        began = time.perf_counter()
+        nbytes = restore_chain(cache, self.storage, salt, tokens, keys, found,
+                               lambda i: self.store.get(keys[i]), start + n,
+                               self.store.discard)
         seconds = time.perf_counter() - began
         if nbytes and seconds > 0:
             self.read_bps += EWMA * (nbytes / seconds - self.read_bps)
         self.restored_blocks += len(found) - start
         return found
+
+
+def restore_chain(cache: PrefixCache, storage: BlockBytes, salt: bytes, tokens: Sequence[int],
+                  keys: Sequence[bytes], found: list[CachedBlock],
+                  fetch: Callable[[int], BlockRecord | None], stop: int,
+                  discard: Callable[[bytes], None] | None = None, stored: bool = True) -> int:
+    """Append to ``found`` the blocks ``len(found) .. stop-1`` of ``tokens`` that
+    ``fetch(i)`` supplies and that verify, loaded into free pool blocks and cached;
+    stop at the first that does not. Returns the bytes loaded.
+
+    A record verifies if it carries the request's salt, block ``i``'s chain key and
+    tokens, and the previous block's chain key as its parent. Blocks are found room
+    for by evicting cached LRU blocks, never those already in ``found``. ``stored``:
+    the disk tier already has them (else it gets them when they become evictable).
+    """
+    bs = cache.block_size
+    allocator: BlockAllocator = cache.allocator
+    start = len(found)
+    held = [f.block for f in found]
+    cache.pin(held)  # restoring must not evict what this lookup already found
+    restored: list[int] = []
+    nbytes = 0
+    try:
+        parent_key = keys[start - 1] if start else root_key(salt)
+        parent = found[-1].serial if found else ROOT
+        for i in range(start, stop):
+            rec = fetch(i)
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            if rec is None or rec.key != keys[i] or rec.salt != salt or (
+                    rec.tokens != chunk or rec.parent != parent_key):
+                break  # another chain's block under this key: a miss, recompute
+            if len(rec.payload) != storage.bytes_per_block:
+                if discard is not None:
+                    discard(keys[i])
+                break
+            if allocator.num_free == 0 and cache.evict(1) == 0:
+                break
+            block = allocator.allocate()
+            restored.append(block)
+            storage.load_block(block, rec.payload)
+            allocator.filled(block)
+            nbytes += len(rec.payload)
+            serial = cache.insert(block, keys[i], parent, salt, chunk, parent_key, stored)
+            if serial is None:
+                break
+            found.append(CachedBlock(block, serial))
+            parent_key, parent = keys[i], serial
+    finally:
+        cache.unpin(held + restored)  # restored blocks: the cache's reference remains
+    return nbytes

@@ -121,6 +121,7 @@ class Metrics:
                "Prompt tokens served from the prefix cache.", s.get("prefix_cache_hits", 0))
         metric("ember_preemptions_total", "counter", "Requests preempted for KV space.",
                s.get("preemptions", 0))
+        lines += _disk_lines(s.get("kv_disk"))
         spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
         for i, what in ((0, "drafted"), (1, "accepted")):
             name = f"ember_spec_{what}_tokens_total"
@@ -181,3 +182,34 @@ class Metrics:
 def _label(value: str) -> str:
     """A Prometheus label value, escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+_DISK_COUNTERS = (
+    ("hits", "Blocks read from the KV disk tier and verified."),
+    ("misses", "KV disk tier lookups it could not serve."),
+    ("bytes_read", "Bytes read from the KV disk tier."),
+    ("bytes_written", "Bytes written to the KV disk tier."),
+    ("corrupt", "KV disk blocks that failed to verify (deleted)."),
+    ("evicted", "KV disk blocks deleted to stay within --kv-disk-bytes."),
+    ("dropped", "KV blocks not written because the write queue was full."),
+)
+
+
+def _disk_lines(d: dict[str, Any] | None) -> list[str]:
+    """The disk tier's metrics (none without ``--kv-cache-dir``)."""
+    if d is None:
+        return []
+    lines = []
+    for key, help in _DISK_COUNTERS:
+        name = f"ember_kv_disk_{key}_total"
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {d[key]}"]
+    name = "ember_kv_disk_decisions_total"
+    lines += [f"# HELP {name} Runs of disk blocks restored or recomputed, by measured cost.",
+              f"# TYPE {name} counter"]
+    lines += [f'{name}{{decision="{k}"}} {n}' for k, n in sorted(d["decisions"].items())]
+    for key, help in (("blocks", "Blocks in the KV disk tier."),
+                      ("bytes", "Bytes in the KV disk tier."),
+                      ("read_bytes_per_second", "Measured KV disk restore bandwidth.")):
+        name = f"ember_kv_disk_{key}"
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {d[key]:g}"]
+    return lines
