@@ -519,6 +519,8 @@ class LLMEngine:
             start = time.perf_counter()
             changed += self._run(sched.rows)
             self.scheduler.costs.observe(sched.shape, time.perf_counter() - start)
+        elif self.kv.tier is not None:
+            self.kv.tier.wait_for_reads(0.005)  # only disk reads to wait for: do not spin
         self._retire()
         return [self.output(r) for r in dict.fromkeys(changed)]
 

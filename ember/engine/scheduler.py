@@ -170,8 +170,8 @@ class Scheduler:
             if not queues[key]:
                 del queues[key]
             if req.status is RequestStatus.WAITING:
-                if not can_admit:
-                    continue
+                if not can_admit or self.kv.loading(req):
+                    continue  # a prefix being read from disk holds up only its own request
                 if not self._admit(req, out, limit):
                     can_admit = False  # blocked: later arrivals may not overtake it
                     continue
@@ -388,7 +388,7 @@ class Scheduler:
     def _uncached(self, req: Request) -> int:
         if req.kv_len:
             return req.remaining_prefill
-        return len(req.token_ids) - len(self.kv.probe_prefix(req)) * self.kv.block_size
+        return len(req.token_ids) - self.kv.cached_estimate(req)
 
     def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
         mine = queued.get(tenant, 0) + own

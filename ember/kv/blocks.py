@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from ember.errors import EmberError
@@ -79,10 +80,9 @@ class KVStorage:
         """Block ``block``'s keys and values, all layers, as bytes (one copy)."""
         return self.pool[block].view(torch.uint8).numpy().tobytes()
 
-    def load_block(self, block: int, data: bytes) -> None:
-        """Fill block ``block`` from :meth:`block_bytes` output."""
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.pool[block].view(torch.uint8).view(-1).copy_(src)
+    def load_block(self, block: int, data: bytes | memoryview) -> None:
+        """Fill block ``block`` from :meth:`block_bytes` output (one copy)."""
+        self.pool[block].view(torch.uint8).view(-1).numpy()[:] = np.frombuffer(data, np.uint8)
 
     @staticmethod
     def bytes_per_block_of(

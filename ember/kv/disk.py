@@ -71,7 +71,7 @@ class BlockRecord:
     parent: bytes  # the previous block's chain key (the root key for a first block)
     salt: bytes
     tokens: tuple[int, ...]
-    payload: bytes
+    payload: bytes | memoryview
 
 
 def encode(fp: bytes, rec: BlockRecord) -> bytes:
@@ -102,7 +102,8 @@ def decode(data: bytes, fp: bytes) -> BlockRecord | None:
     at += n_salt
     tokens = struct.unpack_from(f"<{n_tokens}I", data, at)
     at += 4 * n_tokens
-    return BlockRecord(key, parent, bytes(salt), tokens, bytes(data[at:end]))
+    # the payload is a view of ``data``: restoring copies it once, into the pool
+    return BlockRecord(key, parent, bytes(salt), tokens, memoryview(data)[at:end])
 
 
 @dataclass

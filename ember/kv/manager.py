@@ -63,18 +63,42 @@ class KVCacheManager:
             self.prefix.evict(need)
 
     # ------------------------------------------------------------ admission
-    def probe_prefix(self, req: Request) -> list[CachedBlock]:
-        """Cached blocks covering a prefix of a waiting request's history (no references
-        taken, nothing counted): the scheduler decides with it whether to admit."""
+    def _lookup(self, req: Request) -> tuple[list[int], list[CachedBlock]]:
+        """The tokens a waiting request may take from the cache, and its RAM hits."""
         if not self.prefix or req.kv_len or req.wants_prompt_logprobs:
-            return []
+            return [], []
         extend_keys(req.block_hashes, req.salt, req.token_ids, self.block_size)
         # the last token is always recomputed for its logits
         tokens = req.token_ids[:-1]
-        found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
-        if self.tier is not None:
+        return tokens, self.prefix.lookup(req.salt, tokens, req.block_hashes)
+
+    def probe_prefix(self, req: Request) -> list[CachedBlock]:
+        """Cached blocks covering a prefix of a waiting request's history (no references
+        taken, nothing counted), restored from the disk tier where it has more: the
+        scheduler decides with it whether to admit."""
+        tokens, found = self._lookup(req)
+        if self.tier is not None and self.prefix and tokens:
             found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
         return found
+
+    def loading(self, req: Request) -> bool:
+        """Whether a waiting request's prefix is being read from the disk tier (it is
+        admitted when the read is done; until then it holds nothing and waits)."""
+        if self.tier is None:
+            return False
+        tokens, found = self._lookup(req)
+        return bool(tokens) and self.tier.prefetch(req.salt, tokens, req.block_hashes,
+                                                   len(found), self.block_size)
+
+    def cached_estimate(self, req: Request) -> int:
+        """Prompt tokens a waiting request would take from RAM or disk (nothing read)."""
+        tokens, found = self._lookup(req)
+        n = len(found)
+        if self.tier is not None and tokens:
+            n += self.tier.blocks_on_disk(req.block_hashes, n,
+                                          min(len(req.block_hashes),
+                                              len(tokens) // self.block_size))
+        return n * self.block_size
 
     def attach_tier(self, tier: DiskTier) -> None:
         """Back the prefix cache with a disk tier (spill on release, restore on lookup)."""

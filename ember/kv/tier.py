@@ -17,12 +17,21 @@ Restore or recompute, by measurement: a run is restored only if reading its byte
 (at the read bandwidth measured on earlier restores) is predicted to take less time
 than recomputing its tokens (the step cost model's prediction for a prefill of
 that length at that position), and each decision is counted.
+
+Off the critical path: the scheduler first calls :meth:`DiskTier.prefetch` for a
+waiting request. That decides once, and if restoring, reads and verifies the run's
+files on a reader thread while the engine keeps stepping; the request is not
+admitted meanwhile (it holds no pool blocks: the records wait in memory). When the
+read is done, admission restores them with one copy per block. ``extend`` without a
+prefetch reads synchronously (the Python API's single-threaded use, tests).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 from ember.kv.blocks import BlockAllocator
@@ -31,6 +40,7 @@ from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, root_key
 
 READ_BPS_PRIOR = 500e6  # bytes/s until a restore has been timed (a cold SSD read)
 EWMA = 0.3  # weight of the newest restore's measured bandwidth
+MAX_FETCHES = 64  # prefetches remembered (an aborted request's is dropped, oldest first)
 
 
 class BlockBytes(Protocol):
@@ -57,6 +67,10 @@ class DiskTier:
         self.read_bps = READ_BPS_PRIOR
         self.decisions = {"restore": 0, "recompute": 0}
         self.restored_blocks = 0
+        # first key of a run -> its read in flight or done (None: recompute was decided)
+        self._fetches: OrderedDict[bytes, Future[tuple[list[BlockRecord], float]] | None] = (
+            OrderedDict())
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="ember-kv-read")
 
     # ------------------------------------------------------------ spill
     def spill(self, block: int, key: bytes, parent_key: bytes, salt: bytes,
@@ -81,23 +95,68 @@ class DiskTier:
         self.decisions["restore" if restore else "recompute"] += 1
         return restore
 
+    def _read(self, keys: Sequence[bytes]) -> tuple[list[BlockRecord], float]:
+        """The run's records, read and verified in order (until the first miss)."""
+        began, out = time.perf_counter(), []
+        for key in keys:
+            rec = self.store.get(key)
+            if rec is None:
+                break
+            out.append(rec)
+        return out, time.perf_counter() - began
+
+    def prefetch(self, salt: bytes, tokens: Sequence[int], keys: Sequence[bytes],
+                 start: int, block_size: int) -> bool:
+        """Start reading the disk run after block ``start`` (decided once per run);
+        True while that read is in flight (do not admit the request yet)."""
+        n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // block_size))
+        if n == 0:
+            return False
+        key = keys[start]
+        if key not in self._fetches:
+            restore = self.worth_restoring(n, block_size, start)
+            self._fetches[key] = (self._reader.submit(self._read, keys[start:start + n])
+                                  if restore else None)
+            while len(self._fetches) > MAX_FETCHES:
+                self._fetches.popitem(last=False)
+        fetch = self._fetches[key]
+        return fetch is not None and not fetch.done()
+
     def extend(self, cache: PrefixCache, salt: bytes, tokens: Sequence[int],
                keys: Sequence[bytes], found: list[CachedBlock]) -> list[CachedBlock]:
-        """``found`` (the RAM hits for ``tokens``) extended with blocks restored from disk."""
+        """``found`` (the RAM hits for ``tokens``) extended with blocks restored from disk:
+        those a :meth:`prefetch` read, else read now."""
         bs = cache.block_size
         start = len(found)
-        n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // bs))
-        if n == 0 or not self.worth_restoring(n, bs, start):
+        if start >= min(len(keys), len(tokens) // bs):
             return found
-        began = time.perf_counter()
-        nbytes = restore_chain(cache, self.storage, salt, tokens, keys, found,
-                               lambda i: self.store.get(keys[i]), start + n,
-                               self.store.discard)
-        seconds = time.perf_counter() - began
+        if keys[start] in self._fetches:
+            fetch = self._fetches.pop(keys[start])
+            if fetch is None:
+                return found  # recomputing was decided
+            records, seconds = fetch.result()
+        else:
+            n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // bs))
+            if n == 0 or not self.worth_restoring(n, bs, start):
+                return found
+            records, seconds = self._read(keys[start:start + n])
+        nbytes = sum(len(r.payload) for r in records)
         if nbytes and seconds > 0:
             self.read_bps += EWMA * (nbytes / seconds - self.read_bps)
+        restore_chain(cache, self.storage, salt, tokens, keys, found,
+                      lambda i: records[i - start], start + len(records), self.store.discard)
         self.restored_blocks += len(found) - start
         return found
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a prefetch in flight completes or ``timeout`` s pass."""
+        pending = [f for f in self._fetches.values() if f is not None and not f.done()]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    def blocks_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        """How many blocks after ``start`` the store holds (no read, nothing decided)."""
+        return self._run_on_disk(keys, start, stop)
 
 
 def restore_chain(cache: PrefixCache, storage: BlockBytes, salt: bytes, tokens: Sequence[int],
