@@ -110,6 +110,17 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="measure this machine's step costs at startup (about 2 s)")
     s.set_defaults(func=cmd_serve)
 
+    s = sub.add_parser("eval", help="drift of each weight format and KV dtype from f32")
+    s.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    s.add_argument("--weights", default="f32,bf16,q4", help="comma-separated weight formats")
+    s.add_argument("--kv-dtype", default="f32,f16,bf16", help="comma-separated KV dtypes")
+    s.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
+    s.add_argument("--decode-tokens", type=int, default=64,
+                   help="tokens of the decode-speed run (0: skip it)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--out", type=Path, default=Path("bench-results/eval.json"))
+    s.set_defaults(func=cmd_eval)
+
     s = sub.add_parser("bench", help="benchmarks (print figures, write JSON)")
     bench = s.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
@@ -241,6 +252,25 @@ def _kv_options(args: argparse.Namespace) -> dict:
                 kv_restore=args.kv_restore)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ember.eval import main as eval_main
+    from ember.kv.blocks import KV_DTYPES
+    from ember.models.linear import WEIGHT_FORMATS
+
+    weights = [w for w in args.weights.split(",") if w]
+    kv = [d for d in args.kv_dtype.split(",") if d]
+    for w in weights:
+        if w not in WEIGHT_FORMATS:
+            raise ValueError(f"--weights: {w!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    for d in kv:
+        if d not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype: {d!r} is not one of {', '.join(KV_DTYPES)}")
+    if args.window < 2 or args.decode_tokens < 0:
+        raise ValueError("--window must be at least 2 and --decode-tokens at least 0")
+    eval_main(args.model, weights, kv, args.window, args.decode_tokens, args.threads, args.out)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
@@ -248,6 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = EngineConfig(
         model=args.model, weights=args.weights, threads=args.threads,
+        allow_drift=args.allow_drift,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
@@ -404,6 +435,9 @@ def _model_args(s: argparse.ArgumentParser) -> None:
                    help="auto: verify draft tokens where the cost gate says it pays "
                         "(the output is the same either way); off: never")
     s.add_argument("--verbose", "-v", action="store_true", help="print load and speed figures")
+    s.add_argument("--allow-drift", action="store_true",
+                   help="use a weight format / KV dtype whose measured drift from f32 "
+                        "(`ember eval`) crosses the limits (docs/quantization.md)")
 
 
 def _sampling_args(s: argparse.ArgumentParser) -> None:
@@ -436,7 +470,7 @@ def _llm(args: argparse.Namespace):
     ensure_model(args.model)
     from ember.llm import LLM
 
-    llm = LLM(args.model, weights=args.weights, threads=args.threads,
+    llm = LLM(args.model, weights=args.weights, threads=args.threads, allow_drift=args.allow_drift,
               speculation=args.speculation)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
@@ -509,6 +543,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()  # the turn was abandoned; keep history consistent
+            continue
+        except (EmberError, ValueError) as e:  # e.g. the conversation outgrew the context
+            print(f"ember: error: {e}", file=sys.stderr)
+            messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})
         if saved is not None:

@@ -46,6 +46,7 @@ class EngineConfig:
     kv_disk_bytes: int = 16 * 1024**3  # the disk tier's budget (LRU beyond it)
     kv_fsync: str = "batch"  # disk tier durability: always | batch | never
     kv_restore: str = "auto"  # auto: restore from disk where faster than recomputing; always
+    allow_drift: bool = False  # use weights/KV whose `ember eval` drift crosses the limits
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:

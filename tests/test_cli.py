@@ -282,6 +282,16 @@ def test_chat_survives_ctrl_c_during_a_reply(tiny_gguf: Path, home: Path) -> Non
     assert out.count("> ") >= 2  # it prompted again after the interrupted reply
 
 
+def test_chat_reports_a_turn_that_does_not_fit_and_goes_on(tiny_gguf: Path, home: Path) -> None:
+    proc = subprocess.run(
+        [*EMBER, "chat", "--model", str(tiny_gguf), "--max-tokens", "2047", "--temperature",
+         "0", "--threads", "1"], input="Hello there, a long message\n\n", text=True,
+        capture_output=True, timeout=120, env={**os.environ, "EMBER_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    assert "exceeds the context window" in proc.stderr
+    assert proc.stdout.count("> ") == 2  # it prompted again after the refused turn
+
+
 @pytest.mark.slow
 def test_generate_default_weights_are_the_fast_format(home: Path) -> None:
     """`--weights auto` (the CLI default) resolves to q4 where the kernel builds."""

@@ -144,6 +144,12 @@ class LLMEngine:
         if config.chat_template is not None:  # a copy: a shared LoadedModel stays as it was
             self.loaded = dataclasses.replace(self.loaded, chat_template=_template(
                 config.chat_template, self.loaded))
+        if not config.allow_drift:
+            from ember.eval import check_drift, model_sha
+
+            why = check_drift(model_sha(self.loaded), self.loaded.weights, config.kv_dtype)
+            if why is not None:
+                raise InvalidConfig(why)
         source = self.loaded.chat_template.source if self.loaded.chat_template else None
         self.thinking_tags = ThinkingTags.of_template(source)
         cfg = self.loaded.config

@@ -123,10 +123,11 @@ class LlamaModel:
         c = self.cfg
         return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
 
-    def score(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    def score(self, token_ids: list[int], block_size: int = 16,
+              kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Logits at every position of one sequence (teacher forcing), shape (T, vocab).
 
-        Uses a private KV pool; meant for evaluation and tests, not serving.
+        Uses a private KV pool (of ``kv_dtype``); meant for evaluation and tests.
         """
         from ember.kv.blocks import BlockAllocator, BlockTable
         from ember.models.attention import RowSpec
@@ -136,7 +137,7 @@ class LlamaModel:
         table = BlockTable(BlockAllocator(n_blocks), block_size)
         table.reserve(n)
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], block_size)
-        kv = self.new_kv_storage(n_blocks, block_size)
+        kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)
         kv.zero_blocks(table.allocator.take_fresh())
         return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
 

@@ -13,6 +13,7 @@ Anywhere a model is named, a path to a ``.gguf`` file works too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -170,6 +171,13 @@ def pull(alias: str, *, force: bool = False) -> Path:
 
 
 def sha256_of(path: Path) -> str:
+    """The file's sha256, hashed once per (path, size, modification time) per process."""
+    st = Path(path).stat()
+    return _sha256_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
