@@ -68,6 +68,8 @@ class EngineConfig:
         if self.kv_fsync not in FSYNC_POLICIES:
             raise InvalidConfig(f"kv_fsync must be one of {', '.join(FSYNC_POLICIES)}, "
                                 f"got {self.kv_fsync!r}")
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise InvalidConfig("kv_cache_dir needs the prefix cache (enable_prefix_caching)")
         if self.kv_restore not in ("auto", "always"):
             raise InvalidConfig(f"kv_restore must be 'auto' or 'always', got {self.kv_restore!r}")
         if self.speculation not in ("auto", "off"):

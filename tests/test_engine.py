@@ -187,7 +187,10 @@ def test_bad_requests_are_rejected_with_the_parameter_named(make_tiny_engine):
 
 
 @pytest.mark.parametrize("option", [{"max_num_seqs": 0}, {"block_size": 12},
-                                    {"kv_cache_bytes": -1}, {"max_queue": "9"}])
+                                    {"kv_cache_bytes": -1}, {"max_queue": "9"},
+                                    {"kv_dtype": "f8"}, {"kv_fsync": "sometimes"},
+                                    {"kv_restore": "never"}, {"kv_disk_bytes": 0},
+                                    {"kv_cache_dir": "/tmp/x", "enable_prefix_caching": False}])
 def test_bad_engine_options_fail_at_construction(make_tiny_engine, option):
     with pytest.raises(InvalidConfig, match=next(iter(option))):
         make_tiny_engine(**option)
