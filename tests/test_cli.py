@@ -261,8 +261,10 @@ def test_chat_survives_ctrl_c_during_a_reply(tiny_gguf: Path, home: Path) -> Non
     import signal
 
     proc = subprocess.Popen(
+        # f32: its greedy reply here runs all 1,900 tokens (q4's ended after ~500, which
+        # a SIGINT sent from a loaded machine could miss)
         [*EMBER, "chat", "--model", str(tiny_gguf), "--max-tokens", "1900", "--temperature",
-         "0", "--threads", "1"],
+         "0", "--threads", "1", "--weights", "f32"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "EMBER_HOME": str(home)},
     )
