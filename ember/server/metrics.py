@@ -211,5 +211,6 @@ def _disk_lines(d: dict[str, Any] | None) -> list[str]:
                       ("bytes", "Bytes in the KV disk tier."),
                       ("read_bytes_per_second", "Measured KV disk restore bandwidth.")):
         name = f"ember_kv_disk_{key}"
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {d[key]:g}"]
+        value = d[key] if isinstance(d[key], int) else f"{d[key]:.0f}"
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {value}"]
     return lines
