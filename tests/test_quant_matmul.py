@@ -298,6 +298,13 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str]) -> None:
                                        rtol=1e-5, atol=1e-5 * ref8.abs().amax().item())
     assert torch.equal(mod.q4_dequantize(*q4.packed, 75, cols), q4.dequantize())
     assert torch.equal(mod.q8_dequantize(*q8.packed, 75, cols), q8.dequantize())
+    # decode attention over a strided pool view, rows of several lengths
+    pool = torch.randn(12, 2, 2, 16, 2, 64)  # blocks, layers, K/V, positions, kv heads, dim
+    tables = torch.tensor([[3, 7, 1], [0, 11, 5], [9, 2, 4]])
+    lens, q = torch.tensor([40, 1, 33]), torch.randn(3, 6, 64)
+    args = (q, pool[:, 1, 0], pool[:, 1, 1], tables, lens, 0.125)
+    torch.testing.assert_close(mod.paged_decode_attention(*args),
+                               ext.paged_decode_attention(*args), rtol=1e-5, atol=1e-6)
     qa, da, sa, ca, ia = mod.quantize_activations(x)
     qb, db, sb, cb, ib = ext.quantize_activations(x)
     assert torch.equal(qa, qb) and torch.equal(da, db) and torch.equal(ia, ib)

@@ -752,6 +752,108 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return y;
 }
 
+// Vector helpers of paged_decode_attention, in a fixed order (8 lanes, then the tail).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(EMBER_AVX2)
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  const __m256 s = _mm256_add_ps(s0, s1);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  total = _mm_cvtss_f32(x);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void scale_f32(float* y, float r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= r;
+}
+
+inline void axpy_f32(float* y, float w, const float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(EMBER_AVX2)
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// Decode attention over the paged KV pool, read in place (no gathered copy of the
+// context). q: [B, H, D] f32, one query per row; k, v: one layer's [blocks, bs, Hkv, D]
+// f32 views of the pool (any strides, D contiguous); tables: [B, NB] int64 block ids;
+// lens: [B] int64 context lengths. One task per (row, head), positions visited in
+// order with an online softmax: a row's result never depends on the other rows.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& tables_in,
+                                  const at::Tensor& lens_in, double scale) {
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = tables_in.contiguous();
+  const at::Tensor lens = lens_in.contiguous();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 &&
+                  v.stride(3) == 1 && k.sizes() == v.sizes(),
+              "paged_decode_attention: bad shapes or strides");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2), NB = tables.size(1);
+  TORCH_CHECK(k.size(3) == D && H % Hkv == 0 && tables.size(0) == B && lens.numel() == B,
+              "paged_decode_attention: mismatched sizes");
+  auto out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t group = H / Hkv;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(D), scores(bs);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, hk = h / group;
+      const float* qv = qp + (b * H + h) * D;
+      const int64_t len = lp[b];
+      TORCH_CHECK(len >= 1 && len <= NB * bs, "paged_decode_attention: bad length");
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float mx = -INFINITY, sum = 0.0f;
+      // a block at a time: its scores, one rescale of the running sums, then its values
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t blk = tp[b * NB + start / bs], n = std::min(bs, len - start);
+        float bmax = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = dot_f32(qv, kp + blk * ks0 + j * ks1 + hk * ks2, D) * sc;
+          bmax = std::max(bmax, scores[j]);
+        }
+        const float new_mx = std::max(mx, bmax);
+        const float r = std::exp(mx - new_mx);  // 0 for the first block (mx = -inf)
+        sum *= r;
+        scale_f32(acc.data(), r, D);
+        for (int64_t j = 0; j < n; ++j) {
+          const float w = std::exp(scores[j] - new_mx);
+          sum += w;
+          axpy_f32(acc.data(), w, vp + blk * vs0 + j * vs1 + hk * vs2, D);
+        }
+        mx = new_mx;
+      }
+      float* o = op + (b * H + h) * D;
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   mod.def("q4_matmul", &q4_matmul, "x @ W^T for a packed 4-bit W (qs, d, m, rows, gemm_min_m)",
@@ -766,4 +868,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "x -> (int8 codes, scales, float block sums, 8 x rounding error, code sums)", release());
   mod.def("simd", &simd, "which SIMD path this build uses");
   mod.def("rms_norm", &rms_norm, "RMSNorm over the last dim (x, weight, eps)", release());
+  mod.def("paged_decode_attention", &paged_decode_attention,
+          "one-query attention over the paged pool in place (q, k, v, tables, lens, scale)",
+          release());
 }

@@ -18,6 +18,7 @@ attention); prefill chunks, which are few and long, one by one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class _ShortRows:
     valid: torch.Tensor  # (B, Q) bool: which of them are real
     blocks: torch.Tensor  # (B, NB) context blocks, padded
     mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool
+    lens: torch.Tensor  # (B,) context length of each row (its last query's position + 1)
 
 
 @dataclass
@@ -121,7 +123,7 @@ def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows
     query_pos = starts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)  # (B, Q)
     key_pos = torch.arange(width * block_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal, within written slots
-    return _ShortRows(index, valid, blocks, mask[:, None])
+    return _ShortRows(index, valid, blocks, mask[:, None], starts + lens)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,7 +134,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+    decode: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
@@ -142,7 +145,13 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     dt = q.dtype
+    if k_cache.dtype != dt:
+        decode = None  # the native kernel reads f32 pools only
     for g in batch.short:
+        if decode is not None and g.index.shape[1] == 1:  # decode rows: read in place
+            rows = g.index[:, 0]
+            out[rows] = decode(q[rows], k_cache, v_cache, g.blocks, g.lens, q.shape[-1] ** -0.5)
+            continue
         qs = q[g.index].transpose(1, 2)  # (B, H, Q, D)
         ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
         vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)

@@ -13,7 +13,7 @@ and multiplies with the native kernels in :mod:`ember.kernels`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby
 from typing import Protocol
 
@@ -96,6 +96,10 @@ class WeightFormat(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    # one-query attention over the paged pool (q, k, v, tables, lens, scale), or None
+    # for the PyTorch path (ember.models.attention)
+    decode_attention: Callable[..., torch.Tensor] | None
+
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
     def embedding(self, gguf: GGUFFile, name: str) -> Embedding: ...
@@ -103,6 +107,8 @@ class WeightFormat(Protocol):
 
 class DenseFormat:
     """Dequantize every weight to a dense tensor of ``dtype``."""
+
+    decode_attention = None  # the PyTorch path: the f32 oracle
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -300,6 +306,14 @@ class QuantFormat:
         from ember import kernels
 
         return kernels.quant_matmul().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """The native kernel: reads the pool in place, each row in a fixed order."""
+        from ember import kernels
+
+        return kernels.quant_matmul().paged_decode_attention(q, k, v, tables, lens, scale)
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         def layout(n: str) -> str:

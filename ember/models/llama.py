@@ -82,6 +82,7 @@ class LlamaModel:
         output: Linear,
         rope: RotaryEmbedding,
         norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+        decode_attention: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
@@ -91,6 +92,7 @@ class LlamaModel:
         self.output_norm = output_norm
         self.output = output
         self.rope = rope
+        self.decode_attention = decode_attention  # the format's native kernel, if any
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat) -> LlamaModel:
@@ -116,7 +118,7 @@ class LlamaModel:
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
         return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm)
+                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm, fmt.decode_attention)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32) -> KVStorage:
@@ -170,7 +172,7 @@ class LlamaModel:
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
             v = qkv[:, q_dim + kv_dim :]
             kv.write(i, slot_blocks, slot_offsets, k, v.view(n, c.n_kv_heads, c.head_dim))
-            attn = paged_attention(q, kv.k[i], kv.v[i], batch)
+            attn = paged_attention(q, kv.k[i], kv.v[i], batch, self.decode_attention)
             x = x + layer.o(attn.reshape(n, q_dim))
             h = self.norm(x, layer.ffn_norm, c.norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
