@@ -93,11 +93,13 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 def measure(model_name: str, weights: list[str], kv_dtypes: list[str], window: int = 512,
-            decode_tokens: int = 64, text: str | None = None) -> list[Drift]:
+            decode_tokens: int = 64, text: str | None = None,
+            reference: Any = None) -> list[Drift]:
+    """The drift rows; ``reference`` is ``model_name`` loaded as f32, if the caller has it."""
     from ember.kv.blocks import KV_DTYPES
     from ember.models.loader import load_model
 
-    reference = load_model(model_name, "f32")
+    reference = reference or load_model(model_name, "f32")
     ids = reference.encode_prompt(text if text is not None else TEXT.read_text())
     loaded = {w: reference if w == "f32" else load_model(model_name, w) for w in weights}
     pairs = [(w, d) for w in weights for d in kv_dtypes]
@@ -201,8 +203,8 @@ def main(model: str, weights: list[str], kv_dtypes: list[str], window: int,
     from ember.models.loader import load_model, physical_cores
 
     torch.set_num_threads(threads or physical_cores())
-    rows = measure(model, weights, kv_dtypes, window, decode_tokens)
     reference = load_model(model, "f32")
+    rows = measure(model, weights, kv_dtypes, window, decode_tokens, reference=reference)
     path, sha = reference.path, model_sha(reference)
     print(f"{path.name}: {rows[0].tokens} positions of {TEXT.name}, windows of {window}, "
           f"{torch.get_num_threads()} threads; reference f32 weights + f32 KV")

@@ -89,12 +89,11 @@ class LLM:
     def save_prefix(self, tokens: Prompt, path: str | Path, tenant: str | None = None) -> int:
         """Write the KV of ``tokens``' full blocks to a new conversation file at ``path``
         (computing what is not cached); returns how many tokens it holds."""
-        ids = self.encode(tokens)
         from ember.kv import conversation
 
-        if len(self.engine.export_prefix(ids, tenant)) * self.engine.config.block_size < (
-                len(ids) // self.engine.config.block_size * self.engine.config.block_size):
-            self._run([ids], SamplingParams(max_tokens=1), tenant)  # fills the cache
+        ids = self.encode(tokens)
+        # computes what the cache lacks (a hit costs the last token) and caches it
+        self._run([ids], SamplingParams(max_tokens=1), tenant)
         blocks = self.engine.export_prefix(ids, tenant)
         Path(path).unlink(missing_ok=True)
         conversation.append(path, self.engine.kv_fingerprint(), conversation.Conversation(),

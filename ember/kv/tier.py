@@ -80,7 +80,8 @@ class DiskTier:
                                        self.storage.block_bytes(block)))
 
     # ------------------------------------------------------------ restore
-    def _run_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+    def blocks_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        """How many blocks from ``start`` on the store holds (no read, nothing decided)."""
         n = 0
         while start + n < stop and keys[start + n] in self.store:
             n += 1
@@ -109,7 +110,7 @@ class DiskTier:
                  start: int, block_size: int) -> bool:
         """Start reading the disk run after block ``start`` (decided once per run);
         True while that read is in flight (do not admit the request yet)."""
-        n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // block_size))
+        n = self.blocks_on_disk(keys, start, min(len(keys), len(tokens) // block_size))
         if n == 0:
             return False
         key = keys[start]
@@ -136,7 +137,7 @@ class DiskTier:
                 return found  # recomputing was decided
             records, seconds = fetch.result()
         else:
-            n = self._run_on_disk(keys, start, min(len(keys), len(tokens) // bs))
+            n = self.blocks_on_disk(keys, start, min(len(keys), len(tokens) // bs))
             if n == 0 or not self.worth_restoring(n, bs, start):
                 return found
             records, seconds = self._read(keys[start:start + n])
@@ -154,9 +155,6 @@ class DiskTier:
         if pending:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
 
-    def blocks_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:
-        """How many blocks after ``start`` the store holds (no read, nothing decided)."""
-        return self._run_on_disk(keys, start, stop)
 
 
 def restore_chain(cache: PrefixCache, storage: BlockBytes, salt: bytes, tokens: Sequence[int],
