@@ -39,6 +39,19 @@ def smollm2_llm(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_q4(smollm2_gguf: Path):
+    """The real SmolLM2-135M in the q4 format (the fused native stack), loaded once."""
+    from ember import kernels
+    from ember.models.loader import load_model
+
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    loaded = load_model(str(smollm2_gguf), "q4")
+    assert loaded.model.native is not None
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def gemma3_file() -> GGUFFile:
     """The real Gemma 3 270M Q4_K_M GGUF (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors).
 
@@ -63,16 +76,32 @@ def tiny_loaded(tiny_gguf: Path):
     return load_model(str(tiny_gguf), "f32")
 
 
+@pytest.fixture(scope="session")
+def tiny_loaded_q4(tiny_gguf: Path):
+    """The tiny model in the q4 format: its Q8_0 matrices packed, the fused native stack."""
+    from ember import kernels
+    from ember.models.loader import load_model
+
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    loaded = load_model(str(tiny_gguf), "q4")
+    assert loaded.model.native is not None
+    return loaded
+
+
 @pytest.fixture
-def make_tiny_engine(tiny_loaded, tiny_gguf: Path):
-    """Build an LLMEngine over the shared tiny model with the given options."""
+def make_tiny_engine(request, tiny_loaded, tiny_gguf: Path):
+    """Build an LLMEngine over the shared tiny model with the given options
+    (``weights="q4"`` loads and shares the q4 copy on first use)."""
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
     def make(**options):
         options.setdefault("num_kv_blocks", 256)  # small pool: cheap to allocate per test
         options.setdefault("threads", 1)  # tiny matrices: a second thread only adds sync cost
-        options.setdefault("weights", "f32")  # what tiny_loaded holds
-        return LLMEngine(EngineConfig(model=str(tiny_gguf), **options), loaded=tiny_loaded)
+        options.setdefault("weights", "f32")
+        loaded = (request.getfixturevalue("tiny_loaded_q4") if options["weights"] == "q4"
+                  else tiny_loaded)
+        return LLMEngine(EngineConfig(model=str(tiny_gguf), **options), loaded=loaded)
 
     return make

@@ -52,22 +52,22 @@ def test_mixed_decode_verify_and_prefill_rows_match_dense_attention() -> None:
         offset += row.q_len
 
 
-# ------------------------------------------------- the native decode kernel (q4's path)
-def decode_case(seed: int, lens: list[int], layers: int = 3):
-    """A block-major pool (as KVStorage lays it out), one layer's views, decode rows."""
+# --------------------------------- the native kernel (the fused q4 stack's attention)
+def pool_case(seed: int, shapes: list[tuple[int, int]], dtype: torch.dtype, layers: int = 3):
+    """A block-major pool (as KVStorage lays it out) and rows of (start, q_len)."""
     from ember.kv.blocks import KVStorage
 
     g = torch.Generator().manual_seed(seed)
     pool = 80
-    storage = KVStorage(layers, pool, BLOCK, HKV, D)
+    storage = KVStorage(layers, pool, BLOCK, HKV, D, dtype)
     storage.pool.copy_(torch.randn(storage.pool.shape, generator=g))
     perm = torch.randperm(pool, generator=g)
     rows, used = [], 0
-    for n in lens:
-        nb = -(-n // BLOCK)
-        rows.append(RowSpec(perm[used:used + nb], n - 1, 1))
+    for start, n in shapes:
+        nb = -(-(start + n) // BLOCK)
+        rows.append(RowSpec(perm[used:used + nb], start, n))
         used += nb
-    q = torch.randn(len(lens), H, D, generator=g)
+    q = torch.randn(sum(n for _, n in shapes), H, D, generator=g)
     return storage, rows, q
 
 
@@ -80,31 +80,64 @@ def native_kernel():
     return mod
 
 
-def test_native_decode_attention_equals_the_pytorch_path():
-    mod = native_kernel()
-    lens = [1, 3, 4, 5, 17, 40, 2, 33]  # partial and whole last blocks, one position
-    storage, rows, q = decode_case(1, lens)
+def native(mod, q, storage, layer: int, rows: list[RowSpec]) -> torch.Tensor:
     batch = AttentionBatch.build(rows, BLOCK)
-    k, v = storage.k[1], storage.v[1]  # a strided view: layer 1 of the block-major pool
-    want = paged_attention(q, k, v, batch)
-    got = paged_attention(q, k, v, batch, mod.paged_decode_attention)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not torch.equal(got, torch.zeros_like(got))
+    return mod.paged_attention(q, storage.pool, layer, batch.tables, batch.token_rows,
+                               batch.positions, D ** -0.5)
 
 
-def test_native_decode_attention_is_batch_invariant():
-    """A row's output is bitwise the same alone and beside any other rows."""
+MIXED = [(9, 1), (2, 3), (13, 1), (0, 6), (5, 16), (7, 20), (30, 1), (0, 1), (3, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_attention_equals_the_pytorch_path(dtype):
+    """Decode, verify and prefill rows, partial and whole last blocks, every pool dtype."""
     mod = native_kernel()
-    lens = [9, 1, 30, 16, 5]
-    storage, rows, q = decode_case(2, lens)
-    k, v = storage.k[0], storage.v[0]
-    together = paged_attention(q, k, v, AttentionBatch.build(rows, BLOCK),
-                               mod.paged_decode_attention)
-    for i, row in enumerate(rows):
-        alone = paged_attention(q[i:i + 1], k, v, AttentionBatch.build([row], BLOCK),
-                                mod.paged_decode_attention)
-        assert torch.equal(alone[0], together[i]), i
-    reordered = [rows[j] for j in (4, 2, 0, 3, 1)]
-    again = paged_attention(q[[4, 2, 0, 3, 1]], k, v, AttentionBatch.build(reordered, BLOCK),
-                            mod.paged_decode_attention)
-    assert torch.equal(again, together[[4, 2, 0, 3, 1]])
+    storage, rows, q = pool_case(1, MIXED, dtype)
+    want = paged_attention(q, storage.k[1], storage.v[1], AttentionBatch.build(rows, BLOCK))
+    got = native(mod, q, storage, 1, rows)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    assert not torch.equal(got, native(mod, q, storage, 0, rows))  # the layer is honoured
+
+
+def test_native_attention_is_batch_and_chunk_invariant():
+    """A query token's output is bitwise the same computed alone (as a decode row), in
+    any chunk of its row's prefill, and beside any other rows, in any order."""
+    mod = native_kernel()
+    storage, rows, q = pool_case(2, [(0, 37), (0, 9), (0, 1), (0, 20)], torch.float32)
+    together = native(mod, q, storage, 2, rows)
+    offsets = [0, 37, 46, 47]
+    for (row, first) in zip(rows, offsets, strict=True):
+        for chunk in (1, 3, 8, 16):  # the row's tokens in chunks of this size
+            for start in range(0, row.q_len, chunk):
+                n = min(chunk, row.q_len - start)
+                spec = RowSpec(row.blocks, start, n)
+                got = native(mod, q[first + start:first + start + n], storage, 2, [spec])
+                assert torch.equal(got, together[first + start:first + start + n]), (chunk, start)
+    order = [3, 0, 2, 1]
+    flat = torch.cat([torch.arange(offsets[i], offsets[i] + rows[i].q_len) for i in order])
+    again = native(mod, q[flat], storage, 2, [rows[i] for i in order])
+    assert torch.equal(again, together[flat])
+
+
+def test_native_attention_reads_only_written_positions():
+    """Positions past a token's own are never read: NaN there changes nothing."""
+    mod = native_kernel()
+    storage, rows, q = pool_case(3, [(0, 13)], torch.float32)
+    before = native(mod, q, storage, 0, rows)
+    last_block = rows[0].blocks[-1]
+    storage.pool[last_block, :, :, 13 % BLOCK:] = float("nan")  # the unwritten tail
+    assert torch.equal(native(mod, q, storage, 0, rows), before)
+
+
+def test_native_attention_refuses_out_of_range_tables():
+    mod = native_kernel()
+    storage, rows, q = pool_case(4, [(0, 5)], torch.float32)
+    batch = AttentionBatch.build(rows, BLOCK)
+    bad = batch.tables.clone()
+    bad[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        mod.paged_attention(q, storage.pool, 0, bad, batch.token_rows, batch.positions, 0.3)
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.paged_attention(q, storage.pool, 0, batch.tables, batch.token_rows,
+                            batch.positions + 100, 0.3)

@@ -267,9 +267,14 @@ def test_unavailable_kernel_raises_clearly(monkeypatch, smollm2_file: GGUFFile) 
 # -------------------------------------------------------- other SIMD builds of the source
 
 
+@pytest.fixture
+def tiny_q4_model(tiny_loaded_q4):
+    return tiny_loaded_q4.model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", ["-mavx2", "-mfma", "-mf16c"])])
-def test_other_simd_builds_agree(ext, variant: str, flags: list[str]) -> None:
+def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_model) -> None:
     """The scalar fallback and the plain-AVX2 (no VNNI) path give the native build's results."""
     name = f"ember_qmm_test_{variant}"
     try:  # cached next to the real build (same source/CPU/torch key), so reruns are quick
@@ -298,13 +303,27 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str]) -> None:
                                        rtol=1e-5, atol=1e-5 * ref8.abs().amax().item())
     assert torch.equal(mod.q4_dequantize(*q4.packed, 75, cols), q4.dequantize())
     assert torch.equal(mod.q8_dequantize(*q8.packed, 75, cols), q8.dequantize())
-    # decode attention over a strided pool view, rows of several lengths
-    pool = torch.randn(12, 2, 2, 16, 2, 64)  # blocks, layers, K/V, positions, kv heads, dim
-    tables = torch.tensor([[3, 7, 1], [0, 11, 5], [9, 2, 4]])
-    lens, q = torch.tensor([40, 1, 33]), torch.randn(3, 6, 64)
-    args = (q, pool[:, 1, 0], pool[:, 1, 1], tables, lens, 0.125)
-    torch.testing.assert_close(mod.paged_decode_attention(*args),
-                               ext.paged_decode_attention(*args), rtol=1e-5, atol=1e-6)
+    # attention over the pool in place (f32 and f16 pools), tokens of three rows
+    for dtype in (torch.float32, torch.float16):
+        pool = torch.randn(12, 2, 2, 16, 2, 64).to(dtype)  # blocks, layers, K/V, pos, heads, dim
+        tables = torch.tensor([[3, 7, 1], [0, 11, 5], [9, 2, 4]])
+        rows, positions = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([39, 12, 0, 32, 47])
+        args = (torch.randn(5, 6, 64), pool, 1, tables, rows, positions, 0.125)
+        torch.testing.assert_close(mod.paged_attention(*args), ext.paged_attention(*args),
+                                   rtol=1e-5, atol=1e-6)
+    # the fused decoder stack of each build over the same packed weights
+    from ember.models.llama import native_decoder
+
+    tiny = tiny_q4_model
+    ours = native_decoder(tiny.cfg, tiny.layers, ext=mod)
+    ids = list(range(100, 140))
+    native_logits = tiny.score(ids)
+    saved, tiny.native = tiny.native, ours
+    try:
+        variant_logits = tiny.score(ids)
+    finally:
+        tiny.native = saved
+    torch.testing.assert_close(variant_logits, native_logits, rtol=1e-3, atol=1e-3)
     qa, da, sa, ca, ia = mod.quantize_activations(x)
     qb, db, sb, cb, ib = ext.quantize_activations(x)
     assert torch.equal(qa, qb) and torch.equal(da, db) and torch.equal(ia, ib)
@@ -335,7 +354,9 @@ TEXT = (
 
 @pytest.mark.slow
 def test_end_to_end_agreement_with_f32(ext) -> None:
-    """Teacher-forced logits of q4 (int8 decode path and GEMM prefill path) vs f32."""
+    """Teacher-forced logits of q4 vs f32: the fused native stack (int8 activations),
+    and the op-by-op path with every linear on the dequantize + GEMM path (the stack
+    always uses the int8 kernels, so it is switched off for that one)."""
     from ember.models.loader import load_model
 
     f32 = load_model("smollm2-135m", "f32")
@@ -350,9 +371,12 @@ def test_end_to_end_agreement_with_f32(ext) -> None:
     assert all(isinstance(lin, QuantLinear) for lin in quant_layers)
     assert q4.model.output.bits == 8  # SmolLM2's tied Q8_0 head stays 8-bit
     results = {}
+    stack = q4.model.native
+    assert stack is not None
     for path, gm in (("int8", INT_PATH), ("gemm", GEMM_PATH)):
         for lin in quant_layers:
             lin.gemm_min_m = gm
+        q4.model.native = stack if path == "int8" else None
         logits = q4.model.score(ids)
         agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
         kl = (logp_ref.exp() * (logp_ref - logits.log_softmax(-1))).sum(-1).mean().item()
@@ -361,6 +385,7 @@ def test_end_to_end_agreement_with_f32(ext) -> None:
               f"{agree:.1%}, mean KL {kl:.2e} nats")
     for lin in quant_layers:
         lin.gemm_min_m = linear_mod.GEMM_MIN_M
+    q4.model.native = stack
     agree, kl = results["int8"]
     assert agree >= 0.90 and kl < 0.02, results
     agree, kl = results["gemm"]  # same weights, f32 arithmetic: only summation order differs

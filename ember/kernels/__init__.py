@@ -1,9 +1,11 @@
 """Native kernels, built on first use with torch.utils.cpp_extension.
 
 ``quant_matmul()`` returns the compiled extension (``quant_matmul.cpp``: quantized
-weight matmuls) or ``None`` when it cannot be built on this machine; ``available()``
-says which. A failed build logs one warning and is not retried in this process, so
-everything that has a pure-PyTorch path keeps working.
+weight matmuls; with ``paged_attention.h`` and ``fused_decoder.h``: attention over
+the paged KV pool and the fused decoder stack) or ``None`` when it cannot be built
+on this machine; ``available()`` says which. A failed build logs one warning and is
+not retried in this process, so everything that has a pure-PyTorch path keeps
+working.
 
 The build needs a C++ compiler and ``ninja``. It is compiled with
 ``-O3 -march=native`` (falling back to no ``-march`` flag if that fails) into
@@ -60,6 +62,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_matmul.cpp")
+# the headers it includes (paged attention, the fused decoder): part of the build key
+_HEADERS = ("paged_attention.h", "fused_decoder.h")
 # -fopenmp: at::parallel_for is inlined from ATen's headers and only runs threads
 # when compiled with OpenMP; at run time the extension shares torch's libgomp
 # (same soname, already loaded), so it uses torch's thread pool and thread count.
@@ -93,7 +97,10 @@ def _cpu_key() -> str:
 
 def _build_root() -> Path:
     root = os.environ.get("EMBER_KERNEL_CACHE") or Path.home() / ".cache" / "ember" / "kernels"
-    source_hash = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    for name in _HEADERS:
+        digest.update(_SOURCE.with_name(name).read_bytes())
+    source_hash = digest.hexdigest()[:12]
     key = f"torch{torch.__version__.split('+')[0]}-{_cpu_key()}-{source_hash}"
     return Path(root) / key
 

@@ -37,7 +37,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
+#include <map>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -171,8 +174,9 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, floa
   }
 }
 
-QuantX quantize_x(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+// M rows of K floats at xp (row-major).
+QuantX quantize_rows(const float* xp, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
   // layout: 4 float-sized arrays of M*nb, then the M*K codes
   static thread_local std::vector<float> scratch;
   const size_t need = static_cast<size_t>(4 * M * nb + (M * K + 3) / 4);
@@ -180,7 +184,6 @@ QuantX quantize_x(const at::Tensor& x) {
   float* base = scratch.data();
   QuantX r{reinterpret_cast<int8_t*>(base + 4 * M * nb), base, base + M * nb, base + 2 * M * nb,
            reinterpret_cast<int32_t*>(base + 3 * M * nb)};
-  const float* xp = x.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -189,6 +192,10 @@ QuantX quantize_x(const at::Tensor& x) {
     }
   });
   return r;
+}
+
+QuantX quantize_x(const at::Tensor& x) {
+  return quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
 }
 
 // ------------------------------------------------------ small-M integer kernels
@@ -722,11 +729,14 @@ std::string simd() {
 #endif
 }
 
+#include "paged_attention.h"
+#include "fused_decoder.h"
+
 }  // namespace
 
 // RMSNorm over the last dim, y = x / sqrt(mean(x^2) + eps) * w, in one pass per row.
-// torch's CPU rms_norm is ~6 small ops (~18 us for one 576-wide row, 61 calls per
-// decode step); this is one call. Sums in double; equal to torch's to float rounding.
+// torch's CPU rms_norm is ~6 small ops (~18 us for one 576-wide row); this is one
+// call. Sums in double; equal to torch's to float rounding.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   auto x = x_in.contiguous();
   auto w = w_in.contiguous();
@@ -734,123 +744,46 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
               "rms_norm: float32 tensors only");
   const int64_t K = x.size(-1);
   TORCH_CHECK(w.numel() == K, "rms_norm: weight has ", w.numel(), " elements, rows have ", K);
-  const int64_t rows = K ? x.numel() / K : 0;
   auto y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * K;
-      float* yr = yp + r * K;
-      double ss = 0.0;
-      for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(xr[k]) * xr[k];
-      const float scale = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
-      for (int64_t k = 0; k < K; ++k) yr[k] = xr[k] * scale * wp[k];
-    }
-  });
+  rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), K ? x.numel() / K : 0, K, eps,
+                y.data_ptr<float>());
   return y;
 }
 
-// Vector helpers of paged_decode_attention, in a fixed order (8 lanes, then the tail).
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float total = 0.0f;
-#if defined(EMBER_AVX2)
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  const __m256 s = _mm256_add_ps(s0, s1);
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  total = _mm_cvtss_f32(x);
-#endif
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-inline void scale_f32(float* y, float r, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] *= r;
-}
-
-inline void axpy_f32(float* y, float w, const float* x, int64_t n) {
-  int64_t i = 0;
-#if defined(EMBER_AVX2)
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += w * x[i];
-}
-
-// Decode attention over the paged KV pool, read in place (no gathered copy of the
-// context). q: [B, H, D] f32, one query per row; k, v: one layer's [blocks, bs, Hkv, D]
-// f32 views of the pool (any strides, D contiguous); tables: [B, NB] int64 block ids;
-// lens: [B] int64 context lengths. One task per (row, head), positions visited in
-// order with an online softmax: a row's result never depends on the other rows.
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k,
-                                  const at::Tensor& v, const at::Tensor& tables_in,
-                                  const at::Tensor& lens_in, double scale) {
+// Causal attention of q [T, H, D] (f32) over layer `layer` of the KV pool (blocks,
+// layers, 2, bs, Hkv, D; f32/f16/bf16), read in place: token t of row rows[t] at
+// position positions[t] attends to its row's positions 0..positions[t] (block ids in
+// tables[rows[t]]). The K/V of every attended position must already be in the pool.
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& pool, int64_t layer,
+                           const at::Tensor& tables_in, const at::Tensor& rows_in,
+                           const at::Tensor& positions_in, double scale) {
   const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = tables_in.contiguous();
-  const at::Tensor lens = lens_in.contiguous();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 tensors only");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 &&
-                  v.stride(3) == 1 && k.sizes() == v.sizes(),
-              "paged_decode_attention: bad shapes or strides");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k.size(1), Hkv = k.size(2), NB = tables.size(1);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0 && tables.size(0) == B && lens.numel() == B,
-              "paged_decode_attention: mismatched sizes");
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const int64_t group = H / Hkv;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(D), scores(bs);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / H, h = t % H, hk = h / group;
-      const float* qv = qp + (b * H + h) * D;
-      const int64_t len = lp[b];
-      TORCH_CHECK(len >= 1 && len <= NB * bs, "paged_decode_attention: bad length");
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      float mx = -INFINITY, sum = 0.0f;
-      // a block at a time: its scores, one rescale of the running sums, then its values
-      for (int64_t start = 0; start < len; start += bs) {
-        const int64_t blk = tp[b * NB + start / bs], n = std::min(bs, len - start);
-        float bmax = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = dot_f32(qv, kp + blk * ks0 + j * ks1 + hk * ks2, D) * sc;
-          bmax = std::max(bmax, scores[j]);
-        }
-        const float new_mx = std::max(mx, bmax);
-        const float r = std::exp(mx - new_mx);  // 0 for the first block (mx = -inf)
-        sum *= r;
-        scale_f32(acc.data(), r, D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float w = std::exp(scores[j] - new_mx);
-          sum += w;
-          axpy_f32(acc.data(), w, vp + blk * vs0 + j * vs1 + hk * vs2, D);
-        }
-        mx = new_mx;
-      }
-      float* o = op + (b * H + h) * D;
-      const float inv = 1.0f / sum;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+  const at::Tensor tables = tables_in.contiguous().to(at::kLong);
+  const at::Tensor rows = rows_in.contiguous().to(at::kLong);
+  const at::Tensor positions = positions_in.contiguous().to(at::kLong);
+  const PoolLayer kv = pool_layer(pool, layer);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) == kv.d &&
+                  q.size(1) % kv.hkv == 0,
+              "paged_attention: q must be float32 [T, heads, head_dim] matching the pool");
+#if defined(EMBER_AVX2)
+  TORCH_CHECK(kv.d % 8 == 0, "paged_attention: head_dim must be a multiple of 8");
+#endif
+  const int64_t T = q.size(0), NB = tables.size(1);
+  TORCH_CHECK(tables.dim() == 2 && rows.numel() == T && positions.numel() == T,
+              "paged_attention: tables [R, NB], rows [T], positions [T]");
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = rows.data_ptr<int64_t>()[t], p = positions.data_ptr<int64_t>()[t];
+    TORCH_CHECK(r >= 0 && r < tables.size(0) && p >= 0 && p < NB * kv.bs,
+                "paged_attention: row or position out of range");
+    for (int64_t b = 0; b <= p / kv.bs; ++b) {
+      const int64_t blk = tables.data_ptr<int64_t>()[r * NB + b];
+      TORCH_CHECK(blk >= 0 && blk < pool.size(0), "paged_attention: block id out of range");
     }
-  });
+  }
+  auto out = at::empty_like(q);
+  attend(q.data_ptr<float>(), q.size(1) * q.size(2), out.data_ptr<float>(), T, q.size(1), kv,
+         tables.data_ptr<int64_t>(), NB, rows.data_ptr<int64_t>(),
+         positions.data_ptr<int64_t>(), static_cast<float>(scale));
   return out;
 }
 
@@ -868,7 +801,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "x -> (int8 codes, scales, float block sums, 8 x rounding error, code sums)", release());
   mod.def("simd", &simd, "which SIMD path this build uses");
   mod.def("rms_norm", &rms_norm, "RMSNorm over the last dim (x, weight, eps)", release());
-  mod.def("paged_decode_attention", &paged_decode_attention,
-          "one-query attention over the paged pool in place (q, k, v, tables, lens, scale)",
+  mod.def("paged_attention", &paged_attention,
+          "causal attention over the paged pool in place (q, pool, layer, tables, rows, "
+          "positions, scale)",
           release());
+  pybind11::class_<DecoderStack>(mod, "DecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double>(),
+           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps")
+      .def("add_layer", &DecoderStack::add_layer,
+           "attn_norm, ffn_norm, then qkv, o, gate_up, down as (bits, rows, tensors)")
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("set_profiling", &DecoderStack::set_profiling,
+           "time each stage of forward (resets the totals)")
+      .def("stage_seconds", &DecoderStack::stage_seconds,
+           "seconds per stage summed over forward calls since set_profiling(True)")
+      .def("forward", &DecoderStack::forward,
+           "x (in place), pool, rope, slots, tables, rows, positions", release());
 }

@@ -5,21 +5,21 @@ of ``T`` tokens. :class:`AttentionBatch` says, per sequence ("row"), which token
 are its queries, where their K/V go, and which blocks hold its whole context. It is
 built once per step and shared by all layers.
 
-:func:`paged_attention` is the one place that reads K/V through the block tables,
-so a faster kernel can replace it alone. Context is gathered a block at a time
-(``index_select`` over the pool viewed as blocks): one index per block rather than
-per position copies whole contiguous blocks, 4.4x faster than a per-slot gather at
-6 rows × 352 positions (130 → 29 µs a gather, measured), which was two thirds of a
-decode step. Rows decoding one token are attended together in one padded call (the
-common case under load), rows verifying a few draft tokens in another (padded to the
-longest draft: kept apart, one long draft does not multiply every decode row's
-attention); prefill chunks, which are few and long, one by one.
+:func:`paged_attention` is the PyTorch path, the oracle: the f32 model uses it, and
+the native decoder's attention (``ember/kernels/paged_attention.h``, which reads the
+blocks in place, token by token in a fixed order) is tested against it. Context is
+gathered a block at a time (``index_select`` over the pool viewed as blocks): one
+index per block rather than per position copies whole contiguous blocks, 4.4x faster
+than a per-slot gather at 6 rows × 352 positions. Rows decoding one token are
+attended together in one padded call, rows verifying a few draft tokens in another
+(padded to the longest draft: kept apart, one long draft does not multiply every
+decode row's attention); prefill chunks, which are few and long, one by one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +56,33 @@ class _ShortRows:
     lens: torch.Tensor  # (B,) context length of each row (its last query's position + 1)
 
 
-@dataclass
 class AttentionBatch:
-    block_size: int
-    positions: torch.Tensor  # (T,) absolute position of each token
-    slot_mapping: torch.Tensor  # (T,) slot each token's K/V is written to
-    row_ends: torch.Tensor  # (R,) index of each row's last token in the flat batch
-    short: list[_ShortRows]  # decode rows in one call, draft-verify rows in another
-    prefills: list[_Prefill]
+    """One step's attention metadata, shared by every layer.
+
+    Per token: ``positions``, ``slot_mapping`` (where its K/V go) and ``token_rows``
+    (its row); per row: ``tables`` (its block ids, padded with its first block) and
+    ``row_ends``. ``short`` and ``prefills`` group the rows for the PyTorch path and
+    are built on first use: the native path reads the per-token fields only.
+    """
+
+    def __init__(self, rows: list[RowSpec], block_size: int) -> None:
+        self.rows = rows
+        self.block_size = block_size
+        positions, row_ends, token_rows = [], [], []
+        offset = 0
+        for i, row in enumerate(rows):
+            positions.append(torch.arange(row.start, row.start + row.q_len))
+            token_rows.append(torch.full((row.q_len,), i, dtype=torch.long))
+            offset += row.q_len
+            row_ends.append(offset - 1)
+        width = max(row.blocks.numel() for row in rows)
+        self.tables = torch.stack([torch.cat((row.blocks, row.blocks[:1].expand(
+            width - row.blocks.numel()))) for row in rows])
+        self.positions = torch.cat(positions)
+        self.token_rows = torch.cat(token_rows)
+        self.slot_mapping = (self.tables[self.token_rows, self.positions // block_size]
+                             * block_size + self.positions % block_size)
+        self.row_ends = torch.tensor(row_ends)
 
     @property
     def num_tokens(self) -> int:
@@ -71,39 +90,39 @@ class AttentionBatch:
 
     @classmethod
     def build(cls, rows: list[RowSpec], block_size: int) -> AttentionBatch:
-        """Rows of up to SHORT_QUERY query tokens are attended in padded calls — one for
-        the decode rows, one for the draft-verify rows, so that one request's draft does
-        not pad every decode row to its length — and longer prefill chunks one by one."""
-        positions, slot_mapping, row_ends = [], [], []
-        decode, verify, prefills = [], [], []
-        offset = 0
-        for row in rows:
-            end = row.start + row.q_len
-            pos = torch.arange(row.start, end)
-            positions.append(pos)
-            slot_mapping.append(row.blocks[pos // block_size] * block_size + pos % block_size)
-            row_ends.append(offset + row.q_len - 1)
+        return cls(rows, block_size)
+
+    @cached_property
+    def short(self) -> list[_ShortRows]:
+        """Rows of up to SHORT_QUERY query tokens, attended in padded calls: one for the
+        decode rows, one for the draft-verify rows, so that one request's draft does not
+        pad every decode row to its length."""
+        decode, verify, offset = [], [], 0
+        for row in self.rows:
             if row.q_len == 1:
                 decode.append((offset, row))
             elif row.q_len <= SHORT_QUERY:
                 verify.append((offset, row))
-            else:
+            offset += row.q_len
+        return [_short_rows(g, self.block_size) for g in (decode, verify) if g]
+
+    @cached_property
+    def prefills(self) -> list[_Prefill]:
+        """Longer prefill chunks, attended one by one."""
+        prefills, offset = [], 0
+        for row in self.rows:
+            if row.q_len > SHORT_QUERY:
+                end = row.start + row.q_len
                 # A chunk starting at position 0 is plain causal attention, which SDPA
                 # runs with its fused kernel; a later chunk needs an explicit mask.
                 mask = None
                 if row.start:
+                    pos = torch.arange(row.start, end)
                     mask = torch.arange(end)[None, :] <= pos[:, None]
                 span = slice(offset, offset + row.q_len)
                 prefills.append(_Prefill(span, row.blocks, end, mask))
             offset += row.q_len
-        return cls(
-            block_size=block_size,
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slot_mapping),
-            row_ends=torch.tensor(row_ends),
-            short=[_short_rows(g, block_size) for g in (decode, verify) if g],
-            prefills=prefills,
-        )
+        return prefills
 
 
 def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows:
@@ -135,7 +154,6 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    decode: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
@@ -145,13 +163,7 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     dt = q.dtype
-    if k_cache.dtype != dt:
-        decode = None  # the native kernel reads f32 pools only
     for g in batch.short:
-        if decode is not None and g.index.shape[1] == 1:  # decode rows: read in place
-            rows = g.index[:, 0]
-            out[rows] = decode(q[rows], k_cache, v_cache, g.blocks, g.lens, q.shape[-1] ** -0.5)
-            continue
         qs = q[g.index].transpose(1, 2)  # (B, H, Q, D)
         ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
         vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)

@@ -13,7 +13,7 @@ and multiplies with the native kernels in :mod:`ember.kernels`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import groupby
 from typing import Protocol
 
@@ -96,10 +96,6 @@ class WeightFormat(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
-    # one-query attention over the paged pool (q, k, v, tables, lens, scale), or None
-    # for the PyTorch path (ember.models.attention)
-    decode_attention: Callable[..., torch.Tensor] | None
-
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
     def embedding(self, gguf: GGUFFile, name: str) -> Embedding: ...
@@ -107,8 +103,6 @@ class WeightFormat(Protocol):
 
 class DenseFormat:
     """Dequantize every weight to a dense tensor of ``dtype``."""
-
-    decode_attention = None  # the PyTorch path: the f32 oracle
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,6 +132,8 @@ class DenseFormat:
 
 # Activation-row count from which QuantLinear dequantizes weight chunks to f32 and
 # uses a BLAS GEMM (f32-exact) instead of the int8-activation kernels; None: never.
+# The fused native stack (ember/kernels/fused_decoder.h) never switches: a kernel
+# choice that follows the batch's size would make q4 batch-dependent.
 # The integer kernels were faster at every M measured (1.4-2x f32 GEMM at M=300-512
 # on 2 AVX-512-VNNI cores), so prefill uses them too, with the same ~0.5% error as
 # decode. Set a number to trade prefill speed for f32-exact prompt activations.
@@ -269,6 +265,10 @@ class QuantLinear:
         """Bytes held for the weight (rows padded to a multiple of 8)."""
         return sum(t.nbytes for t in self.packed)
 
+    def packed_form(self) -> tuple[int, int, list[torch.Tensor]]:
+        """(bits, rows, packed tensors): how the native decoder stack takes this layer."""
+        return self.bits, self.out_features, list(self.packed)
+
     def dequantize(self) -> torch.Tensor:
         """The weight as dense f32 ``[out, in]`` (equal to quant.dequantize of the source)."""
         return self._dequant(*self._args, self.in_features)
@@ -306,14 +306,6 @@ class QuantFormat:
         from ember import kernels
 
         return kernels.quant_matmul().rms_norm(x, weight, eps)
-
-    @staticmethod
-    def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """The native kernel: reads the pool in place, each row in a fixed order."""
-        from ember import kernels
-
-        return kernels.quant_matmul().paged_decode_attention(q, k, v, tables, lens, scale)
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         def layout(n: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from ember.kv.blocks import KVStorage
 from ember.models.attention import AttentionBatch, paged_attention
 from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
-from ember.models.linear import Embedding, Linear, WeightFormat, load_dense
+from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
 
 
 @dataclass
@@ -72,6 +73,25 @@ class RotaryEmbedding:
         return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
 
 
+def native_decoder(cfg: ModelConfig, layers: list[LlamaLayer], ext: Any = None) -> Any | None:
+    """The layers as one native ``DecoderStack`` (ember/kernels/fused_decoder.h) when
+    every projection is a packed quantized matrix and the kernel is built; else None.
+    ``ext``: the compiled extension to build it with (default: this machine's)."""
+    linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
+    if not layers or not all(isinstance(p, QuantLinear) for ps in linears for p in ps):
+        return None
+    from ember import kernels
+
+    ext = ext or kernels.quant_matmul()
+    if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
+        return None
+    stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps)
+    for layer, parts in zip(layers, linears, strict=True):
+        stack.add_layer(layer.attn_norm, layer.ffn_norm, *(p.packed_form() for p in parts))
+    return stack
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -82,7 +102,6 @@ class LlamaModel:
         output: Linear,
         rope: RotaryEmbedding,
         norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
-        decode_attention: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
@@ -92,7 +111,9 @@ class LlamaModel:
         self.output_norm = output_norm
         self.output = output
         self.rope = rope
-        self.decode_attention = decode_attention  # the format's native kernel, if any
+        # The whole stack in one native call per step, where the weights allow it
+        # (quantized layers); None: the op-by-op PyTorch path below, the oracle.
+        self.native = native_decoder(cfg, layers)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat) -> LlamaModel:
@@ -110,6 +131,9 @@ class LlamaModel:
                     down=fmt.linear(gguf, [p + "ffn_down.weight"]),
                 )
             )
+            # the layer is in its own tensors now: its file pages need not stay resident
+            # (loading then never holds the whole file and every packed copy at once)
+            gguf.release_pages()
         embed = fmt.embedding(gguf, "token_embd.weight")
         tied = embed.tied_linear() if cfg.tied_embeddings else None
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
@@ -118,7 +142,7 @@ class LlamaModel:
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
         return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm, fmt.decode_attention)
+                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32) -> KVStorage:
@@ -157,11 +181,24 @@ class LlamaModel:
         last token of every row), shape (len(logits_index), vocab).
         """
         c = self.cfg
-        n = tokens.numel()
+        x = self.decode_layers(self.embed(tokens), batch, kv)
+        rows = x[batch.row_ends if logits_index is None else logits_index]
+        return self.output(self.norm(rows, self.output_norm, c.norm_eps))
+
+    @torch.inference_mode()
+    def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
+        """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
+        c = self.cfg
+        if self.native is not None:
+            x = x.clone(memory_format=torch.contiguous_format)  # updated in place
+            rope = torch.view_as_real(self.rope.rotation(batch.positions)).contiguous()
+            self.native.forward(x, kv.pool, rope, batch.slot_mapping, batch.tables,
+                                batch.token_rows, batch.positions)
+            return x
+        n = x.shape[0]
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         qk_heads = c.n_heads + c.n_kv_heads
         rotation = self.rope.rotation(batch.positions)
-        x = self.embed(tokens)
         slot_blocks = batch.slot_mapping // batch.block_size
         slot_offsets = batch.slot_mapping % batch.block_size
         for i, layer in enumerate(self.layers):
@@ -172,10 +209,9 @@ class LlamaModel:
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
             v = qkv[:, q_dim + kv_dim :]
             kv.write(i, slot_blocks, slot_offsets, k, v.view(n, c.n_kv_heads, c.head_dim))
-            attn = paged_attention(q, kv.k[i], kv.v[i], batch, self.decode_attention)
+            attn = paged_attention(q, kv.k[i], kv.v[i], batch)
             x = x + layer.o(attn.reshape(n, q_dim))
             h = self.norm(x, layer.ffn_norm, c.norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        rows = x[batch.row_ends if logits_index is None else logits_index]
-        return self.output(self.norm(rows, self.output_norm, c.norm_eps))
+        return x

@@ -1,0 +1,295 @@
+// A whole llama-style decoder stack in one native call per step.
+//
+// Part of the quant_matmul.cpp translation unit (included inside its namespace).
+//
+// Per layer: RMSNorm -> QKV (packed 4/8-bit weights) -> RoPE on q and k -> K/V into
+// the paged pool -> attention over the pool in place (paged_attention.h) -> output
+// projection -> residual -> RMSNorm -> gate/up -> SiLU(gate) * up -> down -> residual,
+// for every token of the step. The PyTorch model (ember/models/llama.py) runs the
+// same recipe op by op with f32 weights and is the oracle this path is tested against.
+//
+// Every stage computes each token on its own, with code that does not depend on how
+// many tokens there are or where they come from: RMSNorm and the activation
+// quantization are per row, the integer matmul tiles rows but gives each the same
+// arithmetic, RoPE, the pool write and SiLU are elementwise, and attention is per
+// token (see paged_attention.h). So a token's output is bitwise independent of the
+// batch, of prefill chunking and of whether its prefix came from the cache.
+
+// A packed quantized linear layer (ember.models.linear.QuantLinear's tensors).
+struct QLinear {
+  int64_t bits = 0, n = 0, k = 0;
+  at::Tensor qs, d, m;  // m: 4-bit only
+
+  Weights weights() const {
+    return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), half_ptr(d),
+            bits == 4 ? half_ptr(m) : nullptr};
+  }
+};
+
+// y[M, n] = x[M, k] @ W^T with int8 activations, as q4_matmul / q8_matmul do for M rows.
+void qlinear(const QLinear& L, const float* x, int64_t M, float* y) {
+  const QuantX xq = quantize_rows(x, M, L.k);
+  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  const Dims dims{M, L.n, L.k, L.k / QK};
+  if (L.bits == 4) {
+    matmul_int<true>(L.weights(), a, dims, y);
+  } else {
+    matmul_int<false>(L.weights(), a, dims, y);
+  }
+}
+
+inline void rms_norm_row(const float* x, const float* w, int64_t K, double eps, float* y) {
+  double ss = 0.0;
+  for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(x[k]) * x[k];
+  const float scale = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
+  for (int64_t k = 0; k < K; ++k) y[k] = x[k] * scale * w[k];
+}
+
+void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t K, double eps,
+                   float* y) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * K, w, K, eps, y + r * K);
+  });
+}
+
+// out[F] = silu(gate) * up = gate / (1 + e^-gate) * up
+inline void silu_mul_row(const float* gate, const float* up, int64_t F, float* out) {
+  int64_t i = 0;
+#if defined(EMBER_AVX2)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= F; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i,
+                     _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < F; ++i) out[i] = gate[i] / (1.0f + exp_scalar(-gate[i])) * up[i];
+}
+
+enum Stage { kNorms, kProjections, kRopeStore, kAttention, kActivation, kStages };
+
+// Adds the time since the previous lap to a stage's total (does nothing without totals).
+class Clock {
+ public:
+  explicit Clock(std::array<int64_t, kStages>* totals)
+      : totals_(totals), last_(std::chrono::steady_clock::now()) {}
+  void lap(Stage s) {
+    if (totals_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    (*totals_)[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::array<int64_t, kStages>* totals_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+struct LayerWeights {
+  at::Tensor attn_norm, ffn_norm;
+  QLinear qkv, o, gate_up, down;
+};
+
+using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // bits, rows, tensors
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               int64_t rope_dim, int64_t ffn, double eps)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
+        rope_dim_(rope_dim), ffn_(ffn), eps_(eps) {
+    TORCH_CHECK(heads % kv_heads == 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
+                "DecoderStack: bad head geometry");
+#if defined(EMBER_AVX2)
+    TORCH_CHECK(head_dim % 8 == 0, "DecoderStack: head_dim must be a multiple of 8");
+#endif
+  }
+
+  void add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                 const PackedLinear& qkv, const PackedLinear& o, const PackedLinear& gate_up,
+                 const PackedLinear& down) {
+    const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
+                   linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_),
+                   linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_)};
+    layers_.push_back(std::move(L));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Run every layer over x [T, hidden] in place. pool: the KV pool (blocks, layers,
+  // 2, bs, Hkv, D); rope: [T, rope_dim/2, 2] (cos, sin) of each token's position;
+  // slots [T]: where each token's K/V go; tables [R, NB]: each row's block ids;
+  // rows [T]: each token's row; positions [T]: each token's position in its row.
+  void forward(at::Tensor& x, at::Tensor& pool, const at::Tensor& rope, const at::Tensor& slots,
+               const at::Tensor& tables, const at::Tensor& rows,
+               const at::Tensor& positions) const {
+    const int64_t T = x.size(0);
+    check_step(x, pool, rope, slots, tables, rows, positions);
+    if (T == 0) return;
+    const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    const int64_t qkv_n = q_dim + 2 * kv_dim;
+    const auto f32 = x.options();
+    at::Tensor h = at::empty({T, std::max(hidden_, ffn_)}, f32);
+    at::Tensor qkv = at::empty({T, qkv_n}, f32);
+    at::Tensor att = at::empty({T, q_dim}, f32);
+    at::Tensor gu = at::empty({T, 2 * ffn_}, f32);
+    at::Tensor y = at::empty({T, hidden_}, f32);
+    float* xp = x.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    float* attp = att.data_ptr<float>();
+    float* gup = gu.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    Clock clock(profiling_ ? &stage_ns_ : nullptr);
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const LayerWeights& L = layers_[i];
+      const PoolLayer kv = pool_layer(pool, i);
+      rms_norm_rows(xp, L.attn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+      clock.lap(kNorms);
+      qlinear(L.qkv, hp, T, qkvp);
+      clock.lap(kProjections);
+      rope_and_store(qkvp, T, rope.data_ptr<float>(), slots.data_ptr<int64_t>(), kv);
+      clock.lap(kRopeStore);
+      attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
+             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale);
+      clock.lap(kAttention);
+      qlinear(L.o, attp, T, yp);
+      clock.lap(kProjections);
+      add_rows(xp, yp, T * hidden_);
+      rms_norm_rows(xp, L.ffn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+      clock.lap(kNorms);
+      qlinear(L.gate_up, hp, T, gup);
+      clock.lap(kProjections);
+      at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* g = gup + t * 2 * ffn_;
+          silu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
+        }
+      });
+      clock.lap(kActivation);
+      qlinear(L.down, hp, T, yp);
+      clock.lap(kProjections);
+      add_rows(xp, yp, T * hidden_);
+      clock.lap(kNorms);
+    }
+    if (profiling_) ++stage_calls_;
+  }
+
+  // Per-stage wall time summed over forward calls while profiling is on (a timer
+  // read between stages; off by default): where a step goes, measured inside it.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    stage_ns_.fill(0);
+    stage_calls_ = 0;
+  }
+
+  std::map<std::string, double> stage_seconds() const {
+    static const char* names[] = {"norms_and_residuals", "projections", "rope_and_kv_write",
+                                  "attention", "activation"};
+    std::map<std::string, double> out;
+    for (int s = 0; s < kStages; ++s) out[names[s]] = stage_ns_[s] * 1e-9;
+    out["calls"] = static_cast<double>(stage_calls_);
+    return out;
+  }
+
+ private:
+  static at::Tensor norm_weight(const at::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1, "norm weights must be float32 [K]");
+    return w.contiguous();
+  }
+
+  static QLinear linear(const PackedLinear& p, int64_t k, int64_t n) {
+    const auto& [bits, rows, t] = p;
+    TORCH_CHECK((bits == 4 && t.size() == 3) || (bits == 8 && t.size() == 2),
+                "DecoderStack: a linear is (4, rows, [qs, d, m]) or (8, rows, [qs, d])");
+    TORCH_CHECK(rows == n, "DecoderStack: linear has ", rows, " rows, expected ", n);
+    const at::Tensor probe = at::empty({0, k}, t[0].options().dtype(at::kFloat));
+    check(probe, t[0], t[1], bits == 4 ? &t[2] : nullptr, n, bits == 4 ? B4 : B8);
+    QLinear L;
+    L.bits = bits;
+    L.n = n;
+    L.k = k;
+    L.qs = t[0];
+    L.d = t[1];
+    if (bits == 4) L.m = t[2];
+    return L;
+  }
+
+  void check_step(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& rope,
+                  const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& rows,
+                  const at::Tensor& positions) const {
+    const int64_t T = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() &&
+                    x.scalar_type() == at::kFloat,
+                "DecoderStack: x must be contiguous float32 [T, ", hidden_, "]");
+    TORCH_CHECK(pool.dim() == 6 && pool.size(1) == num_layers() && pool.size(4) == kv_heads_ &&
+                    pool.size(5) == head_dim_,
+                "DecoderStack: KV pool shape does not match the model");
+    TORCH_CHECK(rope.is_contiguous() && rope.scalar_type() == at::kFloat &&
+                    rope.numel() == T * rope_dim_,
+                "DecoderStack: rope must be contiguous float32 [T, rope_dim/2, 2]");
+    for (const at::Tensor* t : {&slots, &rows, &positions}) {
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kLong && t->numel() == T,
+                  "DecoderStack: slots, rows and positions must be contiguous int64 [T]");
+    }
+    TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong,
+                "DecoderStack: tables must be contiguous int64 [rows, blocks]");
+    const int64_t R = tables.size(0), NB = tables.size(1), bs = pool.size(3);
+    const int64_t capacity = pool.size(0) * bs;
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecoderStack: slot out of range");
+      TORCH_CHECK(rp[t] >= 0 && rp[t] < R, "DecoderStack: row out of range");
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < NB * bs, "DecoderStack: position past the row's blocks");
+      for (int64_t b = 0; b <= pp[t] / bs; ++b) {
+        const int64_t blk = tp[rp[t] * NB + b];
+        TORCH_CHECK(blk >= 0 && blk < pool.size(0), "DecoderStack: block id out of range");
+      }
+    }
+  }
+
+  // Rotate each token's q and k heads (adjacent pairs) by its position, then store
+  // its k and v at its slot in the pool.
+  void rope_and_store(float* qkv, int64_t T, const float* rope, const int64_t* slots,
+                      const PoolLayer& kv) const {
+    const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    const int64_t half = rope_dim_ / 2, width = q_dim + 2 * kv_dim;
+    void* kbase = const_cast<void*>(kv.k);
+    void* vbase = const_cast<void*>(kv.v);
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* row = qkv + t * width;
+        const float* cs = rope + t * rope_dim_;
+        for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
+          float* x = row + hd * head_dim_;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x0 = x[2 * i], x1 = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+            x[2 * i] = x0 * c - x1 * s;
+            x[2 * i + 1] = x0 * s + x1 * c;
+          }
+        }
+        const int64_t slot = slots[t];
+        const int64_t at = (slot / kv.bs) * kv.block_stride + (slot % kv.bs) * kv_dim;
+        narrow_to(row + q_dim, kv_dim, kv.type, kbase, at);
+        narrow_to(row + q_dim + kv_dim, kv_dim, kv.type, vbase, at);
+      }
+    });
+  }
+
+  static void add_rows(float* x, const float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
+  double eps_;
+  std::vector<LayerWeights> layers_;
+  bool profiling_ = false;
+  mutable std::array<int64_t, kStages> stage_ns_{};
+  mutable int64_t stage_calls_ = 0;
+};

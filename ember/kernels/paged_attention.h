@@ -1,0 +1,329 @@
+// Causal attention over the paged KV pool, read where it lies (no gathered copy).
+//
+// Part of the quant_matmul.cpp translation unit (included inside its namespace).
+//
+// Every query token is computed on its own, by one fixed sequence of operations
+// that depends only on its position and the K/V it reads: the positions 0..pos are
+// visited a pool block at a time, eight at a time inside a block (one dot-product
+// tree per position), with an online softmax rescaled once per block. So a token's
+// result is bitwise the same whether it is a decode row, one of a draft's verify
+// rows or one token of a prefill chunk of any length, and whatever else is in the
+// batch: the property the engine's batch-invariance tests assert.
+//
+// Pools may hold f32, f16 or bf16; rows are widened to f32 (exactly) as they are read.
+
+enum class KVType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// One layer's K and V in the pool (blocks, layers, 2, bs, Hkv, D), in elements.
+struct PoolLayer {
+  const void* k;         // block 0's K of this layer
+  const void* v;         // block 0's V of this layer
+  int64_t block_stride;  // elements between consecutive blocks
+  int64_t bs, hkv, d;
+  KVType type;
+};
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// f32 -> bf16, round to nearest even (NaN stays NaN): torch's conversion.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+inline uint16_t f32_to_f16(float f) {
+#if defined(EMBER_AVX2)
+  return static_cast<uint16_t>(
+      _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
+#else
+  return c10::Half(f).x;
+#endif
+}
+
+// Element i of a K/V row in pool type KT, as f32 (exact).
+template <KVType KT>
+inline float load1(const void* row, int64_t i) {
+  if constexpr (KT == KVType::F32) {
+    return static_cast<const float*>(row)[i];
+  } else if constexpr (KT == KVType::F16) {
+    return h2f(static_cast<const uint16_t*>(row)[i]);
+  } else {
+    return bf16_to_f32(static_cast<const uint16_t*>(row)[i]);
+  }
+}
+
+// f32 in -> n elements of pool type `type` at dst (element index `at`).
+inline void narrow_to(const float* in, int64_t n, KVType type, void* dst, int64_t at) {
+  if (type == KVType::F32) {
+    std::memcpy(static_cast<float*>(dst) + at, in, sizeof(float) * n);
+  } else if (type == KVType::F16) {
+    uint16_t* p = static_cast<uint16_t*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(in[i]);
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(in[i]);
+  }
+}
+
+#if defined(EMBER_AVX2)
+
+// e^x for 8 lanes (Cephes' single-precision polynomial, within ~2 ulp; inputs
+// below -87 give ~1e-38 rather than 0). Used for softmax weights and SiLU.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// Elements i..i+7 of a K/V row in pool type KT, as f32 (exact).
+template <KVType KT>
+inline __m256 load8(const void* row, int64_t i) {
+  if constexpr (KT == KVType::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
+    if constexpr (KT == KVType::F16) {
+      return _mm256_cvtph_ps(h);
+    } else {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// The dots of q with 8 rows k[0..7] (D a multiple of 8): per row, 8 lanes summed
+// over D in order, then the lanes in a fixed tree — the same for a row whatever
+// the other seven are.
+template <KVType KT>
+inline __m256 dots8(const float* q, const void* const* k, int64_t D) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8<KT>(k[j], c), a[j]);
+  }
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// acc[0 .. 8 NV) = acc * r + sum_j w[j] v[j][0 .. 8 NV), positions j in order, with
+// the accumulators in registers.
+template <KVType KT, int NV>
+inline void weighted_values(float* acc, float r, const float* w, const void* const* v,
+                            int64_t n, int64_t c0) {
+  __m256 a[NV];
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), rv);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(wj, load8<KT>(v[j], c0 + 8 * u), a[u]);
+  }
+  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
+}
+
+#endif
+
+inline float exp_scalar(float x) { return std::exp(x); }
+
+// softmax weights e^(s - mx) of 8 scores (only the first n are used)
+inline void exp_shifted8(const float* s, float mx, float* w) {
+#if defined(EMBER_AVX2)
+  _mm256_storeu_ps(w, exp8(_mm256_sub_ps(_mm256_loadu_ps(s), _mm256_set1_ps(mx))));
+#else
+  for (int j = 0; j < 8; ++j) w[j] = exp_scalar(s[j] - mx);
+#endif
+}
+
+template <KVType KT>
+inline void scores8(const float* q, const void* const* k, int64_t D, float scale, float* out) {
+#if defined(EMBER_AVX2)
+  _mm256_storeu_ps(out, _mm256_mul_ps(dots8<KT>(q, k, D), _mm256_set1_ps(scale)));
+#else
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.0f;
+    for (int64_t c = 0; c < D; ++c) s += q[c] * load1<KT>(k[j], c);
+    out[j] = s * scale;
+  }
+#endif
+}
+
+// acc[D] = acc * r + sum_j w[j] v[j], positions j in order.
+template <KVType KT>
+inline void accumulate_values(float* acc, float r, const float* w, const void* const* v,
+                              int64_t n, int64_t D) {
+#if defined(EMBER_AVX2)
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) weighted_values<KT, 8>(acc + c, r, w, v, n, c);
+  switch ((D - c) / 8) {
+    case 7: weighted_values<KT, 7>(acc + c, r, w, v, n, c); break;
+    case 6: weighted_values<KT, 6>(acc + c, r, w, v, n, c); break;
+    case 5: weighted_values<KT, 5>(acc + c, r, w, v, n, c); break;
+    case 4: weighted_values<KT, 4>(acc + c, r, w, v, n, c); break;
+    case 3: weighted_values<KT, 3>(acc + c, r, w, v, n, c); break;
+    case 2: weighted_values<KT, 2>(acc + c, r, w, v, n, c); break;
+    case 1: weighted_values<KT, 1>(acc + c, r, w, v, n, c); break;
+    default: break;
+  }
+#else
+  for (int64_t c = 0; c < D; ++c) {
+    float a = acc[c] * r;
+    for (int64_t j = 0; j < n; ++j) a += w[j] * load1<KT>(v[j], c);
+    acc[c] = a;
+  }
+#endif
+}
+
+// Ask for elements [c0, c1) of n rows (stride row_stride) at offset `at` of K and V.
+template <typename Elem>
+inline void prefetch_rows(const Elem* k, const Elem* v, int64_t at, int64_t n,
+                          int64_t row_stride, int64_t c0, int64_t c1) {
+  constexpr int64_t line = 64 / sizeof(Elem);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = at + j * row_stride;
+    for (int64_t c = c0; c < c1; c += line) {
+      __builtin_prefetch(k + row + c);
+      __builtin_prefetch(v + row + c);
+    }
+  }
+}
+
+// Attention of T query tokens. q: token t's H heads of D at q + t * q_stride;
+// out: [T, H, D] f32. Token t belongs to row rows[t] (its block ids: tables[rows[t] *
+// NB ...]) and sits at position pos[t]: it attends to positions 0..pos[t] of its
+// row, whose K/V must already be in the pool.
+//
+// Each query head runs the same sequence of operations however the work is split,
+// so the split may follow the batch: one task per token (all its heads, so each
+// block's K/V rows are read together, in order) when there are tokens enough to
+// keep the threads busy, else one task per (token, head).
+template <KVType KT>
+void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
+                  const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
+                  const int64_t* pos, float scale) {
+  using Elem = std::conditional_t<KT == KVType::F32, float, uint16_t>;
+  const int64_t D = kv.d, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * D;
+  const int64_t padded = (bs + 7) / 8 * 8;
+  const Elem* kbase = static_cast<const Elem*>(kv.k);
+  const Elem* vbase = static_cast<const Elem*>(kv.v);
+  const bool per_token = T >= 2 * at::get_num_threads();
+  const int64_t heads_per_task = per_token ? H : 1;
+  at::parallel_for(0, per_token ? T : T * H, 1, [&](int64_t t0, int64_t t1) {
+    // per task: an accumulator, running max and sum per head; per block and head: the
+    // rows' addresses, scores and softmax weights
+    std::vector<float> acc(heads_per_task * D), mx(heads_per_task), sum(heads_per_task);
+    std::vector<float> scores(padded), weights(padded);
+    std::vector<Elem> zero(D, Elem{});
+    std::vector<const void*> krow(padded), vrow(bs);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t t = per_token ? task : task / H;
+      const int64_t h0 = per_token ? 0 : task % H;
+      const int64_t len = pos[t] + 1;
+      const int64_t* table = tables + rows[t] * NB;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      const int64_t hk_lo = h0 / G, hk_hi = (h0 + heads_per_task - 1) / G;
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = std::min(bs, len - start);
+        const int64_t block = table[start / bs] * kv.block_stride;
+        if (start + bs < len) {
+          // Blocks lie far apart in the pool (every layer's K/V sit between two
+          // consecutive blocks of one layer), so the hardware prefetcher, which stops
+          // at page boundaries, does not see the next one coming: ask for it.
+          const int64_t next = table[start / bs + 1] * kv.block_stride;
+          prefetch_rows(kbase, vbase, next, std::min(bs, len - start - bs), row_stride,
+                        hk_lo * D, (hk_hi + 1) * D);
+        }
+        for (int64_t i = 0; i < heads_per_task; ++i) {
+          const int64_t h = h0 + i, hk = h / G;
+          if (i == 0 || hk != (h - 1) / G) {  // the rows of this head's KV head
+            const int64_t base = block + hk * D;
+            for (int64_t j = 0; j < n; ++j) {
+              krow[j] = kbase + base + j * row_stride;
+              vrow[j] = vbase + base + j * row_stride;
+            }
+            for (int64_t j = n; j < padded; ++j) krow[j] = zero.data();
+          }
+          for (int64_t j = 0; j < padded; j += 8) {
+            scores8<KT>(q + t * q_stride + h * D, krow.data() + j, D, scale, scores.data() + j);
+          }
+          float bmax = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, scores[j]);
+          const float new_mx = std::max(mx[i], bmax);
+          const float r = exp_scalar(mx[i] - new_mx);  // 0 for the first block
+          for (int64_t j = 0; j < padded; j += 8) exp_shifted8(&scores[j], new_mx, &weights[j]);
+          float s = sum[i] * r;
+          for (int64_t j = 0; j < n; ++j) s += weights[j];
+          sum[i] = s;
+          mx[i] = new_mx;
+          accumulate_values<KT>(acc.data() + i * D, r, weights.data(), vrow.data(), n, D);
+        }
+      }
+      for (int64_t i = 0; i < heads_per_task; ++i) {
+        float* o = out + (t * H + h0 + i) * D;
+        const float inv = 1.0f / sum[i];
+        for (int64_t c = 0; c < D; ++c) o[c] = acc[i * D + c] * inv;
+      }
+    }
+  });
+}
+
+void attend(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
+            const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
+            const int64_t* pos, float scale) {
+  switch (kv.type) {
+    case KVType::F32:
+      attend_typed<KVType::F32>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      break;
+    case KVType::F16:
+      attend_typed<KVType::F16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      break;
+    case KVType::BF16:
+      attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      break;
+  }
+}
+
+KVType kv_type_of(const at::Tensor& pool) {
+  switch (pool.scalar_type()) {
+    case at::kFloat: return KVType::F32;
+    case at::kHalf: return KVType::F16;
+    case at::kBFloat16: return KVType::BF16;
+    default: TORCH_CHECK(false, "KV pool must be float32, float16 or bfloat16, got ",
+                         pool.scalar_type());
+  }
+  return KVType::F32;
+}
+
+// Layer `layer` of a contiguous pool (blocks, layers, 2, bs, Hkv, D).
+PoolLayer pool_layer(const at::Tensor& pool, int64_t layer) {
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
+              "KV pool must be a contiguous (blocks, layers, 2, bs, kv_heads, head_dim) tensor");
+  TORCH_CHECK(layer >= 0 && layer < pool.size(1), "KV pool has no layer ", layer);
+  const int64_t per_kv = pool.size(3) * pool.size(4) * pool.size(5);
+  const KVType type = kv_type_of(pool);
+  const int64_t esize = pool.element_size();
+  const char* base = static_cast<const char*>(pool.data_ptr()) + layer * 2 * per_kv * esize;
+  return {base, base + per_kv * esize, pool.stride(0), pool.size(3), pool.size(4),
+          pool.size(5), type};
+}

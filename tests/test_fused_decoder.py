@@ -1,0 +1,122 @@
+"""The fused native decoder stack (q4) against the op-by-op f32 model, the oracle.
+
+Per layer: each of SmolLM2's 30 layers, fed the f32 model's own hidden states, adds
+to the residual stream what the f32 layer adds, within q4's quantization error.
+End to end (teacher forcing on real text): KL and top-1 bounds that hold on AVX2-only
+and AVX-512/VNNI machines alike. The scalar build of the same source gives the native
+build's results (tests/test_quant_matmul.py builds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ember import kernels
+from ember.kv.blocks import BlockAllocator, BlockTable
+from ember.models.attention import AttentionBatch, RowSpec
+from ember.models.llama import LlamaModel
+from ember.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+
+TEXT = ("The lighthouse stood at the edge of the harbour for nearly two hundred years. Its "
+        "keepers kept careful logs of every ship that passed, the direction of the wind, and "
+        "the height of the tide each morning and evening. When the lamp was finally automated "
+        "in the middle of the last century, the town council debated whether the old building "
+        "should become a museum or be sold to a private owner.")
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_gguf, smollm2_q4):
+    return smollm2_q4, load_model(str(smollm2_gguf), "f32")
+
+
+def one_layer(model: LlamaModel, i: int) -> LlamaModel:
+    cfg = dataclasses.replace(model.cfg, n_layers=1)
+    return LlamaModel(cfg, model.embed, model.layers[i:i + 1], model.output_norm, model.output,
+                      model.rope, model.norm)
+
+
+def layer_inputs(f32: LlamaModel, ids: list[int]):
+    """The f32 model's residual stream entering each layer, and the step's metadata."""
+    n, bs = len(ids), 16
+    table = BlockTable(BlockAllocator(-(-n // bs)), bs)
+    table.reserve(n)
+    batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], bs)
+    x = f32.embed(torch.tensor(ids))
+    inputs = []
+    for i in range(f32.cfg.n_layers):
+        inputs.append(x)
+        layer = one_layer(f32, i)
+        x = layer.decode_layers(x, batch, layer.new_kv_storage(-(-n // bs), bs))
+    return inputs, batch
+
+
+def test_each_fused_layer_adds_what_the_f32_layer_adds(models):
+    q4, f32 = models[0].model, models[1].model
+    ids = models[0].tokenizer.encode(TEXT)
+    inputs, batch = layer_inputs(f32, ids)
+    n = len(ids)
+    for i, x in enumerate(inputs):
+        fused, oracle = one_layer(q4, i), one_layer(f32, i)
+        assert fused.native is not None and oracle.native is None
+        kv = fused.new_kv_storage(-(-n // 16), 16)
+        got = fused.decode_layers(x, batch, kv) - x
+        want = oracle.decode_layers(x, batch, kv) - x
+        rel = (got - want).norm() / want.norm()
+        # q4's weight and int8-activation rounding: 0.5-1.5 % per layer measured
+        assert rel < 0.04, (i, rel.item())
+
+
+def test_fused_stack_end_to_end_against_f32(models):
+    """Teacher-forced over real text: the q4 stack's next-token distributions."""
+    q4, f32 = models[0].model, models[1].model
+    ids = models[0].tokenizer.encode(TEXT * 2)
+    assert q4.native is not None
+    got, want = q4.score(ids), f32.score(ids)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert kl < 0.02 and top1 > 0.9, (kl, top1)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_pools_hold_the_rounded_kv(models, kv_dtype):
+    """With an f16/bf16 pool the stack stores K/V rounded as torch rounds (to nearest
+    even) and attends over exactly those values: its KV equals the f32-pool run's KV
+    converted, and its logits stay close."""
+    q4 = models[0].model
+    ids = models[0].tokenizer.encode(TEXT)
+    n, bs = len(ids), 16
+    outs, pools = [], []
+    for dt in (torch.float32, kv_dtype):
+        table = BlockTable(BlockAllocator(-(-n // bs)), bs)
+        table.reserve(n)
+        kv = q4.new_kv_storage(-(-n // bs), bs, dt)
+        batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, 1)], bs)  # first token
+        outs.append(q4.forward(torch.tensor(ids[:1]), batch, kv))
+        pools.append(kv.pool[0, 0, :, :1])  # layer 0's K and V of position 0
+    # layer 0's K/V do not depend on the pool dtype (later layers read rounded values)
+    assert torch.equal(pools[0].to(kv_dtype), pools[1])
+    rel = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert 0 < rel < 0.02, rel  # rounded K/V: a small, nonzero change
+
+
+def test_the_stack_refuses_a_mismatched_pool(models):
+    q4 = models[0].model
+    kv = q4.new_kv_storage(4, 16)
+    bad = torch.zeros(4, 2, 2, 16, 3, 64)  # two layers, the model has 30
+    table = BlockTable(BlockAllocator(4), 16)
+    table.reserve(3)
+    batch = AttentionBatch.build([RowSpec(table.block_ids(3), 0, 3)], 16)
+    x = q4.embed(torch.tensor([1, 2, 3]))
+    rope = torch.view_as_real(q4.rope.rotation(batch.positions)).contiguous()
+    with pytest.raises(RuntimeError, match="KV pool shape"):
+        q4.native.forward(x, bad, rope, batch.slot_mapping, batch.tables, batch.token_rows,
+                          batch.positions)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        q4.native.forward(x, kv.pool, rope, batch.slot_mapping + 10_000, batch.tables,
+                          batch.token_rows, batch.positions)
