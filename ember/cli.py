@@ -224,6 +224,11 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
     b.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens per stream")
     b.add_argument("--stream-gen", type=int, default=32, help="tokens generated per stream")
+    b.add_argument("--kv-dtype", default="f32", choices=("f32", "f16", "bf16"),
+                   help="ember's KV pool dtype (llama.cpp uses its default, f16)")
+    b.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
+                   help="llama.cpp's extra CPU buffer types (repacked weights, AMX); off "
+                        "where they crash (a VM that reports AMX without granting it)")
     b.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="llama.cpp flash attention (default: auto, llama.cpp's default)")
     b.add_argument("--out", type=Path, default=Path("bench-results/compare.json"))
@@ -410,7 +415,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     bench_main(args.model, list(dict.fromkeys(weights)), args.threads, args.reps, args.out,
                args.llama_python, _int_list(args.prefill, "--prefill"), args.decode_tokens,
                _int_list(args.streams, "--streams"), args.stream_prompt, args.stream_gen,
-               llama_flash_attn=args.llama_flash_attn)
+               llama_flash_attn=args.llama_flash_attn, kv_dtype=args.kv_dtype,
+               llama_extra_bufts=args.llama_extra_bufts == "on")
     return 0
 
 

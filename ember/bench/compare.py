@@ -414,7 +414,8 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
          llama_python: str | None, prefill: list[int], decode_tokens: int, streams: list[int],
          stream_prompt: int, stream_gen: int, decode_prompt: int = 32,
          command: str | None = None, bandwidth_bytes: int = BANDWIDTH_BYTES,
-         llama_flash_attn: str = "auto") -> dict:
+         llama_flash_attn: str = "auto", kv_dtype: str = "f32",
+         llama_extra_bufts: bool = True) -> dict:
     from ember.models.gguf import GGUFFile
     from ember.models.loader import physical_cores
     from ember.models.registry import ensure_model
@@ -448,10 +449,11 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
                 msg = {"cmd": "init", "model": str(path), "threads": threads,
                        "prefill_ctx": max([*prefill, decode_prompt + decode_tokens, 1]) + 16,
                        "streams": streams, "stream_ctx": stream_prompt + stream_gen + 16,
-                       "flash_attn": llama_flash_attn}
+                       "flash_attn": llama_flash_attn, "extra_bufts": llama_extra_bufts}
             else:
                 msg = {"cmd": "init", "model": str(path), "weights": name[len("ember-"):],
-                       "threads": threads, "engine": engine_options(spec)}
+                       "threads": threads,
+                       "engine": {**engine_options(spec), "kv_dtype": kv_dtype}}
             try:
                 info[name] = worker.call(msg)
             except WorkerError as e:
@@ -463,7 +465,8 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
                 del workers[name]
         sides = list(workers)
         runs: dict[str, list[dict]] = {s: [] for s in sides}
-        print(f"model {path.name}, {threads} threads, {reps} reps; load average "
+        print(f"model {path.name}, {threads} threads, {reps} reps, ember KV {kv_dtype}; "
+              f"load average "
               f"{' '.join(map(str, load_start))}; sides: {', '.join(sides)}", flush=True)
         for s in sides:  # warm-up, untimed
             workers[s].call({"cmd": "run", **warmup_spec(spec)})
@@ -532,6 +535,7 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
         "sizes": {"prefill": prefill, "decode_prompt": decode_prompt,
                   "decode_tokens": decode_tokens, "streams": streams,
                   "stream_prompt": stream_prompt, "stream_gen": stream_gen},
+        "ember_kv_dtype": kv_dtype,
         "method": {
             "prefill": "prompt in one chunk/batch through sampling the first token; tok/s = "
                        "prompt tokens / seconds",

@@ -88,6 +88,12 @@ class Driver:
         start = time.perf_counter()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        # llama.cpp's extra CPU buffer types (repacked weights, AMX). Off where they
+        # crash: on a VM that reports AMX but does not grant its tile state, ggml's AMX
+        # matmul segfaults (seen in ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36).
+        self.extra_bufts = bool(msg.get("extra_bufts", True))
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = self.extra_bufts
         self.model = L.llama_model_load_from_file(msg["model"].encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {msg['model']}")
@@ -138,6 +144,7 @@ class Driver:
                              "n_seq_max": int(L.llama_n_seq_max(c))} for k, c in ctxs.items()},
             "threads": self.threads,
             "flash_attn": {-1: "auto", 0: "off", 1: "on"}[self.flash_attn],
+            "extra_bufts": self.extra_bufts,
             "system_info": L.llama_print_system_info().decode(errors="replace"),
         }
 

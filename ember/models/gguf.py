@@ -308,6 +308,16 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, nbytes)
 
     # ------------------------------------------------------------------ access
+    def release_pages(self) -> None:
+        """Drop the mapping's pages from this process's resident set.
+
+        After loading, the weights live in their own tensors; the few bytes still read
+        from the file later (embedding rows) fault back in from the page cache. Without
+        this every page read while loading stays counted in the process's RSS.
+        """
+        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The tensor's raw bytes as a read-only uint8 array (a view of the mapping)."""
         info = self.tensor(name)

@@ -74,6 +74,7 @@ def load_model(name: str, weights: str = "auto") -> LoadedModel:
     except ChatTemplateError:
         template = None  # base models without a template can still complete raw text
     model = LlamaModel.from_gguf(gguf, config, fmt)
+    gguf.release_pages()
     return LoadedModel(path, config, model, tokenizer, template, weights,
                        time.perf_counter() - start)
 
