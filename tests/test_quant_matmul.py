@@ -264,6 +264,16 @@ def test_unavailable_kernel_raises_clearly(monkeypatch, smollm2_file: GGUFFile) 
         QuantFormat().linear(smollm2_file, ["blk.0.attn_output.weight"])
 
 
+def test_kernel_isa_choice(monkeypatch) -> None:
+    monkeypatch.setenv("EMBER_KERNEL_ISA", "avx2")
+    assert kernels._variants() == (("ember_quant_matmul_avx2", ["-mavx2", "-mfma", "-mf16c"]),)
+    monkeypatch.setenv("EMBER_KERNEL_ISA", "native")
+    assert kernels._variants()[0] == ("ember_quant_matmul", ["-march=native"])
+    monkeypatch.setenv("EMBER_KERNEL_ISA", "avx9")
+    with pytest.raises(RuntimeError, match="EMBER_KERNEL_ISA='avx9'"):
+        kernels._variants()
+
+
 # -------------------------------------------------------- other SIMD builds of the source
 
 

@@ -38,6 +38,8 @@ a finished build, and its own lock is one that dies with its process:
   hold ``build.flock`` first), runs ``load`` and writes the marker.
 
 ``EMBER_NO_KERNELS=1`` disables the native kernels (to exercise fallbacks).
+``EMBER_KERNEL_ISA=avx2`` (or ``scalar``) builds for that instruction set instead of
+``-march=native``: to measure here what an AVX2-only machine (or none) would run.
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-DNDEBUG", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # Tried in order: the first that builds (or was built) is used.
 _VARIANTS = (("ember_quant_matmul", ["-march=native"]), ("ember_quant_matmul_generic", []))
+_ISA_VARIANTS = {"avx2": ("ember_quant_matmul_avx2", ["-mavx2", "-mfma", "-mf16c"]),
+                 "scalar": ("ember_quant_matmul_scalar", [])}
+
+
+def _variants() -> tuple[tuple[str, list[str]], ...]:
+    isa = os.environ.get("EMBER_KERNEL_ISA", "native")
+    if isa == "native":
+        return _VARIANTS
+    if isa not in _ISA_VARIANTS:
+        raise RuntimeError(f"EMBER_KERNEL_ISA={isa!r}: choose native, "
+                           f"{', '.join(_ISA_VARIANTS)}")
+    return (_ISA_VARIANTS[isa],)
 BUILD_MARKER = "ember-build.json"
 BUILD_LOCK = "build.flock"
 _TORCH_BATON = "lock"  # torch.utils.file_baton.FileBaton's file in the build directory
@@ -281,14 +295,15 @@ def compile_quant_matmul(name: str, flags: list[str], build_dir: Path) -> Module
 
 def _build() -> ModuleType:
     root = _build_root()
-    for name, flags in _VARIANTS:  # a generic build exists only if the native one failed
+    variants = _variants()
+    for name, flags in variants:  # a generic build exists only if the native one failed
         module = _load_built(name, flags, root / name)
         if module is not None:
             return module
     _require_ninja()
     log.info("compiling ember native kernels into %s (first use, ~30 s)", root)
     errors = []
-    for name, flags in _VARIANTS:
+    for name, flags in variants:
         try:
             return compile_quant_matmul(name, flags, root / name)
         except Exception as e:  # no compiler, compile or link error, import error
