@@ -3,6 +3,7 @@ op-by-op path (the same model with the native stack switched off).
 
     python scripts/decode_breakdown.py --streams 1 --context 562
     python scripts/decode_breakdown.py --streams 16 --context 2000 --kv-dtype f16 --ab
+    python scripts/decode_breakdown.py --ab --prefill 512
 
 Model forward only (no engine, sampling or server), 2 threads by default; every figure
 is the mean over --steps decode steps after 5 warm-up steps.
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--ab", action="store_true", help="also time the op-by-op path")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="with --ab: also time one N-token prefill both ways")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, "q4").model
@@ -81,8 +84,31 @@ def main() -> None:
             model.native = native
             results[name] = min(results.get(name, 1e9), steps(args.steps // 2, 0))
         model.native = stack
-        print(f"A/B: op-by-op {n / results['op-by-op']:.1f} tok/s, fused "
+        print(f"A/B decode: op-by-op {n / results['op-by-op']:.1f} tok/s, fused "
               f"{n / results['fused']:.1f} tok/s ({results['op-by-op'] / results['fused']:.2f}x)")
+    if args.ab and args.prefill:
+        print(prefill_ab(model, args.prefill, DTYPES[args.kv_dtype], gen))
+
+
+def prefill_ab(model, n: int, kv_dtype: torch.dtype, gen: torch.Generator) -> str:
+    """One n-token prefill, fused vs op-by-op (PyTorch SDPA attention), best of 3 each."""
+    bs, stack = 16, model.native
+    kv = model.new_kv_storage(-(-n // bs), bs, kv_dtype)
+    kv.pool.zero_()
+    table = BlockTable(BlockAllocator(-(-n // bs)), bs)
+    table.reserve(n)
+    batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], bs)
+    prompt = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen)
+    best = {}
+    for name, native in (("op-by-op", None), ("fused", stack)) * 2:
+        model.native = native
+        for _ in range(2):
+            start = time.perf_counter()
+            model.forward(prompt, batch, kv)
+            best[name] = min(best.get(name, 1e9), time.perf_counter() - start)
+    model.native = stack
+    return (f"A/B prefill {n}: op-by-op {n / best['op-by-op']:.1f} tok/s, fused "
+            f"{n / best['fused']:.1f} tok/s ({best['op-by-op'] / best['fused']:.2f}x)")
 
 
 if __name__ == "__main__":
