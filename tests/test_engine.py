@@ -50,8 +50,8 @@ def alone(make, prompt: list[int], params: SamplingParams, weights: str = "f32",
     return outcome(run(make(weights=weights, **options), [(prompt, params)])[0], weights)
 
 
-# The lossless properties hold bitwise for f32 and for q4 (the fused native stack
-# computes every token on its own: see ember/kernels/fused_decoder.h).
+# The lossless properties hold for f32 (tokens) and for q4 (tokens and logprobs, to the
+# bit: the fused native stack computes every token on its own, ember/kernels/fused_decoder.h).
 WEIGHTS = pytest.mark.parametrize("weights", ["f32", "q4"])
 
 

@@ -120,3 +120,38 @@ def test_the_stack_refuses_a_mismatched_pool(models):
     with pytest.raises(RuntimeError, match="slot out of range"):
         q4.native.forward(x, kv.pool, rope, batch.slot_mapping + 10_000, batch.tables,
                           batch.token_rows, batch.positions)
+
+
+def test_batch_invariance_is_reported_where_it_holds(models):
+    q4, f32 = models[0].model, models[1].model
+    assert q4.batch_invariant and not f32.batch_invariant
+    saved, q4.native = q4.native, None
+    try:
+        assert not q4.batch_invariant
+    finally:
+        q4.native = saved
+
+
+def test_attention_batch_refuses_a_row_without_room():
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionBatch.build([RowSpec(torch.tensor([3, 4]), 0, 40),
+                              RowSpec(torch.tensor([1, 2, 5]), 30, 3)], 16)
+
+
+def test_the_stack_refuses_slots_that_do_not_match_the_table(models):
+    q4 = models[0].model
+    kv = q4.new_kv_storage(4, 16)
+    table = BlockTable(BlockAllocator(4), 16)
+    table.reserve(3)
+    batch = AttentionBatch.build([RowSpec(table.block_ids(3), 0, 3)], 16)
+    x = q4.embed(torch.tensor([1, 2, 3]))
+    rope = torch.view_as_real(q4.rope.rotation(batch.positions)).contiguous()
+    slots = batch.slot_mapping.clone()
+    slots[1] = slots[2]  # two tokens into one slot, one position never written
+    with pytest.raises(RuntimeError, match="slot does not match"):
+        q4.native.forward(x, kv.pool, rope, slots, batch.tables, batch.token_rows,
+                          batch.positions)
+    bad_pool = torch.zeros(4, 30, 1, 16, 3, 64)  # no V half
+    with pytest.raises(RuntimeError, match="KV pool"):
+        q4.native.forward(x, bad_pool, rope, batch.slot_mapping, batch.tables,
+                          batch.token_rows, batch.positions)

@@ -99,7 +99,9 @@ class DecoderStack {
                int64_t rope_dim, int64_t ffn, double eps)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         rope_dim_(rope_dim), ffn_(ffn), eps_(eps) {
-    TORCH_CHECK(heads % kv_heads == 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
+    TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && ffn > 0 &&
+                    heads % kv_heads == 0 && rope_dim >= 0 && rope_dim % 2 == 0 &&
+                    rope_dim <= head_dim,
                 "DecoderStack: bad head geometry");
 #if defined(EMBER_AVX2)
     TORCH_CHECK(head_dim % 8 == 0, "DecoderStack: head_dim must be a multiple of 8");
@@ -197,7 +199,8 @@ class DecoderStack {
 
  private:
   static at::Tensor norm_weight(const at::Tensor& w) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1, "norm weights must be float32 [K]");
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1,
+                "norm weights must be CPU float32 [K]");
     return w.contiguous();
   }
 
@@ -222,11 +225,14 @@ class DecoderStack {
                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& rows,
                   const at::Tensor& positions) const {
     const int64_t T = x.size(0);
+    for (const at::Tensor* t : {&x, &pool, &rope, &slots, &tables, &rows, &positions}) {
+      TORCH_CHECK(t->device().is_cpu(), "DecoderStack: CPU tensors only");
+    }
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() &&
                     x.scalar_type() == at::kFloat,
                 "DecoderStack: x must be contiguous float32 [T, ", hidden_, "]");
-    TORCH_CHECK(pool.dim() == 6 && pool.size(1) == num_layers() && pool.size(4) == kv_heads_ &&
-                    pool.size(5) == head_dim_,
+    TORCH_CHECK(pool.dim() == 6 && pool.size(1) == num_layers() && pool.size(2) == 2 &&
+                    pool.size(4) == kv_heads_ && pool.size(5) == head_dim_,
                 "DecoderStack: KV pool shape does not match the model");
     TORCH_CHECK(rope.is_contiguous() && rope.scalar_type() == at::kFloat &&
                     rope.numel() == T * rope_dim_,
@@ -251,6 +257,10 @@ class DecoderStack {
         const int64_t blk = tp[rp[t] * NB + b];
         TORCH_CHECK(blk >= 0 && blk < pool.size(0), "DecoderStack: block id out of range");
       }
+      // attention reads a token's own K/V where its row's table says: it must be
+      // written exactly there
+      TORCH_CHECK(sp[t] == tp[rp[t] * NB + pp[t] / bs] * bs + pp[t] % bs,
+                  "DecoderStack: slot does not match the row's table at the position");
     }
   }
 

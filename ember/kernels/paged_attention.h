@@ -317,8 +317,10 @@ KVType kv_type_of(const at::Tensor& pool) {
 
 // Layer `layer` of a contiguous pool (blocks, layers, 2, bs, Hkv, D).
 PoolLayer pool_layer(const at::Tensor& pool, int64_t layer) {
-  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
-              "KV pool must be a contiguous (blocks, layers, 2, bs, kv_heads, head_dim) tensor");
+  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 6 && pool.is_contiguous() &&
+                  pool.size(2) == 2 && pool.size(4) > 0 && pool.size(5) > 0,
+              "KV pool must be a contiguous CPU (blocks, layers, 2, bs, kv_heads, head_dim) "
+              "tensor");
   TORCH_CHECK(layer >= 0 && layer < pool.size(1), "KV pool has no layer ", layer);
   const int64_t per_kv = pool.size(3) * pool.size(4) * pool.size(5);
   const KVType type = kv_type_of(pool);

@@ -762,8 +762,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& pool, int64
   const at::Tensor rows = rows_in.contiguous().to(at::kLong);
   const at::Tensor positions = positions_in.contiguous().to(at::kLong);
   const PoolLayer kv = pool_layer(pool, layer);
+  TORCH_CHECK(q.device().is_cpu() && tables.device().is_cpu() && rows.device().is_cpu() &&
+                  positions.device().is_cpu(),
+              "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) == kv.d &&
-                  q.size(1) % kv.hkv == 0,
+                  q.size(1) > 0 && q.size(1) % kv.hkv == 0,
               "paged_attention: q must be float32 [T, heads, head_dim] matching the pool");
 #if defined(EMBER_AVX2)
   TORCH_CHECK(kv.d % 8 == 0, "paged_attention: head_dim must be a multiple of 8");

@@ -53,7 +53,6 @@ class _ShortRows:
     valid: torch.Tensor  # (B, Q) bool: which of them are real
     blocks: torch.Tensor  # (B, NB) context blocks, padded
     mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool
-    lens: torch.Tensor  # (B,) context length of each row (its last query's position + 1)
 
 
 class AttentionBatch:
@@ -71,6 +70,9 @@ class AttentionBatch:
         positions, row_ends, token_rows = [], [], []
         offset = 0
         for i, row in enumerate(rows):
+            if row.blocks.numel() * block_size < row.start + row.q_len:
+                raise ValueError(f"row {i}: {row.blocks.numel()} blocks cannot hold "
+                                 f"{row.start + row.q_len} positions")
             positions.append(torch.arange(row.start, row.start + row.q_len))
             token_rows.append(torch.full((row.q_len,), i, dtype=torch.long))
             offset += row.q_len
@@ -142,7 +144,7 @@ def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows
     query_pos = starts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)  # (B, Q)
     key_pos = torch.arange(width * block_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal, within written slots
-    return _ShortRows(index, valid, blocks, mask[:, None], starts + lens)
+    return _ShortRows(index, valid, blocks, mask[:, None])
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

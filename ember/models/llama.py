@@ -15,6 +15,7 @@ in the pool it is given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from ember.models.attention import AttentionBatch, paged_attention
 from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,8 +144,20 @@ class LlamaModel:
         freq_factors = (
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
-        return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                   RotaryEmbedding(cfg, freq_factors), fmt.rms_norm)
+        model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
+                    RotaryEmbedding(cfg, freq_factors), fmt.rms_norm)
+        if fmt.name == "q4" and not model.batch_invariant:
+            log.warning("%s: not every projection and the output head are packed 4/8-bit "
+                        "here, so q4 runs (partly) op by op and a request's logits may "
+                        "differ slightly with the batch (tokens only at near-ties)",
+                        gguf.path.name)
+        return model
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are bitwise independent of the rest of the batch: the
+        native stack runs every layer and the head is a packed matrix (per-row kernel)."""
+        return self.native is not None and isinstance(self.output, QuantLinear)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32) -> KVStorage:
