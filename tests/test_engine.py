@@ -516,3 +516,15 @@ def test_a_forked_choice_keeps_the_copied_part_of_its_prompt_block(make_tiny_eng
         mine = cache[c_block, :5]
         assert torch.equal(mine, cache[p_block, :5])
         assert mine.abs().sum() > 0
+
+
+def test_an_unattainable_tpot_objective_is_refused_naming_it(make_tiny_engine):
+    """A stream whose own decode step alone outlasts its TPOT objective could never be
+    seated: it is refused at once (a 400 naming slo.tpot_ms), not left waiting."""
+    from ember.engine.engine import SLO
+
+    engine = make_tiny_engine()
+    with pytest.raises(InvalidRequest) as e:
+        engine.prepare([5, 6, 7], GREEDY, slo=SLO(None, 1e-6))
+    assert e.value.param == "slo.tpot_ms" and "cannot be met" in str(e.value)
+    assert engine.prepare([5, 6, 7], GREEDY, slo=SLO(None, 10.0))  # attainable: prepared

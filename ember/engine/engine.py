@@ -37,7 +37,7 @@ from ember.config import EngineConfig, InvalidConfig
 from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner, ScheduledRow
-from ember.engine.scheduler import Scheduler
+from ember.engine.scheduler import SEAT_MARGIN, Scheduler
 from ember.errors import EmberError, InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.disk import BlockRecord, DiskStore
@@ -317,6 +317,8 @@ class LLMEngine:
                                                "for a single choice only")
         for p in choices:
             prompt_ids = self._validate_prompt(prompt_ids, p)
+        if slo is not None and slo.tpot is not None:
+            self._check_tpot_attainable(slo.tpot, len(prompt_ids), len(choices))
         group = []
         for j, p in enumerate(choices):
             procs = list(processors)
@@ -395,6 +397,17 @@ class LLMEngine:
                 table = RecyclingTable(self.loaded.config.vocab_size)
                 self._recycling_tables[tenant or ""] = table
             return table
+
+    def _check_tpot_attainable(self, tpot: float, context: int, rows: int) -> None:
+        """Refuse a TPOT objective that no schedule can meet: the request's own decode
+        step, with nothing else running, is predicted to take longer. (Admission only
+        seats a stream whose step fits its objective, so such a request would otherwise
+        wait for ever.)"""
+        alone = self.scheduler.costs.predict(StepShape(rows, rows, context, decode_rows=rows))
+        if alone > SEAT_MARGIN * tpot:
+            raise InvalidRequest("slo.tpot_ms", f"a decode step of this request alone is "
+                                 f"predicted to take {alone * 1e3:.1f} ms on this server, "
+                                 f"so {tpot * 1e3:g} ms per output token cannot be met")
 
     def check_queue(self, pending: int = 0) -> None:
         """Raise :class:`QueueFull` if the waiting queue (plus ``pending`` prompts that
