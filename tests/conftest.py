@@ -41,14 +41,7 @@ def smollm2_llm(smollm2_gguf: Path):
 @pytest.fixture(scope="session")
 def smollm2_q4(smollm2_gguf: Path):
     """The real SmolLM2-135M in the q4 format (the fused native stack), loaded once."""
-    from ember import kernels
-    from ember.models.loader import load_model
-
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
-    loaded = load_model(str(smollm2_gguf), "q4")
-    assert loaded.model.native is not None
-    return loaded
+    return _load_q4(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +72,17 @@ def tiny_loaded(tiny_gguf: Path):
 @pytest.fixture(scope="session")
 def tiny_loaded_q4(tiny_gguf: Path):
     """The tiny model in the q4 format: its Q8_0 matrices packed, the fused native stack."""
+    return _load_q4(tiny_gguf)
+
+
+def _load_q4(path: Path):
+    """``path`` loaded as q4, running the fused native stack (skips where no kernel builds)."""
     from ember import kernels
     from ember.models.loader import load_model
 
     if not kernels.available():
         pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
-    loaded = load_model(str(tiny_gguf), "q4")
+    loaded = load_model(str(path), "q4")
     assert loaded.model.native is not None
     return loaded
 

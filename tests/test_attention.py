@@ -26,18 +26,23 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v)
 
 
+def scattered_rows(shapes: list[tuple[int, int]], perm: torch.Tensor) -> list[RowSpec]:
+    """Rows of (start, q_len), each holding the next blocks of the shuffled ids ``perm``."""
+    rows, used = [], 0
+    for start, n in shapes:
+        nb = -(-(start + n) // BLOCK)
+        rows.append(RowSpec(perm[used:used + nb], start, n))
+        used += nb
+    return rows
+
+
 def test_mixed_decode_verify_and_prefill_rows_match_dense_attention() -> None:
     g = torch.Generator().manual_seed(0)
     shapes = [(9, 1), (2, 3), (13, 1), (0, 6), (5, 16), (7, 20), (30, 1), (3, 2)]  # (start, q_len)
     pool = 64
     k_cache = torch.randn(pool * BLOCK, HKV, D, generator=g)
     v_cache = torch.randn(pool * BLOCK, HKV, D, generator=g)
-    perm = torch.randperm(pool, generator=g)
-    rows, used = [], 0
-    for start, n in shapes:
-        nb = -(-(start + n) // BLOCK)
-        rows.append(RowSpec(perm[used:used + nb], start, n))
-        used += nb
+    rows = scattered_rows(shapes, torch.randperm(pool, generator=g))
     batch = AttentionBatch.build(rows, BLOCK)
     assert len(batch.short) == 2  # decode rows and verify rows apart
     q = torch.randn(batch.num_tokens, H, D, generator=g)
@@ -61,12 +66,7 @@ def pool_case(seed: int, shapes: list[tuple[int, int]], dtype: torch.dtype, laye
     pool = 80
     storage = KVStorage(layers, pool, BLOCK, HKV, D, dtype)
     storage.pool.copy_(torch.randn(storage.pool.shape, generator=g))
-    perm = torch.randperm(pool, generator=g)
-    rows, used = [], 0
-    for start, n in shapes:
-        nb = -(-(start + n) // BLOCK)
-        rows.append(RowSpec(perm[used:used + nb], start, n))
-        used += nb
+    rows = scattered_rows(shapes, torch.randperm(pool, generator=g))
     q = torch.randn(sum(n for _, n in shapes), H, D, generator=g)
     return storage, rows, q
 
