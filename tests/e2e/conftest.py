@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_server import KEY_A, KEY_B, EmberServer, start_server
+from e2e_server import KEY_A, KEY_B, EmberServer, served_weights, start_server
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +26,9 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None
-           ) -> Iterator[EmberServer]:
-    server = start_server(model, log_dir, *args)
+def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
+           weights: str = "f32") -> Iterator[EmberServer]:
+    server = start_server(model, log_dir, *args, weights=weights)
     try:
         server.wait_ready(api_key=api_key)
         yield server
@@ -39,9 +39,19 @@ def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None
 @pytest.fixture(scope="session")
 def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path
                 ) -> Iterator[EmberServer]:
-    """The real SmolLM2-135M behind two API keys (tenants A and B)."""
+    """The real SmolLM2-135M behind two API keys (tenants A and B), in the default
+    weight format (``served_weights``)."""
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
-                      "--num-kv-blocks", "512", api_key=KEY_A)
+                      "--num-kv-blocks", "512", api_key=KEY_A, weights=served_weights())
+
+
+@pytest.fixture(scope="session")
+def smol_reference(smollm2_gguf: Path):
+    """An in-process ``ember.LLM`` in ``smol_server``'s weight format: the oracle for
+    what that server answers (teacher-forced logprobs, greedy continuations)."""
+    import ember
+
+    return ember.LLM(str(smollm2_gguf), weights=served_weights())
 
 
 @pytest.fixture(scope="session")

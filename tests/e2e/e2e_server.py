@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from ember import kernels
+
 KEY_A = "sk-tenant-a-0123456789"
 # Only test_prefix_cache_is_isolated_per_tenant may use KEY_B: it checks that B's first
 # request finds nothing cached.
@@ -90,15 +92,21 @@ class EmberServer:
         return self.proc.returncode
 
 
-def start_server(model: Path | str, log_dir: Path, *args: str) -> EmberServer:
+def served_weights() -> str:
+    """The weight format of the real-model server: q4 (the default) where its kernel
+    builds. The e2e tests replay requests in other batch shapes (n>1 choices alone,
+    cached vs computed) and compare logprobs, which q4 keeps to the bit and f32 only
+    to near-ties: its BLAS GEMMs choose their blocking by the number of rows."""
+    return "q4" if kernels.available() else "f32"
+
+
+def start_server(model: Path | str, log_dir: Path, *args: str,
+                 weights: str = "f32") -> EmberServer:
     """Launch ``ember serve`` (not yet waited for: call ``wait_ready``)."""
     port = free_port()
     log_path = log_dir / f"ember-serve-{port}.log"
-    # f32, the lossless reference: these tests compare streams across batch shapes
-    # (n>1 replays, stream vs non-stream), which the int8-activation q4 format does
-    # not promise to keep bit-identical (docs/performance.md).
     cmd = [sys.executable, "-m", "ember.cli", "serve", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--weights", "f32",
+           "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--weights", weights,
            *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:

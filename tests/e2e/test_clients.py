@@ -202,7 +202,7 @@ def write_tasks(root: Path) -> Path:
 
 
 def test_lm_eval_local_completions_loglikelihood_and_generate_until(
-        smol_server, smollm2_llm, tmp_path, monkeypatch):
+        smol_server, smol_reference, tmp_path, monkeypatch):
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         monkeypatch.setenv(var, "1")
     # lm-eval sends OPENAI_API_KEY to /v1/completions, auth_token to the tokenizer routes
@@ -217,12 +217,12 @@ def test_lm_eval_local_completions_loglikelihood_and_generate_until(
         task_manager=TaskManager(include_path=str(write_tasks(tmp_path))),
         model_args={"model": smol_server.model_id, "base_url": f"{api(smol_server)}/completions",
                     "num_concurrent": 1, "max_retries": 1, "auth_token": KEY_A})
-    model = smollm2_llm.engine.loaded.model
+    model = smol_reference.engine.loaded.model
     requests = [(args, resp) for s in out["samples"]["ember_mc"]
                 for args, resp in zip(s["arguments"], s["resps"], strict=True)]
     assert len(requests) == sum(len(choices) for _, choices, _ in MC)
     for (context, continuation), ((loglikelihood, is_greedy),) in requests:
-        whole, ctx = smollm2_llm.encode(context + continuation), smollm2_llm.encode(context)
+        whole, ctx = smol_reference.encode(context + continuation), smol_reference.encode(context)
         assert whole[:len(ctx)] == ctx
         logprobs = torch.log_softmax(model.score(whole).float(), dim=-1)
         want = [(logprobs[i - 1], whole[i]) for i in range(len(ctx), len(whole))]
@@ -232,7 +232,7 @@ def test_lm_eval_local_completions_loglikelihood_and_generate_until(
     for s in out["samples"]["ember_gen"]:
         (text,), = s["resps"]
         prompt = s["arguments"][0][0]
-        greedy, = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
+        greedy, = smol_reference.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
                                                               stop=["\n"]))
         assert text == greedy.text and "\n" not in text
 

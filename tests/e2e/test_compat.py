@@ -171,12 +171,12 @@ def test_tokenizer_routes_need_the_api_key(smol_server):
 
 
 # ---------------------------------------------------------------------- echo
-def test_echo_logprobs_are_the_teacher_forced_logprobs_of_the_model(smol_server, smollm2_llm):
+def test_echo_logprobs_are_the_teacher_forced_logprobs_of_the_model(smol_server, smol_reference):
     import torch
 
     text = "The capital of France is Paris, and the capital of Italy is Rome."
-    ids = smollm2_llm.encode(text)
-    logprobs = torch.log_softmax(smollm2_llm.engine.loaded.model.score(ids).float(), -1)
+    ids = smol_reference.encode(text)
+    logprobs = torch.log_softmax(smol_reference.engine.loaded.model.score(ids).float(), -1)
     want = [None] + [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
     for max_tokens in (0, 3):
         r = httpx.post(f"{smol_server.url}/v1/completions", headers=_auth(), timeout=60,

@@ -191,7 +191,7 @@ def test_n2_returns_two_seeded_choices_sharing_one_prompt(client, model, smol_se
     messages = user(f"[{uuid.uuid4().hex}] Write one sentence about the sea and the sky, "
                     "the wind and the waves, the sun and the moon, the stars at night.")
     before = smol_server.metrics()
-    two = client.chat.completions.create(model=model, messages=messages, n=2,
+    two = client.chat.completions.create(model=model, messages=messages, n=2, logprobs=True,
                                          temperature=0.9, seed=7, max_tokens=12)
     after = smol_server.metrics()
     hits = after["ember_prefix_cache_hits_total"] - before["ember_prefix_cache_hits_total"]
@@ -209,9 +209,11 @@ def test_n2_returns_two_seeded_choices_sharing_one_prompt(client, model, smol_se
     assert (hits, computed) == (16, p - 16)
     # Each choice reproduces alone with its own seed.
     for j, choice in enumerate(two.choices):
-        again = client.chat.completions.create(model=model, messages=messages,
+        again = client.chat.completions.create(model=model, messages=messages, logprobs=True,
                                                temperature=0.9, seed=7 + j, max_tokens=12)
-        assert again.choices[0].message.content == choice.message.content
+        # with the logprobs, a failure tells a near-tie draw from logits that differ
+        assert ([(t.token, t.logprob) for t in again.choices[0].logprobs.content]
+                == [(t.token, t.logprob) for t in choice.logprobs.content]), f"choice {j}"
 
 
 # ====================================================================== 5. logprobs
