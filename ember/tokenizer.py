@@ -60,10 +60,12 @@ log = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, the
-# special_eog_ids scan). Tokens found by text are also forced to CONTROL.
-# "</s>" is deliberately absent: Gemma has it as an ordinary HTML-tag token.
+# special_eog_ids scan). Tokens found by text are also forced to CONTROL. "</s>"
+# included: llama.cpp (0.3.36's) ends on it and makes it control even where it is
+# Gemma's user-defined HTML tag (tests/golden/gemma3_tokens.json).
 EOG_TEXTS = frozenset(
     {
+        "</s>",
         "<|eot_id|>",
         "<|im_end|>",
         "<|end|>",
@@ -207,7 +209,7 @@ class Tokenizer:
         # llama.cpp overrides the type of end-marker tokens to CONTROL so user
         # text can never produce them.
         if self._types[tid] != CONTROL:
-            log.warning(
+            log.info(  # llama.cpp warns too; a known quirk of Gemma's </s>, nothing to do
                 "token %d %r is not control-type; treating it as control", tid, self._tokens[tid]
             )
             self._types[tid] = CONTROL

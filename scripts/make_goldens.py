@@ -1,8 +1,10 @@
-"""Regenerate the llama.cpp golden files in tests/golden/ for SmolLM2-135M-Instruct.
+"""Regenerate the llama.cpp golden files in tests/golden/ (SmolLM2 and Gemma 3).
 
 These files pin what llama.cpp (the reference implementation) does with the same
 GGUF that ember loads, so ember's test suite can compare against it without
 llama.cpp installed:
+
+For each model profile (``--profile smollm2`` or ``gemma3``; files named after it):
 
 * ``tests/golden/smollm2_tokens.json``: token ids for a corpus of awkward texts,
   once with control-token strings left as plain text (``special=False``) and once
@@ -25,10 +27,13 @@ source on CPU, 2 threads (both are recorded in the files).
 
 Regenerating::
 
-    /tmp/llamavenv/bin/python scripts/make_goldens.py [MODEL.gguf] [--out tests/golden]
+    /tmp/llamavenv/bin/python scripts/make_goldens.py [MODEL.gguf] [--profile smollm2]
+        [--out tests/golden]
 
-MODEL.gguf defaults to the file ember pulls for the ``smollm2-135m`` alias,
-``~/.cache/ember/models/SmolLM2-135M-Instruct.Q4_1.gguf``.
+MODEL.gguf defaults to the file ember pulls for the profile's alias, e.g.
+``~/.cache/ember/models/SmolLM2-135M-Instruct.Q4_1.gguf``. On a CPU that reports AMX
+but whose VM does not grant it, pass ``--no-extra-bufts`` (llama.cpp's AMX buffer
+type segfaults there; the goldens record the setting).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as lib
 import numpy as np
 
-DEFAULT_MODEL = Path.home() / ".cache/ember/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODELS_DIR = Path.home() / ".cache/ember/models"
 N_THREADS = 2
 N_CTX = 512
 N_GREEDY = 32
@@ -82,12 +87,6 @@ CORPUS = [
     "👍🏽",
     "👨‍👩‍👧",
     "I ❤️ 🍕 and 🚀!",
-    # control-token look-alikes (only parsed with special=True)
-    "<|im_end|>",
-    "<|im_start|>user",
-    "<|endoftext|>",
-    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-    "not special: <|im_end |> <im_end> |im_end|",
     # a byte SmolLM2's vocabulary lacks (0x04): llama.cpp drops it
     "ctrl\x04char",
 ]
@@ -100,11 +99,36 @@ RAW_PROMPTS = [
     "The quick brown fox",
 ]
 
-CHAT_PROMPT = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
+# Per model: the file, control-token look-alikes (only parsed with special=True) added
+# to CORPUS, and a chat prompt in the model's template.
+PROFILES = {
+    "smollm2": {
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "controls": [
+            "<|im_end|>",
+            "<|im_start|>user",
+            "<|endoftext|>",
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            "not special: <|im_end |> <im_end> |im_end|",
+        ],
+        "chat": ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                 "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+                 "<|im_end|>\n<|im_start|>assistant\n"),
+    },
+    "gemma3": {
+        "file": "gemma-3-270m-q4_k_m.gguf",
+        "controls": [
+            "<end_of_turn>",
+            "<start_of_turn>user",
+            "<eos>",
+            "<bos>text",
+            "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+            "not special: <end_of_turn > <end-of-turn> start_of_turn",
+        ],
+        "chat": ("<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
+                 "<start_of_turn>model\n"),
+    },
+}
 
 
 def _id(x: int) -> int | None:
@@ -146,9 +170,9 @@ def vocab_info(llm: llama_cpp.Llama) -> dict:
     }
 
 
-def tokens_golden(llm: llama_cpp.Llama) -> dict:
+def tokens_golden(llm: llama_cpp.Llama, profile: dict) -> dict:
     cases = []
-    for t in CORPUS:
+    for t in CORPUS + profile["controls"]:
         data = t.encode("utf-8")
         cases.append({
             "text": t,
@@ -186,7 +210,7 @@ def greedy(llm: llama_cpp.Llama, prompt_ids: list[int], eog: set[int]) -> dict:
     }
 
 
-def greedy_golden(llm: llama_cpp.Llama, add_bos: bool) -> dict:
+def greedy_golden(llm: llama_cpp.Llama, add_bos: bool, chat: str) -> dict:
     eog = {i for i in range(llm.n_vocab()) if lib.llama_vocab_is_eog(llm._model.vocab, i)}
     cases = []
     for p in RAW_PROMPTS:
@@ -194,8 +218,8 @@ def greedy_golden(llm: llama_cpp.Llama, add_bos: bool) -> dict:
         # BOS only if the vocabulary says so (add_bos=True defers to it).
         ids = llm.tokenize(p.encode("utf-8"), add_bos=True, special=False)
         cases.append({"prompt": p, "kind": "raw", **greedy(llm, ids, eog)})
-    ids = llm.tokenize(CHAT_PROMPT.encode("utf-8"), add_bos=False, special=True)
-    cases.append({"prompt": CHAT_PROMPT, "kind": "chat", **greedy(llm, ids, eog)})
+    ids = llm.tokenize(chat.encode("utf-8"), add_bos=False, special=True)
+    cases.append({"prompt": chat, "kind": "chat", **greedy(llm, ids, eog)})
     return {
         "n_threads": N_THREADS,
         "n_ctx": N_CTX,
@@ -218,24 +242,39 @@ def _dump(data: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="SmolLM2 GGUF path")
+    ap.add_argument("model", nargs="?", help="GGUF path (default: the profile's pulled file)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="smollm2")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="disable llama.cpp's extra CPU buffer types (AMX, repacking)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/golden"))
     args = ap.parse_args()
+    profile = PROFILES[args.profile]
+    model = args.model or str(MODELS_DIR / profile["file"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    llm = llama_cpp.Llama(args.model, n_ctx=N_CTX, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+    if args.no_extra_bufts:  # Llama() takes no such argument: adjust its defaults
+        defaults = lib.llama_model_default_params
+
+        def without_extra_bufts():  # noqa: ANN202
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        lib.llama_model_default_params = without_extra_bufts
+    llm = llama_cpp.Llama(model, n_ctx=N_CTX, n_threads=N_THREADS, n_threads_batch=N_THREADS,
                           logits_all=True, verbose=False)
     source = {
         "generator": "scripts/make_goldens.py",
         "llama_cpp_python": llama_cpp.__version__,
-        "model_file": Path(args.model).name,
+        "model_file": Path(model).name,
+        "extra_bufts": not args.no_extra_bufts,
     }
-    tokens = {"source": source, **tokens_golden(llm)}
+    tokens = {"source": source, **tokens_golden(llm, profile)}
     add_bos = tokens["vocab"]["add_bos"]
-    runs = {"source": source, **greedy_golden(llm, add_bos)}
-    for name, data in (("smollm2_tokens.json", tokens), ("smollm2_greedy.json", runs)):
-        path = out / name
+    runs = {"source": source, **greedy_golden(llm, add_bos, profile["chat"])}
+    for kind, data in (("tokens", tokens), ("greedy", runs)):
+        path = out / f"{args.profile}_{kind}.json"
         path.write_text(_dump(data), encoding="utf-8")
         print(f"wrote {path}")
 

@@ -54,12 +54,36 @@ def gemma3_file() -> GGUFFile:
     return GGUFFile(_resolve("gemma3-270m"))
 
 
+@pytest.fixture(scope="session")
+def gemma3_llm(gemma3_file: GGUFFile):
+    """One f32 ``ember.LLM`` over the real Gemma 3 270M, shared by the tests that need it."""
+    import ember
+
+    return ember.LLM("gemma3-270m", weights="f32")
+
+
 # ---- tiny random-weight model: fast engine tests ----
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile) -> Path:
     from tiny_model import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", smollm2_file)
+
+
+# Qwen-block tiny models (NEOX RoPE; Q/K/V biases, or q/k norms and a head_dim apart
+# from hidden / heads), untied heads: for the transformers oracle and the e2e tests.
+TINY_QWEN = {"qwen2": {}, "qwen3": {"head_dim": 32}}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_ggufs(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile
+                    ) -> dict[str, Path]:
+    from tiny_model import write_tiny_llama
+
+    out = tmp_path_factory.mktemp("tiny-qwen")
+    return {arch: write_tiny_llama(out / f"tiny-{arch}.gguf", smollm2_file, arch=arch,
+                                   n_layers=3, rope_base=1e6, untied=True, seed=1, **kw)
+            for arch, kw in TINY_QWEN.items()}
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import torch
 from ember import kernels
 from ember.kv.blocks import BlockAllocator, BlockTable
 from ember.models.attention import AttentionBatch, RowSpec
-from ember.models.llama import LlamaModel
+from ember.models.decoder import DecoderModel
 from ember.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
@@ -34,13 +34,13 @@ def models(smollm2_gguf, smollm2_q4):
     return smollm2_q4, load_model(str(smollm2_gguf), "f32")
 
 
-def one_layer(model: LlamaModel, i: int) -> LlamaModel:
+def one_layer(model: DecoderModel, i: int) -> DecoderModel:
     cfg = dataclasses.replace(model.cfg, n_layers=1)
-    return LlamaModel(cfg, model.embed, model.layers[i:i + 1], model.output_norm, model.output,
-                      model.rope, model.norm)
+    return DecoderModel(cfg, model.embed, model.layers[i:i + 1], model.output_norm, model.output,
+                      None, model.norm)  # SmolLM2 has no rope_freqs
 
 
-def layer_inputs(f32: LlamaModel, ids: list[int]):
+def layer_inputs(f32: DecoderModel, ids: list[int]):
     """The f32 model's residual stream entering each layer, and the step's metadata."""
     n, bs = len(ids), 16
     table = BlockTable(BlockAllocator(-(-n // bs)), bs)

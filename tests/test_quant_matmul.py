@@ -322,7 +322,7 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_mo
         torch.testing.assert_close(mod.paged_attention(*args), ext.paged_attention(*args),
                                    rtol=1e-5, atol=1e-6)
     # the fused decoder stack of each build over the same packed weights
-    from ember.models.llama import native_decoder
+    from ember.models.decoder import native_decoder
 
     tiny = tiny_q4_model
     ours = native_decoder(tiny.cfg, tiny.layers, ext=mod)

@@ -282,7 +282,7 @@ def test_eog_looking_token_is_forced_control() -> None:
 def test_gemma_metadata(gemma: Tokenizer) -> None:
     assert gemma.model == "llama"
     assert (gemma.bos_id, gemma.eos_id) == (2, 1)
-    assert gemma.eog_ids == {1, 106}  # <eos>, <end_of_turn>
+    assert gemma.eog_ids == {1, 106, 212}  # <eos>, <end_of_turn>, </s> (as llama.cpp)
     assert gemma.add_bos is True
     assert gemma.unencodable_bytes == frozenset()
 

@@ -1,4 +1,4 @@
-"""A tiny random-weight llama GGUF, written with the ``gguf`` package, for fast tests.
+"""Tiny random-weight GGUFs (llama, qwen2, qwen3), written with ``gguf``, for fast tests.
 
 It borrows SmolLM2's tokenizer metadata (so text round-trips like the real model)
 and quantizes its matrices to Q8_0 so the loader's quantized path is exercised.
@@ -36,10 +36,15 @@ def write_tiny_llama(
     context: int = 2048,
     seed: int = 0,
     arch: str = "llama",
+    head_dim: int | None = None,
+    rope_base: float = 10000.0,
+    untied: bool = False,
 ) -> Path:
+    """A llama-block model; ``arch`` "qwen2" adds Q/K/V biases, "qwen3" per-head q/k
+    RMSNorms (and may set ``head_dim`` apart from hidden / heads, as Qwen3 does)."""
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
-    head_dim = hidden // n_heads
+    head_dim = head_dim or hidden // n_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n_layers)
     w.add_context_length(context)
@@ -47,8 +52,11 @@ def write_tiny_llama(
     w.add_feed_forward_length(ffn)
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
+    if head_dim != hidden // n_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     _copy_tokenizer(w, tokenizer_source)
 
@@ -57,22 +65,31 @@ def write_tiny_llama(
         packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
         w.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
-    def f32(name: str, n: int) -> None:
-        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    def f32(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
+        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
 
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     q8("token_embd.weight", vocab, hidden, 1.0)
     for i in range(n_layers):
         p = f"blk.{i}."
         f32(p + "attn_norm.weight", hidden)
-        q8(p + "attn_q.weight", n_heads * head_dim, hidden, hidden**-0.5)
-        q8(p + "attn_k.weight", n_kv_heads * head_dim, hidden, hidden**-0.5)
-        q8(p + "attn_v.weight", n_kv_heads * head_dim, hidden, hidden**-0.5)
-        q8(p + "attn_output.weight", hidden, n_heads * head_dim, hidden**-0.5)
+        q8(p + "attn_q.weight", q_dim, hidden, hidden**-0.5)
+        q8(p + "attn_k.weight", kv_dim, hidden, hidden**-0.5)
+        q8(p + "attn_v.weight", kv_dim, hidden, hidden**-0.5)
+        if arch == "qwen2":
+            for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                f32(p + f"attn_{x}.bias", n, 0.0, 0.5)
+        if arch == "qwen3":
+            f32(p + "attn_q_norm.weight", head_dim)
+            f32(p + "attn_k_norm.weight", head_dim)
+        q8(p + "attn_output.weight", hidden, q_dim, q_dim**-0.5)
         f32(p + "ffn_norm.weight", hidden)
         q8(p + "ffn_gate.weight", ffn, hidden, hidden**-0.5)
         q8(p + "ffn_up.weight", ffn, hidden, hidden**-0.5)
         q8(p + "ffn_down.weight", hidden, ffn, ffn**-0.5)
     f32("output_norm.weight", hidden)
+    if untied:
+        q8("output.weight", vocab, hidden, hidden**-0.5)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -17,7 +17,7 @@ import torch
 from ember.engine.request import Request
 from ember.kv.blocks import KVStorage
 from ember.models.attention import AttentionBatch, RowSpec
-from ember.models.llama import LlamaModel
+from ember.models.decoder import DecoderModel
 from ember.spec.speculator import Proposal
 
 
@@ -61,7 +61,7 @@ class ScheduledRow:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVStorage) -> None:
+    def __init__(self, model: DecoderModel, kv: KVStorage) -> None:
         self.model = model
         self.kv = kv
 

@@ -40,6 +40,15 @@ class _Prefill:
     blocks: torch.Tensor  # the row's context blocks
     ctx_len: int
     mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None: causal
+    start: int  # position of the chunk's first query
+
+    def windowed(self, window: int) -> torch.Tensor | None:
+        """The mask for a sliding-window layer (None where no query reaches past it)."""
+        if self.ctx_len <= window:
+            return self.mask
+        pos = torch.arange(self.start, self.ctx_len)[:, None]
+        key = torch.arange(self.ctx_len)[None, :]
+        return (key <= pos) & (key > pos - window)
 
 
 SHORT_QUERY = 16  # rows with at most this many query tokens are attended together
@@ -53,6 +62,12 @@ class _ShortRows:
     valid: torch.Tensor  # (B, Q) bool: which of them are real
     blocks: torch.Tensor  # (B, NB) context blocks, padded
     mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool
+    query_pos: torch.Tensor  # (B, Q) positions of the (padded) queries
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """The mask for a sliding-window layer: also no key ``window`` or more back."""
+        key_pos = torch.arange(self.mask.shape[-1])
+        return self.mask & (key_pos[None, None, :] > self.query_pos[:, :, None] - window)[:, None]
 
 
 class AttentionBatch:
@@ -122,7 +137,7 @@ class AttentionBatch:
                     pos = torch.arange(row.start, end)
                     mask = torch.arange(end)[None, :] <= pos[:, None]
                 span = slice(offset, offset + row.q_len)
-                prefills.append(_Prefill(span, row.blocks, end, mask))
+                prefills.append(_Prefill(span, row.blocks, end, mask, row.start))
             offset += row.q_len
         return prefills
 
@@ -144,7 +159,7 @@ def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows
     query_pos = starts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)  # (B, Q)
     key_pos = torch.arange(width * block_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal, within written slots
-    return _ShortRows(index, valid, blocks, mask[:, None])
+    return _ShortRows(index, valid, blocks, mask[:, None], query_pos)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -156,12 +171,15 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+    window: int | None = None, scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
     ``k_cache`` and ``v_cache`` are one layer's (num_blocks, block_size, n_kv_heads,
     head_dim) views of the KV pool, in any dtype. The batch's new K/V must already be
-    written to them. Returns (T, n_heads, head_dim) in ``q``'s dtype.
+    written to them. ``window``: a sliding-window layer's span (a query at position p
+    sees positions p - window + 1 .. p); ``scale``: of q·k (default 1/sqrt(head_dim)).
+    Returns (T, n_heads, head_dim) in ``q``'s dtype.
     """
     out = torch.empty_like(q)
     dt = q.dtype
@@ -169,14 +187,16 @@ def paged_attention(
         qs = q[g.index].transpose(1, 2)  # (B, H, Q, D)
         ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
         vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)
-        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask,
+        mask = g.mask if window is None else g.windowed(window)
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                              enable_gqa=True).transpose(1, 2)  # (B, Q, H, D)
         out[g.index[g.valid]] = os_[g.valid]
     for p in batch.prefills:
         qp = q[p.q_index].transpose(0, 1)  # (H, q_len, D)
         kp = _gather(k_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)  # (Hkv, L, D)
         vp = _gather(v_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
-                                            is_causal=p.mask is None, enable_gqa=True)
+        mask = p.mask if window is None else p.windowed(window)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                            is_causal=mask is None, enable_gqa=True)
         out[p.q_index] = op.transpose(0, 1)
     return out

@@ -1,13 +1,31 @@
-"""Architecture hyper-parameters, read from GGUF metadata."""
+"""Architecture hyper-parameters, read from GGUF metadata.
+
+The keys every decoder-only family shares (``{arch}.block_count``, head counts, …)
+are read here; what a family does differently (RoPE layout, sliding-window layers,
+extra norms, biases, activation) it says in its own ``configure`` hook, found
+through :mod:`ember.models.architectures`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 from ember.errors import UnsupportedModelError
 from ember.models.gguf import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention kind: how far back it looks and its RoPE base."""
+
+    rope_base: float
+    window: int | None = None  # sliding window (positions attended, itself included); None: all
+    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by it
 
 
 @dataclass(frozen=True)
@@ -25,18 +43,39 @@ class ModelConfig:
     vocab_size: int
     context_length: int
     tied_embeddings: bool
+    # --- what families vary (defaults: llama) ---
+    # RoPE pairs: adjacent dims (x[2i], x[2i+1]), ggml's "normal" rope, or dims half a
+    # head apart (x[i], x[i + rope_dim/2]), the NEOX layout HF checkpoints use
+    rope_neox: bool = False
+    layers: tuple[LayerAttention, ...] = ()  # per layer; empty: all full, base rope_base
+    attn_scale: float | None = None  # softmax scale of q·k; None: 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden))
+    qkv_bias: bool = False  # Q/K/V projections carry biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # attention and MLP outputs normed before the residual (Gemma)
+    activation: Activation = "silu"  # of the gate in gate * up
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        return self.layers[i] if self.layers else LayerAttention(self.rope_base)
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+        from ember.models.architectures import ARCHITECTURES
+
         arch = gguf.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = ARCHITECTURES.get(arch)
+        if family is None:
             raise UnsupportedModelError(
                 f"{gguf.path.name}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(ARCHITECTURES)})"
             )
 
         def key(name: str) -> object:
@@ -48,7 +87,7 @@ class ModelConfig:
         vocab = gguf.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = gguf.tensor("token_embd.weight").shape[0]
-        return cls(
+        base = cls(
             architecture=arch,
             n_layers=int(key("block_count")),
             hidden_size=hidden,
@@ -63,3 +102,8 @@ class ModelConfig:
             context_length=int(gguf.get(f"{arch}.context_length", 2048)),
             tied_embeddings="output.weight" not in gguf.tensors,
         )
+        value_dim = int(gguf.get(f"{arch}.attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise UnsupportedModelError(f"{gguf.path.name}: value heads of {value_dim} dims "
+                                        f"differ from key heads of {head_dim}")
+        return dataclasses.replace(base, **family.configure(gguf, base))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from ember.chat_template import ChatTemplate
 from ember.errors import ChatTemplateError
+from ember.models.architectures import ARCHITECTURES
 from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
 from ember.models.linear import resolve_weights, weight_format
-from ember.models.llama import LlamaModel
 from ember.models.registry import MODELS, ensure_model, sha256_of
 from ember.tokenizer import Tokenizer
 
@@ -21,7 +22,7 @@ from ember.tokenizer import Tokenizer
 class LoadedModel:
     path: Path
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     weights: str
@@ -69,11 +70,13 @@ def load_model(name: str, weights: str = "auto") -> LoadedModel:
     weights = resolve_weights(weights)  # may build the native kernel: after cheap checks
     fmt = weight_format(weights)
     tokenizer = Tokenizer.from_gguf(gguf)
+    family = ARCHITECTURES[config.architecture]
     try:
-        template: ChatTemplate | None = ChatTemplate.from_gguf(gguf)
+        template: ChatTemplate | None = ChatTemplate.from_gguf(
+            gguf, default=family.chat_template)
     except ChatTemplateError:
         template = None  # base models without a template can still complete raw text
-    model = LlamaModel.from_gguf(gguf, config, fmt)
+    model = family.model.from_gguf(gguf, config, fmt)
     gguf.release_pages()
     return LoadedModel(path, config, model, tokenizer, template, weights,
                        time.perf_counter() - start)

@@ -1,0 +1,33 @@
+"""The table from a GGUF's ``general.architecture`` to its family.
+
+A family says how it differs from the shared decoder (:mod:`ember.models.decoder`):
+its ``configure`` hook turns GGUF metadata into :class:`ModelConfig` fields, and it
+may bring a chat template for files that carry none. Adding a family adds a row
+here and a file beside this one; the engine, scheduler and server do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ember.models import gemma3, llama, qwen
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderModel
+from ember.models.gguf import GGUFFile
+
+
+@dataclass(frozen=True)
+class Architecture:
+    configure: Callable[[GGUFFile, ModelConfig], dict[str, Any]]
+    model: type[DecoderModel] = DecoderModel
+    chat_template: str | None = None  # used when the GGUF has no tokenizer.chat_template
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(llama.configure),
+    "qwen2": Architecture(qwen.configure_qwen2),
+    "qwen3": Architecture(qwen.configure_qwen3),
+    "gemma3": Architecture(gemma3.configure, chat_template=gemma3.CHAT_TEMPLATE),
+}

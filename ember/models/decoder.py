@@ -1,0 +1,316 @@
+"""The decoder-only transformer every family shares, and its building blocks.
+
+A block is: norm → attention (GQA over the paged KV, RoPE) → [post-norm] → residual
+→ norm → gated MLP (act(gate) · up → down) → [post-norm] → residual; then a final
+norm and an output head that may be tied to the embeddings. The families differ
+only in what :class:`~ember.models.config.ModelConfig` says (RoPE layout, per-layer
+sliding windows and RoPE bases, q/k norms, post-norms, biases, activation, scales)
+and in how their ``configure`` hook reads that from the GGUF
+(:mod:`ember.models.architectures` has the table).
+
+RoPE layout: llama.cpp's converter permutes the Q/K rows of HF llama checkpoints so
+that a GGUF llama rotates *adjacent* pairs (x[2i], x[2i+1]) — ggml's "normal" rope —
+while Qwen and Gemma GGUFs keep HF's NEOX layout (x[i], x[i + d/2]). Using the wrong
+one silently scrambles attention; the transformers oracle tests guard both.
+
+The model knows nothing about requests: it maps a flat batch of token ids plus an
+:class:`AttentionBatch` to logits for the rows asked for, reading and writing K/V
+in the pool it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ember.kv.blocks import KVStorage
+from ember.models.attention import AttentionBatch, paged_attention
+from ember.models.config import LayerAttention, ModelConfig
+from ember.models.gguf import GGUFFile
+from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
+
+log = logging.getLogger(__name__)
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: torch.Tensor
+    qkv: Linear  # fused attn_q | attn_k | attn_v
+    o: Linear
+    ffn_norm: torch.Tensor
+    gate_up: Linear  # fused ffn_gate | ffn_up
+    down: Linear
+    qkv_bias: torch.Tensor | None = None  # q | k | v biases (Qwen2)
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm weights (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # Gemma's norms of each sublayer's output
+    post_ffn_norm: torch.Tensor | None = None
+
+
+class RotaryEmbedding:
+    """RoPE over the first ``rope_dim`` head dims, as complex rotations.
+
+    Each pair — adjacent dims, or dims ``rope_dim/2`` apart with ``neox`` — is a
+    complex number multiplied by e^(i·pos·θ_i): one complex multiply per call instead
+    of a dozen real ops, and the per-position rotations are looked up once per forward
+    pass (``rotation``), not once per layer.
+    """
+
+    def __init__(self, rope_dim: int, base: float, freq_factors: torch.Tensor | None = None,
+                 neox: bool = False, scale: float = 1.0) -> None:
+        half = rope_dim // 2
+        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rope_dim) / scale
+        if freq_factors is not None:  # llama3-style long-context scaling (rope_freqs.weight)
+            inv_freq = inv_freq / freq_factors.double()
+        self.inv_freq = inv_freq
+        self.rope_dim = rope_dim
+        self.neox = neox
+        self._table = torch.empty(0, half, dtype=torch.complex64)
+
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^(i·pos·θ) for each position: complex (T, 1, rope_dim/2), broadcast over heads."""
+        if positions.numel() and int(positions.max()) >= self._table.shape[0]:
+            n = max(int(positions.max()) + 1, 2 * self._table.shape[0], 256)
+            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+            self._table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        return self._table[positions][:, None, :]
+
+    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (T, heads, head_dim) by ``rotation`` from ``rotation()``."""
+        d = self.rope_dim
+        head = x if d == x.shape[-1] else x[..., :d]
+        if self.neox:  # pair dim i with dim i + d/2: as (d/2, 2) after a transpose
+            pairs = head.unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()
+            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation)
+            rotated = rotated.transpose(-1, -2).flatten(-2)
+        else:
+            pairs = head.contiguous().unflatten(-1, (-1, 2))
+            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
+        return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def _rope_key(kind: LayerAttention) -> tuple[float, float]:
+    return kind.rope_base, kind.rope_scale
+
+
+def native_stack_supports(cfg: ModelConfig) -> bool:
+    """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: the
+    llama block (adjacent-pair RoPE, SiLU, no biases, extra norms or windows)."""
+    return (not cfg.rope_neox and not cfg.qkv_bias and not cfg.qk_norm and not cfg.post_norms
+            and cfg.activation == "silu" and cfg.embed_scale == 1.0
+            and cfg.softmax_scale == 1.0 / cfg.head_dim ** 0.5
+            and all(a == LayerAttention(cfg.rope_base) for a in cfg.layers))
+
+
+def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
+    """The layers as one native ``DecoderStack`` (ember/kernels/fused_decoder.h) when
+    the stack implements the configuration, every projection is a packed quantized
+    matrix and the kernel is built; else None. ``ext``: the compiled extension to
+    build it with (default: this machine's)."""
+    linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
+    if not layers or not native_stack_supports(cfg) or not all(
+            isinstance(p, QuantLinear) for ps in linears for p in ps):
+        return None
+    from ember import kernels
+
+    ext = ext or kernels.quant_matmul()
+    if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
+        return None
+    stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps)
+    for layer, parts in zip(layers, linears, strict=True):
+        stack.add_layer(layer.attn_norm, layer.ffn_norm, *(p.packed_form() for p in parts))
+    return stack
+
+
+def _optional(gguf: GGUFFile, name: str, wanted: bool) -> torch.Tensor | None:
+    if not wanted:
+        return None
+    return load_dense(gguf, name)
+
+
+def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int) -> DecoderLayer:
+    """Layer ``i``'s weights, with the optional tensors the configuration asks for."""
+    p = f"blk.{i}."
+    bias = None
+    if cfg.qkv_bias:
+        bias = torch.cat([load_dense(gguf, p + f"attn_{x}.bias") for x in "qkv"])
+    return DecoderLayer(
+        attn_norm=load_dense(gguf, p + "attn_norm.weight"),
+        qkv=fmt.linear(gguf, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+        o=fmt.linear(gguf, [p + "attn_output.weight"]),
+        ffn_norm=load_dense(gguf, p + "ffn_norm.weight"),
+        gate_up=fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
+        down=fmt.linear(gguf, [p + "ffn_down.weight"]),
+        qkv_bias=bias,
+        q_norm=_optional(gguf, p + "attn_q_norm.weight", cfg.qk_norm),
+        k_norm=_optional(gguf, p + "attn_k_norm.weight", cfg.qk_norm),
+        post_attn_norm=_optional(gguf, p + "post_attention_norm.weight", cfg.post_norms),
+        post_ffn_norm=_optional(gguf, p + "post_ffw_norm.weight", cfg.post_norms),
+    )
+
+
+class DecoderModel:
+    """A decoder-only transformer as its configuration describes it (see module doc)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: Embedding,
+        layers: list[DecoderLayer],
+        output_norm: torch.Tensor,
+        output: Linear,
+        freq_factors: torch.Tensor | None = None,
+        norm: Norm | None = None,
+    ) -> None:
+        self.cfg = cfg
+        # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
+        self.norm = norm or (lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps))
+        self.embed = embed
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+        # one rotation table per distinct RoPE (Gemma's local and global layers)
+        self.ropes = {
+            _rope_key(a): RotaryEmbedding(cfg.rope_dim, a.rope_base, freq_factors,
+                                          cfg.rope_neox, a.rope_scale)
+            for a in (cfg.layer_attention(i) for i in range(cfg.n_layers))}
+        self.rope = self.ropes[_rope_key(cfg.layer_attention(0))]
+        self.activation = ACTIVATIONS[cfg.activation]
+        # The whole stack in one native call per step, where the configuration and the
+        # weights allow it; None: the op-by-op PyTorch path below, the oracle.
+        self.native = native_decoder(cfg, layers)
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat) -> DecoderModel:
+        layers = []
+        for i in range(cfg.n_layers):
+            layers.append(load_layer(gguf, cfg, fmt, i))
+            # the layer is in its own tensors now: its file pages need not stay resident
+            # (loading then never holds the whole file and every packed copy at once)
+            gguf.release_pages()
+        embed = fmt.embedding(gguf, "token_embd.weight")
+        tied = embed.tied_linear() if cfg.tied_embeddings else None
+        head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        output = tied or fmt.linear(gguf, [head_name])  # a tied dense head shares storage
+        freq_factors = (
+            load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        )
+        model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
+                    freq_factors, fmt.rms_norm)
+        if fmt.name == "q4" and not model.batch_invariant:
+            log.warning("%s: not every projection and the output head are packed 4/8-bit "
+                        "here (or the native stack does not implement %s yet), so q4 runs "
+                        "(partly) op by op and a request's logits may differ slightly with "
+                        "the batch (tokens only at near-ties)", gguf.path.name, cfg.architecture)
+        return model
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are bitwise independent of the rest of the batch: the
+        native stack runs every layer and the head is a packed matrix (per-row kernel)."""
+        return self.native is not None and isinstance(self.output, QuantLinear)
+
+    def new_kv_storage(self, num_blocks: int, block_size: int,
+                       dtype: torch.dtype = torch.float32) -> KVStorage:
+        c = self.cfg
+        return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
+
+    def score(self, token_ids: list[int], block_size: int = 16,
+              kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Logits at every position of one sequence (teacher forcing), shape (T, vocab).
+
+        Uses a private KV pool (of ``kv_dtype``); meant for evaluation and tests.
+        """
+        from ember.kv.blocks import BlockAllocator, BlockTable
+        from ember.models.attention import RowSpec
+
+        n = len(token_ids)
+        n_blocks = -(-n // block_size)
+        table = BlockTable(BlockAllocator(n_blocks), block_size)
+        table.reserve(n)
+        batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], block_size)
+        kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)
+        kv.zero_blocks(table.allocator.take_fresh())
+        return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: AttentionBatch,
+        kv: KVStorage,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``tokens`` (T,) through the model, writing their K/V into ``kv``.
+
+        Returns float32 logits for the flat positions in ``logits_index`` (default: the
+        last token of every row), shape (len(logits_index), vocab).
+        """
+        c = self.cfg
+        x = self.embed(tokens)
+        if c.embed_scale != 1.0:
+            x = x * c.embed_scale
+        x = self.decode_layers(x, batch, kv)
+        rows = x[batch.row_ends if logits_index is None else logits_index]
+        return self.output(self.norm(rows, self.output_norm, c.norm_eps))
+
+    @torch.inference_mode()
+    def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
+        """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
+        if self.native is not None:
+            x = x.clone(memory_format=torch.contiguous_format)  # updated in place
+            rope = torch.view_as_real(self.rope.rotation(batch.positions)).contiguous()
+            self.native.forward(x, kv.pool, rope, batch.slot_mapping, batch.tables,
+                                batch.token_rows, batch.positions)
+            return x
+        rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
+        slots = (batch.slot_mapping // batch.block_size, batch.slot_mapping % batch.block_size)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, batch, kv, rotations, slots)
+        return x
+
+    def _layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch,
+               kv: KVStorage, rotations: dict[tuple[float, float], torch.Tensor],
+               slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c, n = self.cfg, x.shape[0]
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
+        kind = c.layer_attention(i)
+        h = self.norm(x, layer.attn_norm, c.norm_eps)
+        qkv = layer.qkv(h)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        q = qkv[:, :q_dim].view(n, c.n_heads, c.head_dim)
+        k = qkv[:, q_dim:q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim)
+        v = qkv[:, q_dim + kv_dim:].reshape(n, c.n_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self.norm(q.reshape(-1, c.head_dim), layer.q_norm, c.norm_eps).view(q.shape)
+            k = self.norm(k.reshape(-1, c.head_dim), layer.k_norm, c.norm_eps).view(k.shape)
+        rope, rotation = self.ropes[_rope_key(kind)], rotations[_rope_key(kind)]
+        q, k = rope.apply(q, rotation), rope.apply(k, rotation)
+        kv.write(i, *slots, k, v)
+        attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
+                               scale=c.softmax_scale)
+        out = layer.o(attn.reshape(n, q_dim))
+        if layer.post_attn_norm is not None:
+            out = self.norm(out, layer.post_attn_norm, c.norm_eps)
+        x = x + out
+        h = self.norm(x, layer.ffn_norm, c.norm_eps)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        out = layer.down(self.activation(gate) * up)
+        if layer.post_ffn_norm is not None:
+            out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
+        return x + out
