@@ -42,7 +42,13 @@ from ember.errors import UnsupportedModelError
 from ember.models import linear as linear_mod
 from ember.models.gguf import GGMLType, GGUFFile
 from ember.models.linear import ConcatLinear, DenseLinear, QuantFormat, QuantLinear
-from ember.models.quant import dequantize, q4_0_unpack, q4_1_unpack, q8_0_unpack
+from ember.models.quant import (
+    dequantize,
+    q4_0_unpack,
+    q4_1_unpack,
+    q5_0_unpack,
+    q8_0_unpack,
+)
 
 MS = [1, 3, 16, 64, 300]
 INT_PATH = 10**9  # gemm_min_m that keeps every M on the integer path (the default)
@@ -90,8 +96,8 @@ def emulate_int_path(x: torch.Tensor, parts) -> torch.Tensor:
     xhat = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape)
     outs = []
     for raw, t, shape in parts:
-        if t == GGMLType.Q8_0:
-            codes, scale = q8_0_unpack(raw, shape)
+        if t in (GGMLType.Q8_0, GGMLType.Q5_0):  # centred codes, w = q d
+            codes, scale = (q8_0_unpack if t == GGMLType.Q8_0 else q5_0_unpack)(raw, shape)
             w = (codes.double() * scale.double()[..., None]).reshape(shape)
             outs.append(xhat @ w.T)
             continue
@@ -161,7 +167,7 @@ def test_activation_quantization_matches_emulation(ext) -> None:
 # -------------------------------------------------------------------- random blocks
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0])
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q5_0])
 @pytest.mark.parametrize("m", MS)
 def test_random_blocks(ext, qtype: GGMLType, m: int) -> None:
     rows, cols = 75, 320  # odd row count: exercises the row-tile tails
@@ -248,6 +254,17 @@ def test_smollm2_mixed_layer_is_concat(ext, smollm2_file: GGUFFile) -> None:
         part.gemm_min_m = GEMM_PATH  # f32-exact path, so the oracle check is tight
     x = torch.randn(80, 576)
     assert_gemm_close(lin(x), x, w)
+
+
+def test_gemma3_q5_0_projection_packs_8_bit_exactly(ext, gemma3_file: GGUFFile) -> None:
+    name = "blk.0.attn_q.weight"
+    info = gemma3_file.tensor(name)
+    assert info.ggml_type == GGMLType.Q5_0
+    lin = QuantFormat().linear(gemma3_file, [name])
+    assert isinstance(lin, QuantLinear) and lin.bits == 8
+    parts = [(gemma3_file.tensor_bytes(name), info.ggml_type, info.shape)]
+    torch.manual_seed(0)
+    check_linear(lin, parts, torch.randn(3, info.shape[1]))
 
 
 def test_other_types_stay_dense(gemma3_file: GGUFFile) -> None:

@@ -7,7 +7,7 @@ model files. Several GGUF tensors can be fused into one layer (QKV, gate/up),
 concatenated along the output dimension, so each step does one matmul for them.
 
 Formats: ``f32`` (the oracle), ``bf16``, and ``q4``, which keeps GGUF's block
-quantization (Q4_0/Q4_1 as 4-bit codes, Q8_0 as 8-bit codes, per-32 f16 scales)
+quantization (Q4_0/Q4_1 as 4-bit codes, Q8_0 and Q5_0 as 8-bit codes, per-32 f16 scales)
 and multiplies with the native kernels in :mod:`ember.kernels`.
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ember.errors import UnsupportedModelError
 from ember.models.gguf import BLOCK_GEOMETRY, GGMLType, GGUFFile
-from ember.models.quant import dequantize
+from ember.models.quant import dequantize, q5_0_unpack
 
 
 class Linear(Protocol):
@@ -141,7 +141,8 @@ GEMM_MIN_M: int | None = None
 _NEVER = 1 << 62
 
 _Q4_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
-_Q8_TYPES = (GGMLType.Q8_0,)
+# Q5_0's codes (q - 16, in [-16, 15]) and f16 d are an 8-bit block as they stand
+_Q8_TYPES = (GGMLType.Q8_0, GGMLType.Q5_0)
 
 
 RawPart = tuple[np.ndarray, int, tuple[int, ...]]  # (raw bytes, ggml type, torch shape)
@@ -189,10 +190,18 @@ def pack_q4(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
 
 def pack_q8(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
             name: str = "?") -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 bytes -> (codes int8 [rows, K], d f16 [rows, K/32])."""
-    if ggml_type != GGMLType.Q8_0:
-        raise UnsupportedModelError(f"tensor {name!r}: {GGMLType(ggml_type).name} is not Q8_0")
+    """Q8_0 or Q5_0 bytes -> (codes int8 [rows, K], d f16 [rows, K/32]); w = code * d.
+
+    Q5_0 (w = (q - 16) d, q 5-bit) becomes centred int8 codes with its own d: exact,
+    at 1.0625 bytes per weight instead of the file's 0.6875 (still a quarter of f32).
+    """
+    if ggml_type not in _Q8_TYPES:
+        raise UnsupportedModelError(f"tensor {name!r}: {GGMLType(ggml_type).name} is not an "
+                                    "8-bit-packable type (Q8_0, Q5_0)")
     blk = _raw_blocks(raw, ggml_type, shape, name)
+    if ggml_type == GGMLType.Q5_0:
+        codes, _ = q5_0_unpack(blk.reshape(-1), shape)
+        return codes.numpy().reshape(blk.shape[0], -1), _f16(blk, 0)
     return blk[..., 2:].reshape(blk.shape[0], -1).view(np.int8), _f16(blk, 0)
 
 
@@ -205,8 +214,8 @@ class QuantLinear:
     """Weights in GGUF block quantization, multiplied by a native kernel.
 
     ``bits`` 4 (from Q4_0/Q4_1): 4-bit codes + f16 scale ``d`` and offset ``m`` per
-    32 weights, 0.625 B/weight; ``bits`` 8 (from Q8_0): int8 codes + f16 ``d``, 1.0625
-    B/weight. Built from GGUF-order codes and scales, which the kernel repacks into
+    32 weights, 0.625 B/weight; ``bits`` 8 (from Q8_0 or Q5_0): int8 codes + f16 ``d``,
+    1.0625 B/weight. Built from GGUF-order codes and scales, which the kernel repacks into
     8-row interleaved groups (``ember/kernels/quant_matmul.cpp`` has the layout).
 
     Activations are quantized per 32 to int8 and dotted in integers (llama.cpp's
@@ -249,7 +258,8 @@ class QuantLinear:
 
     @classmethod
     def from_raw(cls, parts: Sequence[RawPart], names: Sequence[str] | None = None) -> QuantLinear:
-        """One layer from GGUF tensors of one layout (all Q4_0/Q4_1, or all Q8_0), row-fused."""
+        """One layer from GGUF tensors of one layout (all Q4_0/Q4_1, or all Q8_0/Q5_0),
+        row-fused."""
         names = names or ["?"] * len(parts)
         if all(p[1] in _Q4_TYPES for p in parts):
             packed = [pack_q4(*p, name=n) for p, n in zip(parts, names, strict=True)]
@@ -296,7 +306,7 @@ class ConcatLinear:
 
 
 class QuantFormat:
-    """Keep Q4_0/Q4_1 weights 4-bit and Q8_0 weights 8-bit; other types dense f32."""
+    """Keep Q4_0/Q4_1 weights 4-bit and Q8_0/Q5_0 weights 8-bit; other types dense f32."""
 
     name = "q4"
 
