@@ -283,7 +283,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = EngineConfig(
         model=args.model, weights=args.weights, threads=args.threads,
-        allow_drift=args.allow_drift,
+        allow_drift=args.allow_drift, moe_stream=args.moe_stream,
+        moe_cache_bytes=args.moe_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
@@ -444,6 +445,11 @@ def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allow-drift", action="store_true",
                    help="use a weight format / KV dtype whose measured drift from f32 "
                         "(`ember eval`) crosses the limits (docs/quantization.md)")
+    s.add_argument("--moe-stream", action="store_true",
+                   help="mixture-of-experts models: keep dense weights resident and page "
+                        "experts from the file through a cache (docs/models.md)")
+    s.add_argument("--moe-cache-bytes", type=int, default=1024**3,
+                   help="the streamed experts' cache: pinned hot set + per-layer LRU")
 
 
 def _sampling_args(s: argparse.ArgumentParser) -> None:
@@ -477,7 +483,8 @@ def _llm(args: argparse.Namespace):
     from ember.llm import LLM
 
     llm = LLM(args.model, weights=args.weights, threads=args.threads, allow_drift=args.allow_drift,
-              speculation=args.speculation)
+              speculation=args.speculation, moe_stream=args.moe_stream,
+              moe_cache_bytes=args.moe_cache_bytes)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)
@@ -520,6 +527,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = llm.encode(args.prompt) if args.raw else llm.encode_chat(
         [{"role": "user", "content": args.prompt}])
     out = _stream_reply(llm, ids, params, args.verbose)
+    llm.engine.close()  # e.g. saves a streamed MoE model's expert histogram
     if args.spec_stats:
         print(out.spec.summary() if out.spec else "spec: off", file=sys.stderr)
     return 0
@@ -535,6 +543,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"[resumed {len(messages)} messages from {args.conversation}, "
               f"{warm} tokens of KV restored]", file=sys.stderr)
     print("ember chat — empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
+    try:
+        return _chat_loop(llm, params, messages, saved, args.verbose)
+    finally:
+        llm.engine.close()
+
+
+def _chat_loop(llm, params, messages: list[dict], saved, verbose: bool) -> int:
     while True:
         try:
             line = input("> ")
@@ -545,7 +560,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         try:
-            reply = _stream_reply(llm, llm.encode_chat(messages), params, args.verbose).text
+            reply = _stream_reply(llm, llm.encode_chat(messages), params, verbose).text
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()  # the turn was abandoned; keep history consistent
@@ -603,6 +618,12 @@ def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool):
         print(f"[prompt {len(prompt_ids)} tok ({last.cached_tokens} cached), "
               f"first token {first - start:.3f}s, "
               f"{n} tok, decode {rate:.1f} tok/s]", file=sys.stderr)
+        moe = llm.engine.moe_metrics()
+        if moe is not None:
+            print(f"[experts: hits {moe['pinned_hits']} pinned + {moe['lru_hits']} lru, "
+                  f"misses {moe['misses']}, read {moe['bytes_read'] / 1e6:.1f} MB, "
+                  f"hit rate {moe['hit_rate']:.1%}, cached {moe['cached_bytes'] / 1e6:.1f} MB]",
+                  file=sys.stderr)
     return last
 
 

@@ -47,6 +47,8 @@ class EngineConfig:
     kv_fsync: str = "batch"  # disk tier durability: always | batch | never
     kv_restore: str = "auto"  # auto: restore from disk where faster than recomputing; always
     allow_drift: bool = False  # use weights/KV whose `ember eval` drift crosses the limits
+    moe_stream: bool = False  # MoE models: page experts from the file (docs/models.md)
+    moe_cache_bytes: int = 1024**3  # the streamed experts' cache (pinned + per-layer LRU)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -57,7 +59,7 @@ class EngineConfig:
                 raise InvalidConfig(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
-                     "max_queue", "kv_disk_bytes"):
+                     "max_queue", "kv_disk_bytes", "moe_cache_bytes"):
             positive(name)
         from ember.kv.blocks import KV_DTYPES
         from ember.kv.disk import FSYNC_POLICIES

@@ -87,6 +87,15 @@ def tiny_qwen_ggufs(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUF
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile) -> Path:
+    """A Qwen3-MoE model: 3 layers of 8 experts (2 used per token), Q8_0."""
+    from tiny_model import write_tiny_moe
+
+    return write_tiny_moe(tmp_path_factory.mktemp("tiny-moe") / "tiny-moe.gguf", smollm2_file,
+                          n_layers=3, n_experts=8, n_used=2, hidden=64, expert_ffn=128)
+
+
+@pytest.fixture(scope="session")
 def tiny_loaded(tiny_gguf: Path):
     from ember.models.loader import load_model
 

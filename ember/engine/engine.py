@@ -46,6 +46,7 @@ from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import extend_keys
 from ember.kv.tier import DiskTier, restore_chain
 from ember.models.loader import LoadedModel, load_model, physical_cores
+from ember.models.moe import MoEOptions
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import (
@@ -140,7 +141,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.threads or physical_cores())
-        self.loaded = loaded or load_model(config.model, config.weights)
+        self.loaded = loaded or load_model(
+            config.model, config.weights, MoEOptions(config.moe_stream, config.moe_cache_bytes))
         if config.chat_template is not None:  # a copy: a shared LoadedModel stays as it was
             self.loaded = dataclasses.replace(self.loaded, chat_template=_template(
                 config.chat_template, self.loaded))
@@ -237,9 +239,12 @@ class LLMEngine:
         self.kv.attach_tier(DiskTier(self.disk, storage, recompute_seconds, c.kv_restore))
 
     def close(self) -> None:
-        """Finish writing the disk tier (if any). The engine stays usable."""
+        """Finish writing the disk tier and the expert histogram (if any). The engine
+        stays usable."""
         if self.disk is not None:
             self.disk.flush()
+        if self.loaded.model.experts is not None:
+            self.loaded.model.experts.flush()
 
     def _start_costs(self) -> None:
         """The step-cost model's starting point (calibrating runs requests: do it last)."""
@@ -850,8 +855,17 @@ class LLMEngine:
             "tenants": self._tenant_counts(),
             "spec": self.spec_totals,
             "kv_disk": self.disk_metrics(),
+            "moe": self.moe_metrics(),
             **self.stats,
         }
+
+    def moe_metrics(self) -> dict[str, Any] | None:
+        """The expert store's counters (a mixture-of-experts model only)."""
+        experts = self.loaded.model.experts
+        if experts is None:
+            return None
+        return {**experts.stats.as_dict(), "streamed": experts.streamed,
+                "cached_bytes": experts.cached_bytes}
 
     def disk_metrics(self) -> dict[str, Any] | None:
         """The disk tier's counters, decisions and size; None without a disk tier."""

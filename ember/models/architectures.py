@@ -29,5 +29,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(llama.configure),
     "qwen2": Architecture(qwen.configure_qwen2),
     "qwen3": Architecture(qwen.configure_qwen3),
+    "qwen3moe": Architecture(qwen.configure_qwen3moe),
     "gemma3": Architecture(gemma3.configure, chat_template=gemma3.CHAT_TEMPLATE),
 }

@@ -54,6 +54,10 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False  # attention and MLP outputs normed before the residual (Gemma)
     activation: Activation = "silu"  # of the gate in gate * up
+    # mixture of experts (every layer's FFN): experts per layer, used per token, FFN size
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_size: int = 0
 
     @property
     def kv_dim(self) -> int:
@@ -82,6 +86,9 @@ class ModelConfig:
             return gguf.require(f"{arch}.{name}")
 
         hidden = int(key("embedding_length"))
+        ffn = gguf.get(f"{arch}.feed_forward_length")
+        if ffn is None:  # MoE files may give only the experts' size
+            ffn = key("expert_feed_forward_length")
         n_heads = int(key("attention.head_count"))
         head_dim = int(gguf.get(f"{arch}.attention.key_length", hidden // n_heads))
         vocab = gguf.get(f"{arch}.vocab_size")
@@ -91,7 +98,7 @@ class ModelConfig:
             architecture=arch,
             n_layers=int(key("block_count")),
             hidden_size=hidden,
-            ffn_size=int(key("feed_forward_length")),
+            ffn_size=int(ffn),
             n_heads=n_heads,
             n_kv_heads=int(gguf.get(f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,

@@ -33,6 +33,14 @@ from ember.models.attention import AttentionBatch, paged_attention
 from ember.models.config import LayerAttention, ModelConfig
 from ember.models.gguf import GGUFFile
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
+from ember.models.moe import (
+    ExpertStore,
+    MoEFeedForward,
+    MoEOptions,
+    ResidentExperts,
+    StreamedExperts,
+    expert_slices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +53,9 @@ class DecoderLayer:
     qkv: Linear  # fused attn_q | attn_k | attn_v
     o: Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # fused ffn_gate | ffn_up
-    down: Linear
+    gate_up: Linear | None  # fused ffn_gate | ffn_up (None: routed experts instead)
+    down: Linear | None
+    moe: MoEFeedForward | None = None
     qkv_bias: torch.Tensor | None = None  # q | k | v biases (Qwen2)
     q_norm: torch.Tensor | None = None  # per-head RMSNorm weights (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
@@ -121,6 +130,8 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     matrix and the kernel is built; else None. ``ext``: the compiled extension to
     build it with (default: this machine's)."""
     linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
+    if any(layer.moe is not None for layer in layers):
+        return None
     if not layers or not native_stack_supports(cfg) or not all(
             isinstance(p, QuantLinear) for ps in linears for p in ps):
         return None
@@ -142,25 +153,43 @@ def _optional(gguf: GGUFFile, name: str, wanted: bool) -> torch.Tensor | None:
     return load_dense(gguf, name)
 
 
-def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int) -> DecoderLayer:
-    """Layer ``i``'s weights, with the optional tensors the configuration asks for."""
+def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
+               experts: ExpertStore | None = None) -> DecoderLayer:
+    """Layer ``i``'s weights, with the optional tensors the configuration asks for
+    (its FFN routed over ``experts`` in a mixture-of-experts model)."""
     p = f"blk.{i}."
     bias = None
     if cfg.qkv_bias:
         bias = torch.cat([load_dense(gguf, p + f"attn_{x}.bias") for x in "qkv"])
+    moe = gate_up = down = None
+    if experts is not None:
+        moe = MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts, i,
+                             cfg.n_experts_used, ACTIVATIONS[cfg.activation])
+    else:
+        gate_up = fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        down = fmt.linear(gguf, [p + "ffn_down.weight"])
     return DecoderLayer(
         attn_norm=load_dense(gguf, p + "attn_norm.weight"),
         qkv=fmt.linear(gguf, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
         o=fmt.linear(gguf, [p + "attn_output.weight"]),
         ffn_norm=load_dense(gguf, p + "ffn_norm.weight"),
-        gate_up=fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
-        down=fmt.linear(gguf, [p + "ffn_down.weight"]),
+        gate_up=gate_up,
+        down=down,
+        moe=moe,
         qkv_bias=bias,
         q_norm=_optional(gguf, p + "attn_q_norm.weight", cfg.qk_norm),
         k_norm=_optional(gguf, p + "attn_k_norm.weight", cfg.qk_norm),
         post_attn_norm=_optional(gguf, p + "post_attention_norm.weight", cfg.post_norms),
         post_ffn_norm=_optional(gguf, p + "post_ffw_norm.weight", cfg.post_norms),
     )
+
+
+def _expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
+                  moe: MoEOptions) -> ExpertStore:
+    slices = [expert_slices(gguf, i) for i in range(cfg.n_layers)]
+    if moe.stream:
+        return StreamedExperts(gguf.path, slices, fmt.linear_from_raw, moe.cache_bytes)
+    return ResidentExperts(gguf, slices, fmt.linear_from_raw)
 
 
 class DecoderModel:
@@ -175,8 +204,10 @@ class DecoderModel:
         output: Linear,
         freq_factors: torch.Tensor | None = None,
         norm: Norm | None = None,
+        experts: ExpertStore | None = None,
     ) -> None:
         self.cfg = cfg
+        self.experts = experts  # a mixture-of-experts model's expert store
         # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
         self.norm = norm or (lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps))
         self.embed = embed
@@ -195,10 +226,12 @@ class DecoderModel:
         self.native = native_decoder(cfg, layers)
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat) -> DecoderModel:
+    def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
+                  moe: MoEOptions | None = None) -> DecoderModel:
+        experts = _expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
         layers = []
         for i in range(cfg.n_layers):
-            layers.append(load_layer(gguf, cfg, fmt, i))
+            layers.append(load_layer(gguf, cfg, fmt, i, experts))
             # the layer is in its own tensors now: its file pages need not stay resident
             # (loading then never holds the whole file and every packed copy at once)
             gguf.release_pages()
@@ -210,7 +243,7 @@ class DecoderModel:
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
         model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                    freq_factors, fmt.rms_norm)
+                    freq_factors, fmt.rms_norm, experts)
         if fmt.name == "q4" and not model.batch_invariant:
             log.warning("%s: not every projection and the output head are packed 4/8-bit "
                         "here (or the native stack does not implement %s yet), so q4 runs "
@@ -261,6 +294,8 @@ class DecoderModel:
         last token of every row), shape (len(logits_index), vocab).
         """
         c = self.cfg
+        if self.experts is not None:
+            self.experts.begin_step()
         x = self.embed(tokens)
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
@@ -309,8 +344,12 @@ class DecoderModel:
             out = self.norm(out, layer.post_attn_norm, c.norm_eps)
         x = x + out
         h = self.norm(x, layer.ffn_norm, c.norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        out = layer.down(self.activation(gate) * up)
+        if layer.moe is not None:
+            out = layer.moe(h)
+        else:
+            assert layer.gate_up is not None and layer.down is not None
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            out = layer.down(self.activation(gate) * up)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
         return x + out

@@ -323,6 +323,10 @@ class GGUFFile:
         info = self.tensor(name)
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def span(self, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` raw bytes at absolute ``offset`` (a read-only view of the mapping)."""
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+
     def tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]

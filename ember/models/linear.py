@@ -98,6 +98,10 @@ class WeightFormat(Protocol):
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
+        """The same, from raw GGUF bytes already in hand (e.g. an expert read from disk)."""
+        ...
+
     def embedding(self, gguf: GGUFFile, name: str) -> Embedding: ...
 
 
@@ -115,6 +119,11 @@ class DenseFormat:
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [load_dense(gguf, n).to(self.dtype) for n in names]
         return DenseLinear(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
+        dense = [dequantize(raw, t, shape, name=n).to(self.dtype)
+                 for (raw, t, shape), n in zip(parts, names, strict=True)]
+        return DenseLinear(dense[0] if len(dense) == 1 else torch.cat(dense, dim=0))
 
     def embedding(self, gguf: GGUFFile, name: str) -> Embedding:
         return DenseEmbedding(load_dense(gguf, name).to(self.dtype))
@@ -318,19 +327,22 @@ class QuantFormat:
         return kernels.quant_matmul().rms_norm(x, weight, eps)
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
-        def layout(n: str) -> str:
-            gt = gguf.tensor(n).ggml_type
+        parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
+                 for n in names]
+        return self.linear_from_raw(parts, names)
+
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
+        def layout(item: tuple[RawPart, str]) -> str:
+            gt = item[0][1]
             return "q4" if gt in _Q4_TYPES else "q8" if gt in _Q8_TYPES else "f32"
 
         layers: list[Linear] = []
-        for kind, group in groupby(names, key=layout):
-            group = list(group)
+        for kind, group in groupby(zip(parts, names, strict=True), key=layout):
+            raw_parts, group_names = zip(*group, strict=True)
             if kind == "f32":
-                layers.append(DENSE_F32.linear(gguf, group))
+                layers.append(DENSE_F32.linear_from_raw(raw_parts, group_names))
             else:
-                parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
-                         for n in group]
-                layers.append(QuantLinear.from_raw(parts, group))
+                layers.append(QuantLinear.from_raw(raw_parts, group_names))
         return layers[0] if len(layers) == 1 else ConcatLinear(layers)
 
     def embedding(self, gguf: GGUFFile, name: str) -> Embedding:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -14,8 +15,11 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
 from ember.models.linear import resolve_weights, weight_format
+from ember.models.moe import MoEOptions
 from ember.models.registry import MODELS, ensure_model, sha256_of
 from ember.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,8 +65,10 @@ class LoadedModel:
         return f"{sha256_of(self.path)}:{self.weights}"
 
 
-def load_model(name: str, weights: str = "auto") -> LoadedModel:
-    """Load ``name`` (alias or .gguf path), pulling a registered alias if needed."""
+def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) -> LoadedModel:
+    """Load ``name`` (alias or .gguf path), pulling a registered alias if needed.
+
+    ``moe``: where a mixture-of-experts model keeps its experts (default: resident)."""
     start = time.perf_counter()
     path = ensure_model(name)
     gguf = GGUFFile(path)
@@ -76,7 +82,9 @@ def load_model(name: str, weights: str = "auto") -> LoadedModel:
             gguf, default=family.chat_template)
     except ChatTemplateError:
         template = None  # base models without a template can still complete raw text
-    model = family.model.from_gguf(gguf, config, fmt)
+    if moe is not None and moe.stream and not config.n_experts:
+        log.warning("%s has no experts: --moe-stream ignored", path.name)
+    model = family.model.from_gguf(gguf, config, fmt, moe)
     gguf.release_pages()
     return LoadedModel(path, config, model, tokenizer, template, weights,
                        time.perf_counter() - start)

@@ -122,6 +122,7 @@ class Metrics:
         metric("ember_preemptions_total", "counter", "Requests preempted for KV space.",
                s.get("preemptions", 0))
         lines += _disk_lines(s.get("kv_disk"))
+        lines += _moe_lines(s.get("moe"))
         spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
         for i, what in ((0, "drafted"), (1, "accepted")):
             name = f"ember_spec_{what}_tokens_total"
@@ -193,6 +194,25 @@ _DISK_COUNTERS = (
     ("evicted", "KV disk blocks deleted to stay within --kv-disk-bytes."),
     ("dropped", "KV blocks not written because the write queue was full."),
 )
+
+
+def _moe_lines(m: dict[str, Any] | None) -> list[str]:
+    """The expert store's metrics (a mixture-of-experts model only)."""
+    if m is None:
+        return []
+    name = "ember_moe_expert_lookups_total"
+    lines = [f"# HELP {name} Experts a step needed, by where they were: pinned, lru "
+             "(cache hits) or miss (read from the file).", f"# TYPE {name} counter"]
+    lines += [f'{name}{{result="{k}"}} {m[key]}'
+              for k, key in (("pinned", "pinned_hits"), ("lru", "lru_hits"), ("miss", "misses"))]
+    for key, kind, help in (
+            ("bytes_read", "counter", "Expert bytes read from the model file."),
+            ("tokens_routed", "counter", "Token-to-expert assignments routed."),
+            ("hit_rate", "gauge", "Share of expert lookups served from the cache."),
+            ("cached_bytes", "gauge", "Resident bytes of built experts.")):
+        name = f"ember_moe_{key}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {m[key]}"]
+    return lines
 
 
 def _disk_lines(d: dict[str, Any] | None) -> list[str]:

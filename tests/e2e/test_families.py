@@ -1,8 +1,9 @@
 """Every model family behind the real server, unchanged: chat with its template,
 streaming, the prefix cache, constrained output (one server per family).
 
-Gemma 3 is the real 270M; Qwen 2 and Qwen 3 are the random-weight GGUFs of
-tests/test_qwen.py (random weights say nothing about quality; the server path, the
+Gemma 3 is the real 270M; Qwen 2, Qwen 3 and Qwen 3 MoE (experts streamed from disk
+through a cache smaller than them) are the random-weight GGUFs of tests/test_qwen.py
+and tests/test_moe.py (random weights say nothing about quality; the server path, the
 cache and the grammar do not care)."""
 
 from __future__ import annotations
@@ -22,12 +23,19 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
           "properties": {"city": {"type": "string", "maxLength": 16}}}
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2", "qwen3", "qwen3moe"])
 def family_server(request, e2e_log_dir: Path, tiny_qwen_ggufs: dict[str, Path]
                   ) -> Iterator[EmberServer]:
-    path = (request.getfixturevalue("gemma3_file").path if request.param == "gemma3"
-            else tiny_qwen_ggufs[request.param])
-    server = start_server(path, e2e_log_dir, "--num-kv-blocks", "256", weights=served_weights())
+    extra: tuple[str, ...] = ()
+    if request.param == "gemma3":
+        path = request.getfixturevalue("gemma3_file").path
+    elif request.param == "qwen3moe":
+        path = request.getfixturevalue("tiny_moe_gguf")
+        extra = ("--moe-stream", "--moe-cache-bytes", "300000")  # < the experts' bytes
+    else:
+        path = tiny_qwen_ggufs[request.param]
+    server = start_server(path, e2e_log_dir, "--num-kv-blocks", "256", *extra,
+                          weights=served_weights())
     try:
         server.wait_ready()
         yield server
@@ -74,3 +82,15 @@ def test_json_schema_output_validates(family_server, client):
                          "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_expert_metrics_are_exported(family_server, client):
+    is_moe = "moe" in family_server.model_id  # tiny-moe
+    assert any(k.startswith("ember_moe_") for k in family_server.metrics()) == is_moe
+    if not is_moe:
+        return
+    client.completions.create(model=family_server.model_id, prompt="one two three",
+                              max_tokens=4)
+    lookups = sum(v for k, v in family_server.metrics().items()
+                  if k.startswith("ember_moe_expert_lookups_total"))
+    assert lookups > 0 and family_server.metrics()["ember_moe_bytes_read_total"] > 0

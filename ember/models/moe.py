@@ -1,0 +1,401 @@
+"""Mixture-of-experts FFN layers (Qwen3-MoE style) and the stores their experts live in.
+
+A layer routes each token to ``k`` of its ``E`` experts: softmax over the router's
+logits, the top ``k`` kept and renormalised to sum to one (llama.cpp's and Qwen3's
+``norm_topk_prob``); the output is the weighted sum of those experts' SwiGLU FFNs.
+Tokens are grouped by expert, so a step computes (and reads) each expert it needs
+once, on every token routed to it. GGUF stores a layer's experts as three 3-D
+tensors ``ffn_{gate,up,down}_exps`` ([E, out, in]); expert ``e`` is one contiguous
+slice of each.
+
+Where experts come from is a store's business, and the arithmetic does not depend on
+it (streamed == resident, bitwise):
+
+- :class:`ResidentExperts`: every expert built at load, like any weight.
+- :class:`StreamedExperts` (``--moe-stream``): dense weights stay resident; experts
+  are read with ``pread`` into store-owned buffers (not the file mapping, so RSS is
+  dense weights + cache and eviction is ours) and kept in a tiered cache of
+  ``--moe-cache-bytes``: a pinned hot set (from the usage histogram of earlier runs)
+  and a least-recently-used cache per layer. A layer's misses are read together by a
+  pool of I/O threads; at each step's start the experts the previous step used are
+  hinted to the kernel (``posix_fadvise(WILLNEED)``) from a background thread, so
+  their pages are on their way before the layer asks. Every expert's CRC32 is
+  recorded on its first read and checked on every later one, and a short read is an
+  error: a changed, truncated or corrupt file fails the step with an error naming
+  the expert, never a wrong answer.
+
+The usage histogram (tokens routed to each expert) and the checksums are saved
+beside the model (``MODEL.gguf.experts.json``, written to a temporary file, fsynced
+and renamed, so a crash leaves the old file or the new one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ember.errors import EmberError
+from ember.models.gguf import GGUFFile, TensorInfo
+from ember.models.linear import Linear
+
+log = logging.getLogger(__name__)
+
+HISTOGRAM_SUFFIX = ".experts.json"
+PINNED_SHARE = 0.5  # of the cache budget, for the hottest experts of earlier runs
+IO_THREADS = 4
+SAVE_EVERY = 256  # steps between histogram saves (and at close)
+
+BuildExpert = Callable[[list[tuple[np.ndarray, int, tuple[int, ...]]], list[str]], Linear]
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """How a mixture-of-experts model keeps its experts (``--moe-stream``)."""
+
+    stream: bool = False  # page experts from the file instead of loading them all
+    cache_bytes: int = 1024**3  # the streamed store's budget (pinned + LRU)
+
+
+class ExpertReadError(EmberError):
+    """An expert could not be read back intact from the model file."""
+
+
+@dataclass(frozen=True)
+class ExpertSlices:
+    """Where one layer's experts lie in the file: three [E, out, in] tensors."""
+
+    gate: TensorInfo
+    up: TensorInfo
+    down: TensorInfo
+
+    @property
+    def count(self) -> int:
+        return self.gate.shape[0]
+
+    def spans(self, e: int) -> list[tuple[TensorInfo, int, int]]:
+        """(tensor, file offset, bytes) of expert ``e`` in gate, up and down."""
+        out = []
+        for info in (self.gate, self.up, self.down):
+            size = info.nbytes // info.shape[0]
+            out.append((info, info.offset + e * size, size))
+        return out
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(size for _, _, size in self.spans(0))
+
+
+@dataclass
+class Expert:
+    gate_up: Linear  # fused gate | up
+    down: Linear
+    nbytes: int  # resident bytes of its built weights
+
+
+def _built_bytes(linear: Any) -> int:
+    if hasattr(linear, "nbytes"):
+        return int(linear.nbytes)
+    if hasattr(linear, "weight"):
+        return linear.weight.nbytes
+    return sum(_built_bytes(p) for p in getattr(linear, "parts", []))
+
+
+def build_expert(build: BuildExpert, slices: ExpertSlices, e: int,
+                 raws: Sequence[np.ndarray]) -> Expert:
+    """An expert's layers from its three raw slices (gate, up, down)."""
+    (gate, up, down), (g_raw, u_raw, d_raw) = (slices.gate, slices.up, slices.down), raws
+    names = [f"{t.name}[{e}]" for t in (gate, up, down)]
+    gate_up = build([(g_raw, gate.ggml_type, tuple(gate.shape[1:])),
+                     (u_raw, up.ggml_type, tuple(up.shape[1:]))], names[:2])
+    down_l = build([(d_raw, down.ggml_type, tuple(down.shape[1:]))], names[2:])
+    return Expert(gate_up, down_l, _built_bytes(gate_up) + _built_bytes(down_l))
+
+
+@dataclass
+class MoEStats:
+    pinned_hits: int = 0
+    lru_hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    tokens_routed: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.pinned_hits + self.lru_hits + self.misses
+        return (self.pinned_hits + self.lru_hits) / looked_up if looked_up else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"pinned_hits": self.pinned_hits, "lru_hits": self.lru_hits,
+                "misses": self.misses, "bytes_read": self.bytes_read,
+                "read_seconds": round(self.read_seconds, 6), "hit_rate": self.hit_rate,
+                "tokens_routed": self.tokens_routed}
+
+
+class ExpertStore(Protocol):
+    stats: MoEStats
+    streamed: bool
+    cached_bytes: int  # resident bytes of built experts
+
+    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]: ...
+
+    def record(self, layer: int, counts: dict[int, int]) -> None: ...
+
+    def begin_step(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class ResidentExperts:
+    """Every expert built at load, from the file mapping."""
+
+    streamed = False
+
+    def __init__(self, gguf: GGUFFile, layers: Sequence[ExpertSlices], build: BuildExpert
+                 ) -> None:
+        self.experts: list[list[Expert]] = []
+        for slices in layers:
+            built = []
+            for e in range(slices.count):
+                raws = [gguf.span(off, size) for _, off, size in slices.spans(e)]
+                built.append(build_expert(build, slices, e, raws))
+            self.experts.append(built)
+            gguf.release_pages()
+        self.stats = MoEStats()
+        self.cached_bytes = sum(x.nbytes for layer in self.experts for x in layer)
+
+    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]:
+        self.stats.pinned_hits += len(ids)
+        return {e: self.experts[layer][e] for e in ids}
+
+    def record(self, layer: int, counts: dict[int, int]) -> None:
+        self.stats.tokens_routed += sum(counts.values())
+
+    def begin_step(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass
+class _LayerCache:
+    lru: OrderedDict[int, Expert] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+
+
+class StreamedExperts:
+    """Experts paged from the file through pinned → per-layer LRU → ``pread``."""
+
+    streamed = True
+
+    def __init__(self, path: Path, layers: Sequence[ExpertSlices], build: BuildExpert,
+                 cache_bytes: int) -> None:
+        self.path, self.layers, self.build = Path(path), list(layers), build
+        self.cache_bytes = cache_bytes
+        self.stats = MoEStats()
+        self._fd = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self._fd)
+        self._identity = (st.st_size, st.st_mtime_ns)
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ember-moe-io")
+        self._hinter = ThreadPoolExecutor(1, thread_name_prefix="ember-moe-hint")
+        self._lock = threading.Lock()
+        self._sidecar = Path(str(self.path) + HISTOGRAM_SUFFIX)
+        self.histogram, self._crc = self._load_sidecar()
+        self._steps = 0
+        self._last_used: list[list[int]] = [[] for _ in self.layers]
+        self.pinned: dict[tuple[int, int], Expert] = {}
+        self._pin_hottest()
+        pinned = sum(x.nbytes for x in self.pinned.values())
+        self._layer_budget = max(0, cache_bytes - pinned) // max(1, len(self.layers))
+        self._caches = [_LayerCache() for _ in self.layers]
+
+    # ------------------------------------------------------------ sidecar file
+    def _load_sidecar(self) -> tuple[list[list[int]], dict[tuple[int, int], int]]:
+        empty = [[0] * s.count for s in self.layers]
+        try:
+            data = json.loads(self._sidecar.read_text())
+        except (OSError, ValueError):
+            return empty, {}
+        if data.get("file") != list(self._identity) or [len(h) for h in data.get(
+                "histogram", [])] != [s.count for s in self.layers]:
+            log.info("%s: for another version of the model; starting afresh", self._sidecar)
+            return empty, {}
+        crc = {(int(k.split(":")[0]), int(k.split(":")[1])): int(v)
+               for k, v in data.get("crc32", {}).items()}
+        return [list(map(int, h)) for h in data["histogram"]], crc
+
+    def save(self) -> None:
+        """Write the histogram and checksums: temp file, fsync, rename."""
+        with self._lock:
+            data = {"file": list(self._identity), "histogram": self.histogram,
+                    "crc32": {f"{layer}:{e}": v for (layer, e), v in self._crc.items()}}
+        tmp = self._sidecar.with_name(self._sidecar.name + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._sidecar)
+        except OSError as e:
+            log.warning("could not save the expert histogram to %s: %s", self._sidecar, e)
+
+    def _pin_hottest(self) -> None:
+        """Fill the pinned share of the budget with the most used experts so far."""
+        ranked = sorted(((count, layer, e) for layer, h in enumerate(self.histogram)
+                         for e, count in enumerate(h) if count), reverse=True)
+        budget, used, size = PINNED_SHARE * self.cache_bytes, 0, {}
+        for _, layer, e in ranked:
+            if used + size.get(layer, 0) > budget:  # experts of a layer are one size
+                continue
+            expert = self._read(layer, e)
+            size[layer] = expert.nbytes
+            if used + expert.nbytes <= budget:
+                self.pinned[(layer, e)] = expert
+                used += expert.nbytes
+        self.stats = MoEStats()  # pinning is not serving: count from here
+
+    # ------------------------------------------------------------ reading
+    def _read(self, layer: int, e: int) -> Expert:
+        slices = self.layers[layer]
+        if os.fstat(self._fd).st_size != self._identity[0]:
+            raise ExpertReadError(f"{self.path}: the file changed size since it was loaded "
+                                  f"(reading expert {e} of layer {layer})")
+        start = time.perf_counter()
+        raws, crc = [], 0
+        for info, offset, size in slices.spans(e):
+            buf = np.empty(size, np.uint8)  # store-owned: the built expert copies from it
+            got = os.preadv(self._fd, [memoryview(buf)], offset)
+            if got != size:
+                raise ExpertReadError(f"{self.path}: short read of expert {e} of layer "
+                                      f"{layer} ({info.name}: {got} of {size} bytes)")
+            crc = zlib.crc32(buf, crc)
+            raws.append(buf)
+        with self._lock:
+            known = self._crc.setdefault((layer, e), crc)
+            self.stats.bytes_read += sum(r.nbytes for r in raws)
+            self.stats.read_seconds += time.perf_counter() - start
+        if known != crc:
+            raise ExpertReadError(f"{self.path}: expert {e} of layer {layer} reads back with "
+                                  f"CRC32 {crc:08x}, recorded {known:08x}: the file is corrupt "
+                                  "or was replaced")
+        return build_expert(self.build, slices, e, raws)
+
+    def _hint(self, spans: list[tuple[int, int]]) -> None:
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for offset, size in spans:
+            try:
+                os.posix_fadvise(self._fd, offset, size, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    def begin_step(self) -> None:
+        """Hint the kernel about every expert the last step used that is not cached."""
+        spans = []
+        for layer, used in enumerate(self._last_used):
+            cache = self._caches[layer].lru
+            for e in used:
+                if (layer, e) not in self.pinned and e not in cache:
+                    spans += [(off, size) for _, off, size in self.layers[layer].spans(e)]
+        if spans:
+            self._hinter.submit(self._hint, spans)
+
+    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]:
+        cache = self._caches[layer]
+        out, missing = {}, []
+        for e in ids:
+            if (layer, e) in self.pinned:
+                out[e] = self.pinned[(layer, e)]
+                self.stats.pinned_hits += 1
+            elif e in cache.lru:
+                cache.lru.move_to_end(e)
+                out[e] = cache.lru[e]
+                self.stats.lru_hits += 1
+            else:
+                missing.append(e)
+        self.stats.misses += len(missing)
+        for e, expert in zip(missing, self._io.map(lambda x: self._read(layer, x), missing),
+                             strict=True):
+            out[e] = expert
+            self._admit(cache, e, expert, keep=set(ids))
+        self._last_used[layer] = list(ids)
+        return out
+
+    def _admit(self, cache: _LayerCache, e: int, expert: Expert, keep: set[int]) -> None:
+        """Cache ``expert`` if the layer's share allows, evicting least recently used
+        experts this step does not need; else it serves this step only."""
+        while cache.nbytes + expert.nbytes > self._layer_budget:
+            victim = next((v for v in cache.lru if v not in keep), None)
+            if victim is None:
+                return
+            cache.nbytes -= cache.lru.pop(victim).nbytes
+        cache.lru[e] = expert
+        cache.nbytes += expert.nbytes
+
+    def record(self, layer: int, counts: dict[int, int]) -> None:
+        with self._lock:
+            h = self.histogram[layer]
+            for e, n in counts.items():
+                h[e] += n
+        self.stats.tokens_routed += sum(counts.values())
+        if layer == len(self.layers) - 1:
+            self._steps += 1
+            if self._steps % SAVE_EVERY == 0:
+                self.save()
+
+    @property
+    def cached_bytes(self) -> int:
+        return (sum(x.nbytes for x in self.pinned.values())
+                + sum(c.nbytes for c in self._caches))
+
+    def flush(self) -> None:
+        """Save the histogram now (the store stays usable)."""
+        self.save()
+
+
+class MoEFeedForward:
+    """One layer's router and experts: tokens grouped by expert, weighted sum."""
+
+    def __init__(self, router: torch.Tensor, store: ExpertStore, layer: int, top_k: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.router = router  # [E, hidden] float32: routing stays exact in every format
+        self.store, self.layer, self.top_k, self.activation = store, layer, top_k, activation
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(h, self.router), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        used, counts = chosen.unique(return_counts=True)
+        ids = used.tolist()
+        self.store.record(self.layer, dict(zip(ids, counts.tolist(), strict=True)))
+        experts = self.store.get(self.layer, ids)
+        out = torch.zeros_like(h)
+        for e in ids:  # ascending expert id: a token's sum has a fixed order
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            expert = experts[e]
+            gate, up = expert.gate_up(h[rows]).chunk(2, dim=-1)
+            y = expert.down(self.activation(gate) * up)
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+
+def expert_slices(gguf: GGUFFile, layer: int) -> ExpertSlices:
+    p = f"blk.{layer}."
+    return ExpertSlices(gguf.tensor(p + "ffn_gate_exps.weight"),
+                        gguf.tensor(p + "ffn_up_exps.weight"),
+                        gguf.tensor(p + "ffn_down_exps.weight"))
