@@ -202,6 +202,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="drop the page cache before the restart run (needs root)")
     b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
     b.set_defaults(func=cmd_bench_kv)
+    b = bench.add_parser("moe", help="MoE experts resident vs streamed at cache budgets")
+    b.add_argument("--model", "-m", default=None,
+                   help="a qwen3moe GGUF (default: a random-weight one written once)")
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--budgets", default="100,50,25,10",
+                   help="comma-separated cache budgets, percent of all experts' bytes")
+    b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    b.add_argument("--out", type=Path, default=Path("bench-results/moe.json"))
+    b.set_defaults(func=cmd_bench_moe)
     b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
     b.add_argument("--weights", default="auto")
@@ -366,6 +376,16 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
         raise ValueError("--reps must be at least 1 and --history at least 32")
     bench_main(args.model, args.weights, args.threads, args.history, args.reps,
                [d for d in args.kv_dtype.split(",") if d], args.drop_caches, args.out)
+    return 0
+
+
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from ember.bench.moe import main as bench_main
+
+    budgets = _int_list(args.budgets, "--budgets")
+    if any(not 0 < b <= 100 for b in budgets) or args.tokens < 2:
+        raise ValueError("--budgets must be percentages in (0, 100] and --tokens at least 2")
+    bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out)
     return 0
 
 

@@ -89,9 +89,9 @@ def tiny_qwen_ggufs(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUF
 @pytest.fixture(scope="session")
 def tiny_moe_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile) -> Path:
     """A Qwen3-MoE model: 3 layers of 8 experts (2 used per token), Q8_0."""
-    from tiny_model import write_tiny_moe
+    from ember.bench.moe_model import write_moe_gguf
 
-    return write_tiny_moe(tmp_path_factory.mktemp("tiny-moe") / "tiny-moe.gguf", smollm2_file,
+    return write_moe_gguf(tmp_path_factory.mktemp("tiny-moe") / "tiny-moe.gguf", smollm2_file,
                           n_layers=3, n_experts=8, n_used=2, hidden=64, expert_ffn=128)
 
 

@@ -13,15 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from ember.bench.moe_model import copy_tokenizer as _copy_tokenizer
 from ember.models.gguf import GGUFFile
-
-TOKENIZER_KEYS = (
-    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-    "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
-    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
-    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-    "tokenizer.chat_template",
-)
 
 
 def write_tiny_llama(
@@ -90,95 +83,6 @@ def write_tiny_llama(
     f32("output_norm.weight", hidden)
     if untied:
         q8("output.weight", vocab, hidden, hidden**-0.5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _copy_tokenizer(w: gguf.GGUFWriter, src: GGUFFile) -> None:
-    md = src.metadata
-    w.add_tokenizer_model(md["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
-    w.add_token_list(md["tokenizer.ggml.tokens"])
-    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]])
-    w.add_token_merges(md["tokenizer.ggml.merges"])
-    w.add_bos_token_id(int(md["tokenizer.ggml.bos_token_id"]))
-    w.add_eos_token_id(int(md["tokenizer.ggml.eos_token_id"]))
-    w.add_add_bos_token(bool(md.get("tokenizer.ggml.add_bos_token", False)))
-    if "tokenizer.chat_template" in md:
-        w.add_chat_template(md["tokenizer.chat_template"])
-
-
-def write_tiny_moe(
-    path: Path,
-    tokenizer_source: GGUFFile,
-    *,
-    n_layers: int = 2,
-    hidden: int = 64,
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    head_dim: int = 32,
-    n_experts: int = 8,
-    n_used: int = 2,
-    expert_ffn: int = 64,
-    seed: int = 0,
-    expert_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-) -> Path:
-    """A Qwen3-MoE model: Qwen3 attention, every FFN a router over ``n_experts``
-    SwiGLU experts stored as 3-D [E, out, in] tensors (``expert_type``)."""
-    rng = np.random.default_rng(seed)
-    vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(n_layers)
-    w.add_context_length(2048)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(expert_ffn)
-    w.add_expert_feed_forward_length(expert_ffn)
-    w.add_expert_count(n_experts)
-    w.add_expert_used_count(n_used)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    _copy_tokenizer(w, tokenizer_source)
-
-    def quant(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, data.astype(np.float32 if qtype == gguf.GGMLQuantizationType.F32
-                                           else np.float16))
-            return
-        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-
-    def matrix(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-
-    def f32(name: str, n: int) -> None:
-        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
-    quant("token_embd.weight", (rng.standard_normal((vocab, hidden))).astype(np.float32), q8)
-    for i in range(n_layers):
-        p = f"blk.{i}."
-        f32(p + "attn_norm.weight", hidden)
-        quant(p + "attn_q.weight", matrix(q_dim, hidden), q8)
-        quant(p + "attn_k.weight", matrix(kv_dim, hidden), q8)
-        quant(p + "attn_v.weight", matrix(kv_dim, hidden), q8)
-        f32(p + "attn_q_norm.weight", head_dim)
-        f32(p + "attn_k_norm.weight", head_dim)
-        quant(p + "attn_output.weight", matrix(hidden, q_dim), q8)
-        f32(p + "ffn_norm.weight", hidden)
-        w.add_tensor(p + "ffn_gate_inp.weight", matrix(n_experts, hidden) * 4)
-        quant(p + "ffn_gate_exps.weight", matrix(n_experts, expert_ffn, hidden), expert_type)
-        quant(p + "ffn_up_exps.weight", matrix(n_experts, expert_ffn, hidden), expert_type)
-        quant(p + "ffn_down_exps.weight", matrix(n_experts, hidden, expert_ffn), expert_type)
-    f32("output_norm.weight", hidden)
-    quant("output.weight", matrix(vocab, hidden), q8)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -215,8 +215,22 @@ def pack_q8(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
 
 
 def _cat(parts: Sequence[np.ndarray]) -> torch.Tensor:
-    """Row-concatenate into a tensor that owns its memory (never the file mapping)."""
+    """Row-concatenate into a tensor that owns its memory (never the file mapping).
+
+    A single part that is already a contiguous array of its own (the packers copy
+    out of the mapping) is taken as it is: at load the output head is the largest
+    transient, and one copy fewer of it lowers the peak RSS.
+    """
+    if len(parts) == 1 and parts[0].flags.c_contiguous and _owns_its_memory(parts[0]):
+        return torch.from_numpy(parts[0])
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)))
+
+
+def _owns_its_memory(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is a numpy allocation (not a file mapping or buffer)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.base is None and a.flags.owndata
 
 
 class QuantLinear:
