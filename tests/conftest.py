@@ -70,15 +70,11 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile) 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", smollm2_file)
 
 
-# Qwen-block tiny models (NEOX RoPE; Q/K/V biases, or q/k norms and a head_dim apart
-# from hidden / heads), untied heads: for the transformers oracle and the e2e tests.
-TINY_QWEN = {"qwen2": {}, "qwen3": {"head_dim": 32}}
-
-
 @pytest.fixture(scope="session")
 def tiny_qwen_ggufs(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile
                     ) -> dict[str, Path]:
-    from tiny_model import write_tiny_llama
+    """Qwen 2 / Qwen 3 tiny models (tiny_model.TINY_QWEN), for transformers and e2e."""
+    from tiny_model import TINY_QWEN, write_tiny_llama
 
     out = tmp_path_factory.mktemp("tiny-qwen")
     return {arch: write_tiny_llama(out / f"tiny-{arch}.gguf", smollm2_file, arch=arch,

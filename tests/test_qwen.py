@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_QWEN
+from tiny_model import TINY_QWEN
 
 from ember.models.loader import load_model
 from ember.sampling.params import SamplingParams

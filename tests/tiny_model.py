@@ -16,6 +16,10 @@ import numpy as np
 from ember.bench.moe_model import copy_tokenizer as _copy_tokenizer
 from ember.models.gguf import GGUFFile
 
+# Qwen-block tiny models (NEOX RoPE; Q/K/V biases, or q/k norms and a head_dim apart
+# from hidden / heads), untied heads: for the transformers oracle and the e2e tests.
+TINY_QWEN: dict[str, dict[str, int]] = {"qwen2": {}, "qwen3": {"head_dim": 32}}
+
 
 def write_tiny_llama(
     path: Path,
