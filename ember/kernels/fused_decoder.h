@@ -2,11 +2,13 @@
 //
 // Part of the quant_matmul.cpp translation unit (included inside its namespace).
 //
-// Per layer: RMSNorm -> QKV (packed 4/8-bit weights) -> RoPE on q and k -> K/V into
-// the paged pool -> attention over the pool in place (paged_attention.h) -> output
-// projection -> residual -> RMSNorm -> gate/up -> SiLU(gate) * up -> down -> residual,
-// for every token of the step. The PyTorch model (ember/models/llama.py) runs the
-// same recipe op by op with f32 weights and is the oracle this path is tested against.
+// Per layer: RMSNorm -> QKV (packed 4/8-bit weights) [+ Q/K/V biases] [-> per-head
+// RMSNorm of q and k] -> RoPE on q and k (adjacent pairs, or NEOX's half-a-head-apart
+// pairs) -> K/V into the paged pool -> attention over the pool in place
+// (paged_attention.h) -> output projection -> residual -> RMSNorm -> gate/up ->
+// SiLU(gate) * up -> down -> residual, for every token of the step: the llama block
+// and Qwen 2/3's. The PyTorch model (ember/models/decoder.py) runs the same recipe op
+// by op with f32 weights and is the oracle this path is tested against.
 //
 // Every stage computes each token on its own, with code that does not depend on how
 // many tokens there are or where they come from: RMSNorm and the activation
@@ -89,6 +91,7 @@ class Clock {
 struct LayerWeights {
   at::Tensor attn_norm, ffn_norm;
   QLinear qkv, o, gate_up, down;
+  at::Tensor qkv_bias, q_norm, k_norm;  // undefined where the family has none
 };
 
 using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // bits, rows, tensors
@@ -96,9 +99,9 @@ using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // 
 class DecoderStack {
  public:
   DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t rope_dim, int64_t ffn, double eps)
+               int64_t rope_dim, int64_t ffn, double eps, bool neox = false)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        rope_dim_(rope_dim), ffn_(ffn), eps_(eps) {
+        rope_dim_(rope_dim), ffn_(ffn), eps_(eps), neox_(neox) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && ffn > 0 &&
                     heads % kv_heads == 0 && rope_dim >= 0 && rope_dim % 2 == 0 &&
                     rope_dim <= head_dim,
@@ -114,8 +117,28 @@ class DecoderStack {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
                    linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_),
-                   linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_)};
+                   linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_),
+                   {}, {}, {}};
     layers_.push_back(std::move(L));
+  }
+
+  // The last added layer's Q/K/V biases [q_dim + 2 kv_dim] (Qwen 2).
+  void set_qkv_bias(const at::Tensor& bias) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    const at::Tensor b = norm_weight(bias);
+    TORCH_CHECK(b.numel() == (heads_ + 2 * kv_heads_) * head_dim_,
+                "DecoderStack: qkv bias has ", b.numel(), " elements");
+    layers_.back().qkv_bias = b;
+  }
+
+  // The last added layer's per-head RMSNorm weights of q and k [head_dim] (Qwen 3).
+  void set_qk_norm(const at::Tensor& q_norm, const at::Tensor& k_norm) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    const at::Tensor q = norm_weight(q_norm), k = norm_weight(k_norm);
+    TORCH_CHECK(q.numel() == head_dim_ && k.numel() == head_dim_,
+                "DecoderStack: q/k norm weights must have head_dim elements");
+    layers_.back().q_norm = q;
+    layers_.back().k_norm = k;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -153,7 +176,7 @@ class DecoderStack {
       clock.lap(kNorms);
       qlinear(L.qkv, hp, T, qkvp);
       clock.lap(kProjections);
-      rope_and_store(qkvp, T, rope.data_ptr<float>(), slots.data_ptr<int64_t>(), kv);
+      rope_and_store(L, qkvp, T, rope.data_ptr<float>(), slots.data_ptr<int64_t>(), kv);
       clock.lap(kRopeStore);
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
              rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale);
@@ -264,24 +287,33 @@ class DecoderStack {
     }
   }
 
-  // Rotate each token's q and k heads (adjacent pairs) by its position, then store
+  // Per token: add the Q/K/V biases, norm each q and k head, rotate them by the
+  // token's position (adjacent pairs, or NEOX pairs i, i + rope_dim/2), then store
   // its k and v at its slot in the pool.
-  void rope_and_store(float* qkv, int64_t T, const float* rope, const int64_t* slots,
-                      const PoolLayer& kv) const {
+  void rope_and_store(const LayerWeights& L, float* qkv, int64_t T, const float* rope,
+                      const int64_t* slots, const PoolLayer& kv) const {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     const int64_t half = rope_dim_ / 2, width = q_dim + 2 * kv_dim;
     void* kbase = const_cast<void*>(kv.k);
     void* vbase = const_cast<void*>(kv.v);
+    const float* bias = L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr;
+    const float* qn = L.q_norm.defined() ? L.q_norm.data_ptr<float>() : nullptr;
+    const float* kn = L.k_norm.defined() ? L.k_norm.data_ptr<float>() : nullptr;
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         float* row = qkv + t * width;
         const float* cs = rope + t * rope_dim_;
+        if (bias != nullptr) add_rows(row, bias, width);
         for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
           float* x = row + hd * head_dim_;
+          const float* norm = hd < heads_ ? qn : kn;
+          if (norm != nullptr) rms_norm_row(x, norm, head_dim_, eps_, x);
+          const int64_t step = neox_ ? 1 : 2, other = neox_ ? half : 1;
           for (int64_t i = 0; i < half; ++i) {
-            const float x0 = x[2 * i], x1 = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
-            x[2 * i] = x0 * c - x1 * s;
-            x[2 * i + 1] = x0 * s + x1 * c;
+            float* a = x + i * step;
+            const float x0 = a[0], x1 = a[other], c = cs[2 * i], s = cs[2 * i + 1];
+            a[0] = x0 * c - x1 * s;
+            a[other] = x0 * s + x1 * c;
           }
         }
         const int64_t slot = slots[t];
@@ -298,6 +330,7 @@ class DecoderStack {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
   double eps_;
+  bool neox_;
   std::vector<LayerWeights> layers_;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};

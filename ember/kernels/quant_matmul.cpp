@@ -816,10 +816,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "positions, scale)",
           release());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double>(),
-           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool>(),
+           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps, neox",
+           pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
+           pybind11::arg("head_dim"), pybind11::arg("rope_dim"), pybind11::arg("ffn"),
+           pybind11::arg("eps"), pybind11::arg("neox") = false)
       .def("add_layer", &DecoderStack::add_layer,
            "attn_norm, ffn_norm, then qkv, o, gate_up, down as (bits, rows, tensors)")
+      .def("set_qkv_bias", &DecoderStack::set_qkv_bias, "the last layer's Q/K/V biases")
+      .def("set_qk_norm", &DecoderStack::set_qk_norm,
+           "the last layer's per-head q and k RMSNorm weights")
       .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("set_profiling", &DecoderStack::set_profiling,
            "time each stage of forward (resets the totals)")

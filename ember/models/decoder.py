@@ -117,9 +117,9 @@ def _rope_key(kind: LayerAttention) -> tuple[float, float]:
 
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: the
-    llama block (adjacent-pair RoPE, SiLU, no biases, extra norms or windows)."""
-    return (not cfg.rope_neox and not cfg.qkv_bias and not cfg.qk_norm and not cfg.post_norms
-            and cfg.activation == "silu" and cfg.embed_scale == 1.0
+    llama block, with Qwen's NEOX RoPE, Q/K/V biases and q/k norms (not Gemma's
+    post-norms, GeGLU, sliding windows or query scale, nor experts)."""
+    return (not cfg.post_norms and cfg.activation == "silu" and not cfg.n_experts
             and cfg.softmax_scale == 1.0 / cfg.head_dim ** 0.5
             and all(a == LayerAttention(cfg.rope_base) for a in cfg.layers))
 
@@ -130,8 +130,6 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     matrix and the kernel is built; else None. ``ext``: the compiled extension to
     build it with (default: this machine's)."""
     linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
-    if any(layer.moe is not None for layer in layers):
-        return None
     if not layers or not native_stack_supports(cfg) or not all(
             isinstance(p, QuantLinear) for ps in linears for p in ps):
         return None
@@ -141,9 +139,13 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
         return None
     stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps)
+                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps, cfg.rope_neox)
     for layer, parts in zip(layers, linears, strict=True):
         stack.add_layer(layer.attn_norm, layer.ffn_norm, *(p.packed_form() for p in parts))
+        if layer.qkv_bias is not None:
+            stack.set_qkv_bias(layer.qkv_bias)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            stack.set_qk_norm(layer.q_norm, layer.k_norm)
     return stack
 
 
