@@ -80,10 +80,10 @@ def native_kernel():
     return mod
 
 
-def native(mod, q, storage, layer: int, rows: list[RowSpec]) -> torch.Tensor:
+def native(mod, q, storage, layer: int, rows: list[RowSpec], window: int = 0) -> torch.Tensor:
     batch = AttentionBatch.build(rows, BLOCK)
     return mod.paged_attention(q, storage.pool, layer, batch.tables, batch.token_rows,
-                               batch.positions, D ** -0.5)
+                               batch.positions, D ** -0.5, window)
 
 
 MIXED = [(9, 1), (2, 3), (13, 1), (0, 6), (5, 16), (7, 20), (30, 1), (0, 1), (3, 4)]
@@ -118,6 +118,29 @@ def test_native_attention_is_batch_and_chunk_invariant():
     flat = torch.cat([torch.arange(offsets[i], offsets[i] + rows[i].q_len) for i in order])
     again = native(mod, q[flat], storage, 2, [rows[i] for i in order])
     assert torch.equal(again, together[flat])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 21])
+def test_native_sliding_window_equals_the_pytorch_path(window: int):
+    """Windows shorter than, equal to and across block boundaries, on every row kind;
+    positions before the window are never read (NaN there changes nothing)."""
+    mod = native_kernel()
+    storage, rows, q = pool_case(5, MIXED, torch.float32)
+    batch = AttentionBatch.build(rows, BLOCK)
+    want = paged_attention(q, storage.k[1], storage.v[1], batch, window=window)
+    got = native(mod, q, storage, 1, rows, window)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    assert not torch.allclose(got, native(mod, q, storage, 1, rows))  # the window matters
+    # (7, 20): its last token, at position 26, sees 27 - window positions onward only
+    row, first = rows[5], sum(r.q_len for r in rows[:5])
+    last = first + row.q_len - 1
+    cut = 27 - window
+    if cut > 0:
+        for p in range(cut):
+            block = row.blocks[p // BLOCK]
+            storage.pool[block, 1, :, p % BLOCK] = float("nan")
+        again = native(mod, q[last:last + 1], storage, 1, [RowSpec(row.blocks, 26, 1)], window)
+        assert torch.equal(again, got[last:last + 1])
 
 
 def test_native_attention_reads_only_written_positions():

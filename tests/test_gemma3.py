@@ -177,3 +177,73 @@ def test_q4_format_stays_close_to_f32(gemma3_llm, long_ids) -> None:
                                     reduction="batchmean").item()
     print(f"q4 vs f32: top-1 agreement {agree:.3f}, KL {kl:.2e}")
     assert agree > 0.9 and kl < 0.05
+
+
+# ------------------------------------------------------------------ the Gemma 3 block, tiny
+# A random-weight Gemma 3 GGUF in Q8_0 (tests/tiny_model.py) with an 8-token window:
+# every option of the block is exercised on short prompts, in both paths.
+TINY_IDS = list(range(5, 200, 4))  # 49 tokens: five times past the window
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory: pytest.TempPathFactory, smollm2_file) -> Path:
+    from tiny_model import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma") / "tiny-gemma3.gguf",
+                             smollm2_file)
+
+
+def test_tiny_gemma_matches_transformers(tiny_gemma: Path) -> None:
+    """Observed max |Δlogit| 5e-6 (|logits| ~5) with the window crossed five times."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ember.models.loader import load_model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_gemma.parent), gguf_file=tiny_gemma.name, dtype=torch.float32,
+        query_pre_attn_scalar=32)  # transformers does not read it from the GGUF
+    with torch.no_grad():
+        theirs = hf(torch.tensor([TINY_IDS])).logits[0]
+    ours = load_model(str(tiny_gemma), "f32").model.score(TINY_IDS)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_tiny_gemma_q4_runs_the_fused_stack_as_op_by_op(tiny_gemma: Path) -> None:
+    """Sliding windows, two RoPE bases, post-norms, GeGLU and q/k norms in the native
+    stack against the PyTorch path on the same packed weights (observed ~1e-7)."""
+    from ember import kernels
+    from ember.models.loader import load_model
+
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    q4 = load_model(str(tiny_gemma), "q4")
+    assert q4.model.native is not None and q4.model.batch_invariant
+    fused = q4.model.score(TINY_IDS)
+    q4.model.native = None
+    op_by_op = q4.model.score(TINY_IDS)
+    rel = ((fused - op_by_op).norm() / op_by_op.norm()).item()
+    assert rel < 1e-3, rel
+
+
+def test_tiny_gemma_q4_is_batch_invariant(tiny_gemma: Path) -> None:
+    from test_batch_invariance import outcomes, params, random_prompts
+
+    from ember import kernels
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.models.loader import load_model
+
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    q4 = load_model(str(tiny_gemma), "q4")
+    prompts = random_prompts(6, seed=5, lo=1, hi=40)
+    sps = [params(i, max_tokens=12) for i in range(6)]
+
+    def make(**options) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_gemma), weights="q4", num_kv_blocks=128,
+                                      **options), loaded=q4)
+
+    alone = [outcomes(make(), [p], [sp])[0] for p, sp in zip(prompts, sps, strict=True)]
+    assert outcomes(make(), prompts, sps) == alone
+    assert outcomes(make(max_num_batched_tokens=5), prompts, sps) == alone

@@ -92,3 +92,59 @@ def write_tiny_llama(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_gemma3(path: Path, tokenizer_source: GGUFFile, *, n_layers: int = 6,
+                      hidden: int = 64, n_heads: int = 4, n_kv_heads: int = 1,
+                      head_dim: int = 32, ffn: int = 128, window: int = 8,
+                      seed: int = 0) -> Path:
+    """A Gemma 3 block model (Q8_0): sliding-window layers (a small ``window``, so short
+    prompts cross it) and a global one every sixth, q/k norms, post-norms, tied head.
+    Norm weights are stored as GGUF stores Gemma's: already ``1 + w``."""
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(n_layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)
+    _copy_tokenizer(w, tokenizer_source)
+
+    def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
+        data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    q8("token_embd.weight", vocab, hidden, hidden**-0.5)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", hidden)
+        q8(p + "attn_q.weight", q_dim, hidden, hidden**-0.5)
+        q8(p + "attn_k.weight", kv_dim, hidden, hidden**-0.5)
+        q8(p + "attn_v.weight", kv_dim, hidden, hidden**-0.5)
+        norm(p + "attn_q_norm.weight", head_dim)
+        norm(p + "attn_k_norm.weight", head_dim)
+        q8(p + "attn_output.weight", hidden, q_dim, q_dim**-0.5)
+        norm(p + "post_attention_norm.weight", hidden)
+        norm(p + "ffn_norm.weight", hidden)
+        q8(p + "ffn_gate.weight", ffn, hidden, hidden**-0.5)
+        q8(p + "ffn_up.weight", ffn, hidden, hidden**-0.5)
+        q8(p + "ffn_down.weight", hidden, ffn, ffn**-0.5)
+        norm(p + "post_ffw_norm.weight", hidden)
+    norm("output_norm.weight", hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -69,6 +69,15 @@ inline void silu_mul_row(const float* gate, const float* up, int64_t F, float* o
   for (; i < F; ++i) out[i] = gate[i] / (1.0f + exp_scalar(-gate[i])) * up[i];
 }
 
+// out[F] = gelu_tanh(gate) * up, GELU's tanh approximation as torch computes it
+inline void gelu_mul_row(const float* gate, const float* up, int64_t F, float* out) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < F; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
+  }
+}
+
 enum Stage { kNorms, kProjections, kRopeStore, kAttention, kActivation, kStages };
 
 // Adds the time since the previous lap to a stage's total (does nothing without totals).
@@ -92,6 +101,9 @@ struct LayerWeights {
   at::Tensor attn_norm, ffn_norm;
   QLinear qkv, o, gate_up, down;
   at::Tensor qkv_bias, q_norm, k_norm;  // undefined where the family has none
+  at::Tensor post_attn_norm, post_ffn_norm;  // Gemma's norms of each sublayer's output
+  int64_t window = 0;  // sliding-window span; 0: attends to everything
+  int64_t rope = 0;  // which of forward's RoPE tables (Gemma: local or global base)
 };
 
 using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // bits, rows, tensors
@@ -99,9 +111,12 @@ using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // 
 class DecoderStack {
  public:
   DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t rope_dim, int64_t ffn, double eps, bool neox = false)
+               int64_t rope_dim, int64_t ffn, double eps, bool neox = false,
+               bool gelu = false, double attn_scale = 0.0)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        rope_dim_(rope_dim), ffn_(ffn), eps_(eps), neox_(neox) {
+        rope_dim_(rope_dim), ffn_(ffn), eps_(eps), neox_(neox), gelu_(gelu),
+        scale_(attn_scale > 0 ? static_cast<float>(attn_scale)
+                              : 1.0f / std::sqrt(static_cast<float>(head_dim))) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && ffn > 0 &&
                     heads % kv_heads == 0 && rope_dim >= 0 && rope_dim % 2 == 0 &&
                     rope_dim <= head_dim,
@@ -118,7 +133,7 @@ class DecoderStack {
     LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
                    linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_),
                    linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_),
-                   {}, {}, {}};
+                   {}, {}, {}, {}, {}, 0, 0};
     layers_.push_back(std::move(L));
   }
 
@@ -129,6 +144,25 @@ class DecoderStack {
     TORCH_CHECK(b.numel() == (heads_ + 2 * kv_heads_) * head_dim_,
                 "DecoderStack: qkv bias has ", b.numel(), " elements");
     layers_.back().qkv_bias = b;
+  }
+
+  // The last added layer's norms of the attention and MLP outputs [hidden] (Gemma).
+  void set_post_norms(const at::Tensor& post_attn, const at::Tensor& post_ffn) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    const at::Tensor a = norm_weight(post_attn), f = norm_weight(post_ffn);
+    TORCH_CHECK(a.numel() == hidden_ && f.numel() == hidden_,
+                "DecoderStack: post-norm weights must have hidden elements");
+    layers_.back().post_attn_norm = a;
+    layers_.back().post_ffn_norm = f;
+  }
+
+  // The last added layer's attention kind: its sliding window (0: none) and which
+  // RoPE table of forward's list it rotates by.
+  void set_attention(int64_t window, int64_t rope) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    TORCH_CHECK(window >= 0 && rope >= 0, "DecoderStack: bad window or RoPE index");
+    layers_.back().window = window;
+    layers_.back().rope = rope;
   }
 
   // The last added layer's per-head RMSNorm weights of q and k [head_dim] (Qwen 3).
@@ -144,14 +178,19 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Run every layer over x [T, hidden] in place. pool: the KV pool (blocks, layers,
-  // 2, bs, Hkv, D); rope: [T, rope_dim/2, 2] (cos, sin) of each token's position;
+  // 2, bs, Hkv, D); ropes: RoPE tables [T, rope_dim/2, 2] (cos, sin) of each token's
+  // position, one per base the layers use (set_attention picks);
   // slots [T]: where each token's K/V go; tables [R, NB]: each row's block ids;
   // rows [T]: each token's row; positions [T]: each token's position in its row.
-  void forward(at::Tensor& x, at::Tensor& pool, const at::Tensor& rope, const at::Tensor& slots,
-               const at::Tensor& tables, const at::Tensor& rows,
+  void forward(at::Tensor& x, at::Tensor& pool, const std::vector<at::Tensor>& ropes,
+               const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& rows,
                const at::Tensor& positions) const {
     const int64_t T = x.size(0);
-    check_step(x, pool, rope, slots, tables, rows, positions);
+    for (const LayerWeights& L : layers_) {
+      TORCH_CHECK(L.rope < static_cast<int64_t>(ropes.size()),
+                  "DecoderStack: a layer uses RoPE table ", L.rope, " of ", ropes.size());
+    }
+    for (const at::Tensor& rope : ropes) check_step(x, pool, rope, slots, tables, rows, positions);
     if (T == 0) return;
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     const int64_t qkv_n = q_dim + 2 * kv_dim;
@@ -167,7 +206,6 @@ class DecoderStack {
     float* attp = att.data_ptr<float>();
     float* gup = gu.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     Clock clock(profiling_ ? &stage_ns_ : nullptr);
     for (int64_t i = 0; i < num_layers(); ++i) {
       const LayerWeights& L = layers_[i];
@@ -176,13 +214,17 @@ class DecoderStack {
       clock.lap(kNorms);
       qlinear(L.qkv, hp, T, qkvp);
       clock.lap(kProjections);
-      rope_and_store(L, qkvp, T, rope.data_ptr<float>(), slots.data_ptr<int64_t>(), kv);
+      rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
+                     kv);
       clock.lap(kRopeStore);
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
-             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale);
+             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window);
       clock.lap(kAttention);
       qlinear(L.o, attp, T, yp);
       clock.lap(kProjections);
+      if (L.post_attn_norm.defined()) {
+        rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
+      }
       add_rows(xp, yp, T * hidden_);
       rms_norm_rows(xp, L.ffn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
       clock.lap(kNorms);
@@ -191,12 +233,19 @@ class DecoderStack {
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
           const float* g = gup + t * 2 * ffn_;
-          silu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
+          if (gelu_) {
+            gelu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
+          } else {
+            silu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
+          }
         }
       });
       clock.lap(kActivation);
       qlinear(L.down, hp, T, yp);
       clock.lap(kProjections);
+      if (L.post_ffn_norm.defined()) {
+        rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
+      }
       add_rows(xp, yp, T * hidden_);
       clock.lap(kNorms);
     }
@@ -330,7 +379,8 @@ class DecoderStack {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
   double eps_;
-  bool neox_;
+  bool neox_, gelu_;
+  float scale_;
   std::vector<LayerWeights> layers_;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};

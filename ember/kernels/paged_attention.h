@@ -216,10 +216,13 @@ inline void prefetch_rows(const Elem* k, const Elem* v, int64_t at, int64_t n,
 // so the split may follow the batch: one task per token (all its heads, so each
 // block's K/V rows are read together, in order) when there are tokens enough to
 // keep the threads busy, else one task per (token, head).
+// window > 0: a sliding-window layer, token t attends to positions
+// max(0, pos[t] - window + 1) .. pos[t] only (blocks before that are not read; the
+// first block read is entered at the window's start).
 template <KVType KT>
 void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
                   const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-                  const int64_t* pos, float scale) {
+                  const int64_t* pos, float scale, int64_t window) {
   using Elem = std::conditional_t<KT == KVType::F32, float, uint16_t>;
   const int64_t D = kv.d, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * D;
   const int64_t padded = (bs + 7) / 8 * 8;
@@ -243,9 +246,11 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
       std::fill(mx.begin(), mx.end(), -INFINITY);
       std::fill(sum.begin(), sum.end(), 0.0f);
       const int64_t hk_lo = h0 / G, hk_hi = (h0 + heads_per_task - 1) / G;
-      for (int64_t start = 0; start < len; start += bs) {
-        const int64_t n = std::min(bs, len - start);
-        const int64_t block = table[start / bs] * kv.block_stride;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t start = first / bs * bs; start < len; start += bs) {
+        const int64_t skip = std::max<int64_t>(0, first - start);  // before the window
+        const int64_t n = std::min(bs, len - start) - skip;
+        const int64_t block = table[start / bs] * kv.block_stride + skip * row_stride;
         if (start + bs < len) {
           // Blocks lie far apart in the pool (every layer's K/V sit between two
           // consecutive blocks of one layer), so the hardware prefetcher, which stops
@@ -290,16 +295,19 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
 
 void attend(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
             const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-            const int64_t* pos, float scale) {
+            const int64_t* pos, float scale, int64_t window = 0) {
   switch (kv.type) {
     case KVType::F32:
-      attend_typed<KVType::F32>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      attend_typed<KVType::F32>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
+                                window);
       break;
     case KVType::F16:
-      attend_typed<KVType::F16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      attend_typed<KVType::F16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
+                                window);
       break;
     case KVType::BF16:
-      attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale);
+      attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
+                                 window);
       break;
   }
 }

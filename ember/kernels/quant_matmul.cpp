@@ -763,7 +763,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
 // tables[rows[t]]). The K/V of every attended position must already be in the pool.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& pool, int64_t layer,
                            const at::Tensor& tables_in, const at::Tensor& rows_in,
-                           const at::Tensor& positions_in, double scale) {
+                           const at::Tensor& positions_in, double scale, int64_t window) {
   const at::Tensor q = q_in.contiguous();
   const at::Tensor tables = tables_in.contiguous().to(at::kLong);
   const at::Tensor rows = rows_in.contiguous().to(at::kLong);
@@ -793,7 +793,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& pool, int64
   auto out = at::empty_like(q);
   attend(q.data_ptr<float>(), q.size(1) * q.size(2), out.data_ptr<float>(), T, q.size(1), kv,
          tables.data_ptr<int64_t>(), NB, rows.data_ptr<int64_t>(),
-         positions.data_ptr<int64_t>(), static_cast<float>(scale));
+         positions.data_ptr<int64_t>(), static_cast<float>(scale), window);
   return out;
 }
 
@@ -813,14 +813,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm", &rms_norm, "RMSNorm over the last dim (x, weight, eps)", release());
   mod.def("paged_attention", &paged_attention,
           "causal attention over the paged pool in place (q, pool, layer, tables, rows, "
-          "positions, scale)",
-          release());
+          "positions, scale, window: 0 for none)",
+          pybind11::arg("q"), pybind11::arg("pool"), pybind11::arg("layer"),
+          pybind11::arg("tables"), pybind11::arg("rows"), pybind11::arg("positions"),
+          pybind11::arg("scale"), pybind11::arg("window") = 0, release());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool>(),
-           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps, neox",
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
+                          bool, double>(),
+           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps, neox, gelu, attn_scale",
            pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
            pybind11::arg("head_dim"), pybind11::arg("rope_dim"), pybind11::arg("ffn"),
-           pybind11::arg("eps"), pybind11::arg("neox") = false)
+           pybind11::arg("eps"), pybind11::arg("neox") = false, pybind11::arg("gelu") = false,
+           pybind11::arg("attn_scale") = 0.0)
+      .def("set_post_norms", &DecoderStack::set_post_norms,
+           "the last layer's norms of the attention and MLP outputs")
+      .def("set_attention", &DecoderStack::set_attention,
+           "the last layer's sliding window (0: none) and RoPE table index")
       .def("add_layer", &DecoderStack::add_layer,
            "attn_norm, ffn_norm, then qkv, o, gate_up, down as (bits, rows, tensors)")
       .def("set_qkv_bias", &DecoderStack::set_qkv_bias, "the last layer's Q/K/V biases")
@@ -832,5 +840,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("stage_seconds", &DecoderStack::stage_seconds,
            "seconds per stage summed over forward calls since set_profiling(True)")
       .def("forward", &DecoderStack::forward,
-           "x (in place), pool, rope, slots, tables, rows, positions", release());
+           "x (in place), pool, ropes (one table per base), slots, tables, rows, positions",
+           release());
 }

@@ -115,13 +115,15 @@ def _rope_key(kind: LayerAttention) -> tuple[float, float]:
     return kind.rope_base, kind.rope_scale
 
 
+def rope_keys(cfg: ModelConfig) -> list[tuple[float, float]]:
+    """The distinct RoPEs of the layers, in first-use order (the stack's table list)."""
+    return list(dict.fromkeys(_rope_key(cfg.layer_attention(i)) for i in range(cfg.n_layers)))
+
+
 def native_stack_supports(cfg: ModelConfig) -> bool:
-    """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: the
-    llama block, with Qwen's NEOX RoPE, Q/K/V biases and q/k norms (not Gemma's
-    post-norms, GeGLU, sliding windows or query scale, nor experts)."""
-    return (not cfg.post_norms and cfg.activation == "silu" and not cfg.n_experts
-            and cfg.softmax_scale == 1.0 / cfg.head_dim ** 0.5
-            and all(a == LayerAttention(cfg.rope_base) for a in cfg.layers))
+    """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
+    option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts."""
+    return not cfg.n_experts
 
 
 def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
@@ -139,9 +141,15 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
         return None
     stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps, cfg.rope_neox)
-    for layer, parts in zip(layers, linears, strict=True):
+                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps, cfg.rope_neox,
+                             cfg.activation == "gelu_tanh", cfg.softmax_scale)
+    ropes = rope_keys(cfg)
+    for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
         stack.add_layer(layer.attn_norm, layer.ffn_norm, *(p.packed_form() for p in parts))
+        kind = cfg.layer_attention(i)
+        stack.set_attention(kind.window or 0, ropes.index(_rope_key(kind)))
+        if layer.post_attn_norm is not None and layer.post_ffn_norm is not None:
+            stack.set_post_norms(layer.post_attn_norm, layer.post_ffn_norm)
         if layer.qkv_bias is not None:
             stack.set_qkv_bias(layer.qkv_bias)
         if layer.q_norm is not None and layer.k_norm is not None:
@@ -218,9 +226,8 @@ class DecoderModel:
         self.output = output
         # one rotation table per distinct RoPE (Gemma's local and global layers)
         self.ropes = {
-            _rope_key(a): RotaryEmbedding(cfg.rope_dim, a.rope_base, freq_factors,
-                                          cfg.rope_neox, a.rope_scale)
-            for a in (cfg.layer_attention(i) for i in range(cfg.n_layers))}
+            key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1])
+            for key in rope_keys(cfg)}
         self.rope = self.ropes[_rope_key(cfg.layer_attention(0))]
         self.activation = ACTIVATIONS[cfg.activation]
         # The whole stack in one native call per step, where the configuration and the
@@ -248,9 +255,10 @@ class DecoderModel:
                     freq_factors, fmt.rms_norm, experts)
         if fmt.name == "q4" and not model.batch_invariant:
             log.warning("%s: not every projection and the output head are packed 4/8-bit "
-                        "here (or the native stack does not implement %s yet), so q4 runs "
-                        "(partly) op by op and a request's logits may differ slightly with "
-                        "the batch (tokens only at near-ties)", gguf.path.name, cfg.architecture)
+                        "here (K-quant tensors stay dense f32; routed experts run op by "
+                        "op), so q4 runs (partly) op by op and a request's logits may "
+                        "differ slightly with the batch (tokens only at near-ties)",
+                        gguf.path.name)
         return model
 
     @property
@@ -310,8 +318,9 @@ class DecoderModel:
         """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
         if self.native is not None:
             x = x.clone(memory_format=torch.contiguous_format)  # updated in place
-            rope = torch.view_as_real(self.rope.rotation(batch.positions)).contiguous()
-            self.native.forward(x, kv.pool, rope, batch.slot_mapping, batch.tables,
+            ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
+                     for rope in self.ropes.values()]  # in rope_keys order
+            self.native.forward(x, kv.pool, ropes, batch.slot_mapping, batch.tables,
                                 batch.token_rows, batch.positions)
             return x
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
