@@ -115,10 +115,10 @@ def test_the_stack_refuses_a_mismatched_pool(models):
     x = q4.embed(torch.tensor([1, 2, 3]))
     rope = torch.view_as_real(q4.rope.rotation(batch.positions)).contiguous()
     with pytest.raises(RuntimeError, match="KV pool shape"):
-        q4.native.forward(x, bad, rope, batch.slot_mapping, batch.tables, batch.token_rows,
+        q4.native.forward(x, bad, [rope], batch.slot_mapping, batch.tables, batch.token_rows,
                           batch.positions)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        q4.native.forward(x, kv.pool, rope, batch.slot_mapping + 10_000, batch.tables,
+        q4.native.forward(x, kv.pool, [rope], batch.slot_mapping + 10_000, batch.tables,
                           batch.token_rows, batch.positions)
 
 
@@ -149,9 +149,9 @@ def test_the_stack_refuses_slots_that_do_not_match_the_table(models):
     slots = batch.slot_mapping.clone()
     slots[1] = slots[2]  # two tokens into one slot, one position never written
     with pytest.raises(RuntimeError, match="slot does not match"):
-        q4.native.forward(x, kv.pool, rope, slots, batch.tables, batch.token_rows,
+        q4.native.forward(x, kv.pool, [rope], slots, batch.tables, batch.token_rows,
                           batch.positions)
     bad_pool = torch.zeros(4, 30, 1, 16, 3, 64)  # no V half
     with pytest.raises(RuntimeError, match="KV pool"):
-        q4.native.forward(x, bad_pool, rope, batch.slot_mapping, batch.tables,
+        q4.native.forward(x, bad_pool, [rope], batch.slot_mapping, batch.tables,
                           batch.token_rows, batch.positions)

@@ -130,7 +130,9 @@ def test_q4_speculation_is_lossless_to_the_bit(make_q4_engine, prompts, sampled)
                              ignore_eos=True, logprobs=5) for i in range(len(chosen))]
     off = run(make(speculation="off"), chosen, params)
     on = run(make(), chosen, params)
-    assert sum(r.speculator.stats.accepted for r in on) > 10
+    # the comparison means something only if drafts were verified and committed (how
+    # many depends on the sampled text: 10-30 seen as the kernels' rounding changed)
+    assert sum(r.speculator.stats.accepted for r in on) >= 5
 
     def outcome(r):
         return r.output_ids, [(lp.token, lp.logprob, lp.top) for lp in r.logprobs]
