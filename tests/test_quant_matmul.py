@@ -48,6 +48,7 @@ from ember.models.quant import (
     q4_1_unpack,
     q5_0_unpack,
     q8_0_unpack,
+    unpack_affine,
 )
 
 MS = [1, 3, 16, 64, 300]
@@ -76,6 +77,27 @@ def random_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(qtype))).reshape(-1)
 
 
+K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+def random_kquant_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random K-quant blocks (gguf-py cannot quantize to K-quants): random code and
+    scale bytes, with the f16 super-scales set to sane magnitudes."""
+    from ember.models.quant import BLOCK_GEOMETRY
+
+    rng = np.random.default_rng(seed)
+    elems, size = BLOCK_GEOMETRY[qtype]
+    blk = rng.integers(0, 256, (rows * cols // elems, size), dtype=np.uint8)
+    def f16(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, len(blk)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == GGMLType.Q6_K:
+        blk[:, 208:210] = f16(1e-4, 2e-3)
+    else:
+        blk[:, 0:2] = f16(1e-4, 2e-3)  # d
+        blk[:, 2:4] = f16(0.0, 2e-3)  # dmin
+    return blk.reshape(-1)
+
+
 def oracle_weight(parts) -> torch.Tensor:
     return torch.cat([dequantize(raw, t, shape) for raw, t, shape in parts])
 
@@ -95,7 +117,19 @@ def emulate_int_path(x: torch.Tensor, parts) -> torch.Tensor:
     q, d, s = emulate_quantize_x(x)
     xhat = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape)
     outs = []
+    types = {t for _, t, _ in parts}  # the layout QuantLinear.from_raw picks
+    k8 = not types <= {GGMLType.Q4_0, GGMLType.Q4_1} and not types <= {GGMLType.Q8_0,
+                                                                       GGMLType.Q5_0}
     for raw, t, shape in parts:
+        if k8:  # w = q s (per 16 or 32) + offset (per 32), as the k8 kernel sums it
+            codes, scale, offset = unpack_affine(raw, t, shape)
+            w = (torch.from_numpy(codes.astype(np.float64))
+                 * torch.from_numpy(scale.astype(np.float64))[..., None]).reshape(shape)
+            y = xhat @ w.T
+            if offset is not None:
+                y = y + s @ torch.from_numpy(offset.astype(np.float64)).T
+            outs.append(y)
+            continue
         if t in (GGMLType.Q8_0, GGMLType.Q5_0):  # centred codes, w = q d
             codes, scale = (q8_0_unpack if t == GGMLType.Q8_0 else q5_0_unpack)(raw, shape)
             w = (codes.double() * scale.double()[..., None]).reshape(shape)
@@ -177,6 +211,31 @@ def test_random_blocks(ext, qtype: GGMLType, m: int) -> None:
     check_linear(lin, parts, torch.randn(m, cols))
 
 
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("m", MS)
+def test_kquant_random_blocks_pack_exactly_as_k8(ext, qtype: GGMLType, m: int) -> None:
+    rows, cols = 75, 512  # two 256-element super-blocks per row
+    parts = [(random_kquant_raw(qtype, rows, cols, seed=int(qtype)), qtype, (rows, cols))]
+    lin = QuantLinear.from_raw(parts)
+    assert lin.bits == 16
+    torch.manual_seed(m)
+    check_linear(lin, parts, torch.randn(m, cols))
+
+
+def test_a_layer_fusing_kquants_with_other_blocks_is_one_k8_layer(ext) -> None:
+    """QKV of a Q4_K_M file: Q4_K, Q8_0, Q6_K (and Q4_1, Q5_0) rows in one k8 matrix."""
+    cols = 256
+    parts = [(random_kquant_raw(GGMLType.Q4_K, 24, cols, 1), GGMLType.Q4_K, (24, cols)),
+             (random_raw(GGMLType.Q8_0, 8, cols, 2), GGMLType.Q8_0, (8, cols)),
+             (random_kquant_raw(GGMLType.Q6_K, 16, cols, 3), GGMLType.Q6_K, (16, cols)),
+             (random_raw(GGMLType.Q4_1, 8, cols, 4), GGMLType.Q4_1, (8, cols)),
+             (random_raw(GGMLType.Q5_0, 8, cols, 5), GGMLType.Q5_0, (8, cols))]
+    lin = QuantLinear.from_raw(parts)
+    assert (lin.bits, lin.out_features) == (16, 64)
+    torch.manual_seed(0)
+    check_linear(lin, parts, torch.randn(5, cols))
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0])
 def test_heavy_tailed_and_zero_inputs(ext, qtype: GGMLType) -> None:
     rows, cols = 64, 256
@@ -212,11 +271,12 @@ def test_fused_parts_and_shapes(ext) -> None:
     torch.testing.assert_close(lin(xt), lin(xt.contiguous()), rtol=0, atol=0)
 
 
-def test_mixed_layouts_fall_back_to_concat() -> None:
+def test_a_non_block_type_cannot_be_packed() -> None:
+    f16 = np.zeros((8, 64), np.float16).view(np.uint8).reshape(-1)
     with pytest.raises(UnsupportedModelError, match="no single quantized layout"):
         QuantLinear.from_raw([
             (random_raw(GGMLType.Q4_1, 8, 64, 1), GGMLType.Q4_1, (8, 64)),
-            (random_raw(GGMLType.Q8_0, 8, 64, 1), GGMLType.Q8_0, (8, 64))])
+            (f16, GGMLType.F16, (8, 64))])
 
 
 # ------------------------------------------------------------------ real SmolLM2 tensors
@@ -244,16 +304,27 @@ def test_smollm2_tensors(ext, smollm2_file: GGUFFile, names: list[str]) -> None:
           + ", ".join(f"{m}: {e:.2e}" for m, e in errs.items()))
 
 
-def test_smollm2_mixed_layer_is_concat(ext, smollm2_file: GGUFFile) -> None:
+def test_smollm2_mixed_layer_is_one_k8_layer(ext, smollm2_file: GGUFFile) -> None:
+    """Q4_1 rows fused with Q8_0 rows: one k8 matrix (the fused stack takes it), exact."""
     names = ["blk.0.attn_q.weight", "token_embd.weight"]  # Q4_1 then Q8_0, both K = 576
     lin = QuantFormat().linear(smollm2_file, names)
+    assert isinstance(lin, QuantLinear) and lin.bits == 16
+    parts = [(smollm2_file.tensor_bytes(n), smollm2_file.tensor(n).ggml_type,
+              smollm2_file.tensor(n).shape) for n in names]
+    torch.manual_seed(0)
+    check_linear(lin, parts, torch.randn(3, 576))
+
+
+def test_a_dense_part_falls_back_to_concat(ext) -> None:
+    f16 = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float16)
+    parts = [(random_raw(GGMLType.Q4_1, 8, 64, 1), GGMLType.Q4_1, (8, 64)),
+             (f16.view(np.uint8).reshape(-1), GGMLType.F16, (8, 64))]
+    lin = QuantFormat().linear_from_raw(parts, ["q", "f"])
     assert isinstance(lin, ConcatLinear)
-    w = oracle_weight([(smollm2_file.tensor_bytes(n), smollm2_file.tensor(n).ggml_type,
-                        smollm2_file.tensor(n).shape) for n in names])
     for part in lin.parts:
         part.gemm_min_m = GEMM_PATH  # f32-exact path, so the oracle check is tight
-    x = torch.randn(80, 576)
-    assert_gemm_close(lin(x), x, w)
+    x = torch.randn(80, 64)
+    assert_gemm_close(lin(x), x, oracle_weight(parts))
 
 
 def test_gemma3_q5_0_projection_packs_8_bit_exactly(ext, gemma3_file: GGUFFile) -> None:
@@ -267,10 +338,22 @@ def test_gemma3_q5_0_projection_packs_8_bit_exactly(ext, gemma3_file: GGUFFile) 
     check_linear(lin, parts, torch.randn(3, info.shape[1]))
 
 
-def test_other_types_stay_dense(gemma3_file: GGUFFile) -> None:
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K])
+def test_gemma3_kquant_matrices_pack_exactly(ext, gemma3_file: GGUFFile, qtype) -> None:
     name = next(n for n, t in gemma3_file.tensors.items()
-                if t.ggml_type == GGMLType.Q4_K and len(t.shape) == 2)
+                if t.ggml_type == qtype and len(t.shape) == 2)
+    info = gemma3_file.tensor(name)
     lin = QuantFormat().linear(gemma3_file, [name])
+    assert isinstance(lin, QuantLinear) and lin.bits == 16
+    torch.manual_seed(0)
+    check_linear(lin, [(gemma3_file.tensor_bytes(name), qtype, info.shape)],
+                 torch.randn(3, info.shape[1]))
+
+
+def test_float_matrices_stay_dense() -> None:
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float16)
+    lin = QuantFormat().linear_from_raw([(w.view(np.uint8).reshape(-1), GGMLType.F16, (8, 64))],
+                                        ["f16"])
     assert isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32
 
 
@@ -358,6 +441,15 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_mo
     xmax = x.abs().max().item()
     torch.testing.assert_close(sa, sb, rtol=0, atol=1e-5 * xmax)
     torch.testing.assert_close(ca, cb, rtol=0, atol=1e-4 * xmax)
+    # k8 (K-quants with their f32 half-block scales and offsets)
+    kq = [(random_kquant_raw(GGMLType.Q4_K, 24, 512, 3), GGMLType.Q4_K, (24, 512)),
+          (random_kquant_raw(GGMLType.Q6_K, 16, 512, 4), GGMLType.Q6_K, (16, 512))]
+    k8 = QuantLinear.from_raw(kq)
+    xk = torch.randn(5, 512)
+    for gm in (INT_PATH, GEMM_PATH):
+        torch.testing.assert_close(mod.k8_matmul(xk, *k8.packed, 40, gm),
+                                   ext.k8_matmul(xk, *k8.packed, 40, gm), rtol=1e-5, atol=1e-5)
+    assert torch.equal(mod.k8_dequantize(*k8.packed, 40, 512), k8.dequantize())
 
 
 # -------------------------------------------------------------------------- end to end

@@ -18,25 +18,32 @@
 // batch, of prefill chunking and of whether its prefix came from the cache.
 
 // A packed quantized linear layer (ember.models.linear.QuantLinear's tensors).
+// layout: 4 (qs, d, m), 8 (qs, d) or 16, k8 (qs, s, m; m may be empty).
 struct QLinear {
-  int64_t bits = 0, n = 0, k = 0;
-  at::Tensor qs, d, m;  // m: 4-bit only
+  int64_t layout = 0, n = 0, k = 0;
+  at::Tensor qs, d, m;
 
   Weights weights() const {
+    if (layout == kK8) {
+      return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr,
+              d.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr};
+    }
     return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), half_ptr(d),
-            bits == 4 ? half_ptr(m) : nullptr};
+            layout == kQ4 ? half_ptr(m) : nullptr};
   }
 };
 
-// y[M, n] = x[M, k] @ W^T with int8 activations, as q4_matmul / q8_matmul do for M rows.
+// y[M, n] = x[M, k] @ W^T with int8 activations, as the *_matmul entry points do.
 void qlinear(const QLinear& L, const float* x, int64_t M, float* y) {
   const QuantX xq = quantize_rows(x, M, L.k);
-  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  const Acts a = acts_of(xq);
   const Dims dims{M, L.n, L.k, L.k / QK};
-  if (L.bits == 4) {
-    matmul_int<true>(L.weights(), a, dims, y);
+  if (L.layout == kQ4) {
+    matmul_int<kQ4>(L.weights(), a, dims, y);
+  } else if (L.layout == kQ8) {
+    matmul_int<kQ8>(L.weights(), a, dims, y);
   } else {
-    matmul_int<false>(L.weights(), a, dims, y);
+    matmul_int<kK8>(L.weights(), a, dims, y);
   }
 }
 
@@ -106,7 +113,7 @@ struct LayerWeights {
   int64_t rope = 0;  // which of forward's RoPE tables (Gemma: local or global base)
 };
 
-using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // bits, rows, tensors
+using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // layout, rows, tensors
 
 class DecoderStack {
  public:
@@ -277,19 +284,25 @@ class DecoderStack {
   }
 
   static QLinear linear(const PackedLinear& p, int64_t k, int64_t n) {
-    const auto& [bits, rows, t] = p;
-    TORCH_CHECK((bits == 4 && t.size() == 3) || (bits == 8 && t.size() == 2),
-                "DecoderStack: a linear is (4, rows, [qs, d, m]) or (8, rows, [qs, d])");
+    const auto& [layout, rows, t] = p;
+    TORCH_CHECK((layout == kQ4 && t.size() == 3) || (layout == kQ8 && t.size() == 2) ||
+                    (layout == kK8 && t.size() == 3),
+                "DecoderStack: a linear is (4, rows, [qs, d, m]), (8, rows, [qs, d]) or "
+                "(16, rows, [qs, s, m])");
     TORCH_CHECK(rows == n, "DecoderStack: linear has ", rows, " rows, expected ", n);
     const at::Tensor probe = at::empty({0, k}, t[0].options().dtype(at::kFloat));
-    check(probe, t[0], t[1], bits == 4 ? &t[2] : nullptr, n, bits == 4 ? B4 : B8);
+    if (layout == kK8) {
+      check_k8(probe, t[0], t[1], t[2], n);
+    } else {
+      check(probe, t[0], t[1], layout == kQ4 ? &t[2] : nullptr, n, layout == kQ4 ? B4 : B8);
+    }
     QLinear L;
-    L.bits = bits;
+    L.layout = layout;
     L.n = n;
     L.k = k;
     L.qs = t[0];
     L.d = t[1];
-    if (bits == 4) L.m = t[2];
+    if (layout != kQ8) L.m = t[2];
     return L;
   }
 

@@ -16,6 +16,11 @@
 //           20 bytes per 32 weights = 0.625 B/weight, as GGUF Q4_1.
 //   8-bit:  qs [G, nb, 8, 8, 4] int8   byte (t, r, p) is element 4t+p of row 8g+r.
 //           d [G, nb, 8] f16           w = q * d;  34 bytes / 32 weights, as Q8_0.
+//   k8:     qs as 8-bit                (K-quants, and any block type beside them)
+//           s [G, nb, 2, 8] f32        scale of elements 0-15 / 16-31 of the block
+//           m [G, nb, 8] f32 or none   w = q * s + m; 44 (40 without m) bytes / 32.
+//           The scales of K-quants are products of a 6- or 8-bit integer and an
+//           f16, exact in f32 (not in f16), so this holds them without rounding.
 //
 // Small M (decode, small batches): each activation row is quantized per 32 to int8
 // (llama.cpp's Q8 activations: d_x = max|x|/127, round half to even); block dots are
@@ -109,11 +114,12 @@ struct QuantX {
   float* s;        // [M, nb] exact float block sums
   float* c8;       // [M, nb] 8 * (s - d * sum(q)): 8x the block rounding error
   int32_t* qsum;   // [M, nb] sum(q)
+  int32_t* qlo;    // [M, nb] sum of the first 16 of q (k8's half-block scales)
 };
 
 // One row of K floats.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, float* c8,
-                  int32_t* qsum) {
+                  int32_t* qsum, int32_t* qlo) {
   const int64_t nb = K / QK;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * QK;
@@ -149,6 +155,11 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, floa
     is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
     is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
     qsum[b] = _mm_cvtsi128_si32(is4);
+    const __m256i lo = _mm256_add_epi32(i0, i1);
+    __m128i lo4 = _mm_add_epi32(_mm256_extracti128_si256(lo, 1), _mm256_castsi256_si128(lo));
+    lo4 = _mm_add_epi32(lo4, _mm_shuffle_epi32(lo4, 0x4E));
+    lo4 = _mm_add_epi32(lo4, _mm_shuffle_epi32(lo4, 0xB1));
+    qlo[b] = _mm_cvtsi128_si32(lo4);
     i0 = _mm256_packs_epi32(i0, i1);
     i2 = _mm256_packs_epi32(i2, i3);
     i0 = _mm256_packs_epi16(i0, i2);
@@ -167,6 +178,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, floa
     for (int64_t j = 0; j < QK; ++j) {
       qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
       total += qb[j];
+      if (j == QK / 2 - 1) qlo[b] = total;
     }
     qsum[b] = total;
 #endif
@@ -177,18 +189,19 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, floa
 // M rows of K floats at xp (row-major).
 QuantX quantize_rows(const float* xp, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
-  // layout: 4 float-sized arrays of M*nb, then the M*K codes
+  // layout: 5 float-sized arrays of M*nb, then the M*K codes
   static thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(4 * M * nb + (M * K + 3) / 4);
+  const size_t need = static_cast<size_t>(5 * M * nb + (M * K + 3) / 4);
   if (scratch.size() < need) scratch.resize(need);
   float* base = scratch.data();
-  QuantX r{reinterpret_cast<int8_t*>(base + 4 * M * nb), base, base + M * nb, base + 2 * M * nb,
-           reinterpret_cast<int32_t*>(base + 3 * M * nb)};
+  QuantX r{reinterpret_cast<int8_t*>(base + 5 * M * nb), base, base + M * nb, base + 2 * M * nb,
+           reinterpret_cast<int32_t*>(base + 3 * M * nb),
+           reinterpret_cast<int32_t*>(base + 4 * M * nb)};
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(xp + m * K, K, r.q + m * K, r.d + m * nb, r.s + m * nb, r.c8 + m * nb,
-                   r.qsum + m * nb);
+                   r.qsum + m * nb, r.qlo + m * nb);
     }
   });
   return r;
@@ -204,7 +217,11 @@ struct Weights {
   const uint8_t* qs;  // packed codes
   const uint16_t* d;  // f16 scales [G, nb, 8]
   const uint16_t* m;  // f16 offsets [G, nb, 8] (4-bit only)
+  const float* ks = nullptr;  // k8: f32 half-block scales [G, nb, 2, 8]
+  const float* km = nullptr;  // k8: f32 offsets [G, nb, 8], or none
 };
+
+enum Layout { kQ4 = 4, kQ8 = 8, kK8 = 16 };
 
 struct Acts {
   const int8_t* q;
@@ -212,7 +229,10 @@ struct Acts {
   const float* s;
   const float* c8;
   const int32_t* qsum;
+  const int32_t* qlo;
 };
+
+inline Acts acts_of(const QuantX& xq) { return {xq.q, xq.d, xq.s, xq.c8, xq.qsum, xq.qlo}; }
 
 struct Dims {
   int64_t M, N, K, nb;
@@ -359,6 +379,74 @@ inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
   }
 }
 
+// Group g of a k8 weight times activation rows [m0, m0 + MT): the q8 integer dots
+// split into the block's two halves, each scaled by its own f32 scale.
+template <int MT>
+inline void group_k8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  __m256 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
+  const uint8_t* qg = w.qs + g * n.nb * B8;
+  const float* sg = w.ks + g * n.nb * 2 * RG;
+  const float* mg = w.km != nullptr ? w.km + g * n.nb * RG : nullptr;
+  for (int64_t b = 0; b < n.nb; ++b) {
+    const uint8_t* qb = qg + b * B8;
+    __m256i wv[8];
+#if defined(EMBER_VNNI)
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int t = 0; t < 8; ++t) {
+      wv[t] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t)), flip);
+    }
+#else
+    __m256i wabs[8];
+    for (int t = 0; t < 8; ++t) {
+      wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t));
+      wabs[t] = _mm256_sign_epi8(wv[t], wv[t]);
+    }
+#endif
+    const __m256 s_lo = _mm256_loadu_ps(sg + b * 2 * RG);
+    const __m256 s_hi = _mm256_loadu_ps(sg + b * 2 * RG + RG);
+    const __m256 mv = mg != nullptr ? _mm256_loadu_ps(mg + b * RG) : _mm256_setzero_ps();
+    for (int j = 0; j < MT; ++j) {
+      const int64_t row = m0 + j;
+      const int8_t* xb = a.q + row * n.K + b * QK;
+      const int64_t xi = row * n.nb + b;
+#if defined(EMBER_VNNI)
+      __m256i lo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
+      __m256i hi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[4], bcast32(xb + 16));
+      for (int t = 1; t < 4; ++t) {
+        lo = _mm256_dpbusd_epi32(lo, wv[t], bcast32(xb + 4 * t));
+        hi = _mm256_dpbusd_epi32(hi, wv[4 + t], bcast32(xb + 16 + 4 * t));
+      }
+      lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(128 * a.qlo[xi]));
+      hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(128 * (a.qsum[xi] - a.qlo[xi])));
+#else
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                      wabs[t], _mm256_sign_epi8(bcast32(xb + 4 * t), wv[t])),
+                                  ones));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                      wabs[4 + t],
+                                      _mm256_sign_epi8(bcast32(xb + 16 + 4 * t), wv[4 + t])),
+                                  ones));
+      }
+#endif
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s_lo);
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s_hi, t);
+      acc[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xi]), acc[j]);
+      if (mg != nullptr) acc[j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[xi]), acc[j]);
+    }
+  }
+  alignas(32) float out[RG];
+  for (int j = 0; j < MT; ++j) {
+    _mm256_store_ps(out, acc[j]);
+    store_group(y, n, m0 + j, g, out);
+  }
+}
+
 #else  // scalar fallback: same arithmetic, one row at a time
 
 template <int MT>
@@ -413,19 +501,49 @@ inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
   }
 }
 
-#endif
-
-template <bool FOUR_BIT, int MT>
-inline void group_tile(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
-                       float* y) {
-  if constexpr (FOUR_BIT) {
-    group_q4<MT>(w, a, n, g, m0, y);
-  } else {
-    group_q8<MT>(w, a, n, g, m0, y);
+template <int MT>
+inline void group_k8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                     float* y) {
+  for (int j = 0; j < MT; ++j) {
+    const int64_t row = m0 + j;
+    float out[RG] = {};
+    for (int64_t b = 0; b < n.nb; ++b) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(w.qs + (g * n.nb + b) * B8);
+      const float* sb = w.ks + (g * n.nb + b) * 2 * RG;
+      const int8_t* xb = a.q + row * n.K + b * QK;
+      const int64_t xi = row * n.nb + b;
+      for (int r = 0; r < RG; ++r) {
+        int32_t lo = 0, hi = 0;
+        for (int t = 0; t < 8; ++t) {
+          for (int p = 0; p < 4; ++p) {
+            const int32_t v = static_cast<int32_t>(qb[t * 32 + r * 4 + p]) * xb[4 * t + p];
+            (t < 4 ? lo : hi) += v;
+          }
+        }
+        const float t = static_cast<float>(lo) * sb[r] + static_cast<float>(hi) * sb[RG + r];
+        out[r] += t * a.d[xi];
+        if (w.km != nullptr) out[r] += w.km[(g * n.nb + b) * RG + r] * a.s[xi];
+      }
+    }
+    store_group(y, n, row, g, out);
   }
 }
 
-template <bool FOUR_BIT>
+#endif
+
+template <int LAYOUT, int MT>
+inline void group_tile(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
+                       float* y) {
+  if constexpr (LAYOUT == kQ4) {
+    group_q4<MT>(w, a, n, g, m0, y);
+  } else if constexpr (LAYOUT == kQ8) {
+    group_q8<MT>(w, a, n, g, m0, y);
+  } else {
+    group_k8<MT>(w, a, n, g, m0, y);
+  }
+}
+
+template <int LAYOUT>
 void matmul_int(const Weights& w, const Acts& a, const Dims& n, float* y) {
   const int64_t groups = (n.N + RG - 1) / RG;
   // ~32k multiply-adds per task at least, so thread hand-off cost stays small.
@@ -434,11 +552,11 @@ void matmul_int(const Weights& w, const Acts& a, const Dims& n, float* y) {
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t mi = 0;
-      for (; mi + 4 <= n.M; mi += 4) group_tile<FOUR_BIT, 4>(w, a, n, g, mi, y);
+      for (; mi + 4 <= n.M; mi += 4) group_tile<LAYOUT, 4>(w, a, n, g, mi, y);
       switch (n.M - mi) {
-        case 3: group_tile<FOUR_BIT, 3>(w, a, n, g, mi, y); break;
-        case 2: group_tile<FOUR_BIT, 2>(w, a, n, g, mi, y); break;
-        case 1: group_tile<FOUR_BIT, 1>(w, a, n, g, mi, y); break;
+        case 3: group_tile<LAYOUT, 3>(w, a, n, g, mi, y); break;
+        case 2: group_tile<LAYOUT, 2>(w, a, n, g, mi, y); break;
+        case 1: group_tile<LAYOUT, 1>(w, a, n, g, mi, y); break;
         default: break;
       }
     }
@@ -552,6 +670,30 @@ void dequant_q8_groups(const Weights& w, int64_t K, int64_t n_rows, int64_t g0, 
   }
 }
 
+// k8 rows of groups [g0, g1): w = q * s (+ m), two roundings like the reference.
+void dequant_k8_groups(const Weights& w, int64_t K, int64_t n_rows, int64_t g0, int64_t g1,
+                       float* out) {
+  const int64_t nb = K / QK;
+  for (int64_t g = g0; g < g1; ++g) {
+    float* og = out + (g - g0) * RG * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(w.qs + (g * nb + b) * B8);
+      const float* sb = w.ks + (g * nb + b) * 2 * RG;
+      const float* mb = w.km != nullptr ? w.km + (g * nb + b) * RG : nullptr;
+      for (int64_t r = 0; r < RG && g * RG + r < n_rows; ++r) {
+        float* o = og + r * K + b * QK;
+        for (int t = 0; t < 8; ++t) {
+          for (int p = 0; p < 4; ++p) {
+            float v = static_cast<float>(qb[t * 32 + r * 4 + p]) * sb[(t < 4 ? 0 : RG) + r];
+            if (mb != nullptr) v = v + mb[r];
+            o[4 * t + p] = v;
+          }
+        }
+      }
+    }
+  }
+}
+
 // --------------------------------------------------------------- entry points
 
 struct Checked {
@@ -620,9 +762,9 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
     });
   }
   const QuantX xq = quantize_x(x);
-  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  const Acts a = acts_of(xq);
   at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
-  matmul_int<true>(c.w, a, c.n, y.data_ptr<float>());
+  matmul_int<kQ4>(c.w, a, c.n, y.data_ptr<float>());
   return y;
 }
 
@@ -637,9 +779,9 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
     });
   }
   const QuantX xq = quantize_x(x);
-  const Acts a{xq.q, xq.d, xq.s, xq.c8, xq.qsum};
+  const Acts a = acts_of(xq);
   at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
-  matmul_int<false>(c.w, a, c.n, y.data_ptr<float>());
+  matmul_int<kQ8>(c.w, a, c.n, y.data_ptr<float>());
   return y;
 }
 
@@ -657,6 +799,54 @@ at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d, int64_t n_ro
   const Checked c = check(probe, qs, d, nullptr, n_rows, B8);
   at::Tensor out = at::empty({n_rows, K}, probe.options());
   dequant_q8_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
+  return out;
+}
+
+// Validate a packed k8 weight: codes [G, nb * 256], scales f32 [G, nb * 16], offsets
+// f32 [G, nb * 8] or empty.
+Checked check_k8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s,
+                 const at::Tensor& m, int64_t n_rows) {
+  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && s.device().is_cpu() &&
+                  m.device().is_cpu(),
+              "quant_matmul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  const int64_t K = x.size(1), nb = K / QK, G = (n_rows + RG - 1) / RG;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(qs.is_contiguous() && qs.numel() == G * nb * B8 && qs.element_size() == 1,
+              "k8 codes must be a contiguous byte tensor of ", G * nb * B8, " elements");
+  TORCH_CHECK(s.is_contiguous() && s.scalar_type() == at::kFloat && s.numel() == G * nb * 2 * RG,
+              "k8 scales must be contiguous float32 with ", G * nb * 2 * RG, " elements");
+  TORCH_CHECK(m.numel() == 0 || (m.is_contiguous() && m.scalar_type() == at::kFloat &&
+                                 m.numel() == G * nb * RG),
+              "k8 offsets must be empty or contiguous float32 with ", G * nb * RG, " elements");
+  Weights w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr,
+            s.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr};
+  return {w, Dims{x.size(0), n_rows, K, nb}};
+}
+
+at::Tensor k8_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& s,
+                     const at::Tensor& m, int64_t n_rows, int64_t gemm_min_m) {
+  const at::Tensor x = x_in.contiguous();
+  const Checked c = check_k8(x, qs, s, m, n_rows);
+  if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
+  if (c.n.M >= gemm_min_m) {
+    return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
+      dequant_k8_groups(c.w, c.n.K, c.n.N, g0, g1, out);
+    });
+  }
+  const QuantX xq = quantize_x(x);
+  const Acts a = acts_of(xq);
+  at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
+  matmul_int<kK8>(c.w, a, c.n, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor k8_dequantize(const at::Tensor& qs, const at::Tensor& s, const at::Tensor& m,
+                         int64_t n_rows, int64_t K) {
+  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
+  const Checked c = check_k8(probe, qs, s, m, n_rows);
+  at::Tensor out = at::empty({n_rows, K}, probe.options());
+  dequant_k8_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
   return out;
 }
 
@@ -708,6 +898,30 @@ std::vector<at::Tensor> q8_pack(const at::Tensor& codes, const at::Tensor& d) {
   at::Tensor qs = padded.view(at::kInt).view({G, RG, nb, 8}).permute({0, 2, 3, 1})
                       .contiguous().view(at::kChar).view({G, nb * B8});
   return {qs, pack_scales(d, G)};
+}
+
+// Per-row f32 [N, C] -> grouped [G, C, 8] (C columns: half-blocks or blocks), zero-padded.
+at::Tensor pack_rows_f32(const at::Tensor& s, int64_t G) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat, "k8 scales must be float32 [N, C]");
+  const int64_t N = s.size(0), C = s.size(1);
+  at::Tensor padded = at::zeros({G * RG, C}, s.options());
+  padded.narrow(0, 0, N).copy_(s);
+  return padded.view({G, RG, C}).transpose(1, 2).contiguous().view({G, C * RG});
+}
+
+// k8 from int8 codes [N, K], f32 scales per 16 [N, K/16] and f32 offsets per 32
+// [N, K/32] (or an empty tensor) -> (qs [G, nb * 256], s [G, nb * 16], m [G, nb * 8]).
+std::vector<at::Tensor> k8_pack(const at::Tensor& codes, const at::Tensor& s,
+                                const at::Tensor& m) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "codes must be int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), nb = K / QK, G = (N + RG - 1) / RG;
+  TORCH_CHECK(K % QK == 0 && s.dim() == 2 && s.size(0) == N && s.size(1) == 2 * nb,
+              "k8 codes / scales shapes do not match");
+  TORCH_CHECK(m.numel() == 0 || (m.dim() == 2 && m.size(0) == N && m.size(1) == nb),
+              "k8 offsets must be empty or [N, K/32]");
+  at::Tensor qs = q8_pack(codes, at::zeros({N, nb}, codes.options().dtype(at::kHalf)))[0];
+  return {qs, pack_rows_f32(s.contiguous(), G),
+          m.numel() ? pack_rows_f32(m.contiguous(), G) : at::empty({0}, s.options())};
 }
 
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
@@ -806,6 +1020,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_dequantize", &q4_dequantize, "packed 4-bit W -> f32 [rows, K]", release());
   mod.def("q8_dequantize", &q8_dequantize, "packed 8-bit W -> f32 [rows, K]", release());
   mod.def("q4_pack", &q4_pack, "GGUF Q4 codes, d, m -> packed (qs, d, m)", release());
+  mod.def("k8_pack", &k8_pack, "int8 codes, f32 scales per 16, f32 offsets per 32 or empty "
+          "-> packed (qs, s, m)", release());
+  mod.def("k8_matmul", &k8_matmul, "x @ W^T for a packed k8 weight (x, qs, s, m, rows, "
+          "gemm_min_m)", release());
+  mod.def("k8_dequantize", &k8_dequantize, "a packed k8 weight as f32 [rows, K]", release());
   mod.def("q8_pack", &q8_pack, "GGUF Q8_0 codes, d -> packed (qs, d)", release());
   mod.def("quantize_activations", &quantize_activations,
           "x -> (int8 codes, scales, float block sums, 8 x rounding error, code sums)", release());

@@ -7,8 +7,10 @@ model files. Several GGUF tensors can be fused into one layer (QKV, gate/up),
 concatenated along the output dimension, so each step does one matmul for them.
 
 Formats: ``f32`` (the oracle), ``bf16``, and ``q4``, which keeps GGUF's block
-quantization (Q4_0/Q4_1 as 4-bit codes, Q8_0 and Q5_0 as 8-bit codes, per-32 f16 scales)
-and multiplies with the native kernels in :mod:`ember.kernels`.
+quantization (Q4_0/Q4_1 as 4-bit codes and Q8_0/Q5_0 as 8-bit codes with per-32 f16
+scales; K-quants, and block types fused with them, as "k8": 8-bit codes with f32
+scales per 16 and offsets per 32) and multiplies with the native kernels in
+:mod:`ember.kernels`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from ember.errors import UnsupportedModelError
 from ember.models.gguf import BLOCK_GEOMETRY, GGMLType, GGUFFile
-from ember.models.quant import dequantize, q5_0_unpack
+from ember.models.quant import dequantize, q5_0_unpack, unpack_affine
 
 
 class Linear(Protocol):
@@ -152,6 +154,10 @@ _NEVER = 1 << 62
 _Q4_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
 # Q5_0's codes (q - 16, in [-16, 15]) and f16 d are an 8-bit block as they stand
 _Q8_TYPES = (GGMLType.Q8_0, GGMLType.Q5_0)
+# K-quants need f32 scales per 16 and offsets (k8); any block type fits k8 exactly, so
+# a layer fusing a K-quant with other block types (QKV of a Q4_K_M file) is k8 whole.
+_K8_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+_BLOCK_TYPES = (*_Q4_TYPES, *_Q8_TYPES, *_K8_TYPES, GGMLType.Q5_1)
 
 
 RawPart = tuple[np.ndarray, int, tuple[int, ...]]  # (raw bytes, ggml type, torch shape)
@@ -214,6 +220,22 @@ def pack_q8(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
     return blk[..., 2:].reshape(blk.shape[0], -1).view(np.int8), _f16(blk, 0)
 
 
+def pack_k8(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], name: str = "?"
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Any block type -> (codes int8 [rows, K], scales f32 [rows, K/16], offsets f32
+    [rows, K/32] or None), with value = code * scale + offset exactly as dequantize."""
+    if ggml_type not in _BLOCK_TYPES:
+        raise UnsupportedModelError(f"tensor {name!r}: {GGMLType(ggml_type).name} is not a "
+                                    "block type k8 can hold")
+    _raw_blocks(raw, ggml_type, shape, name)  # shape and size checks
+    codes, scale, offset = unpack_affine(raw, ggml_type, shape)
+    rows = shape[0]
+    per16 = np.repeat(scale, 2, axis=1) if codes.shape[-1] == 32 else scale
+    return (np.ascontiguousarray(codes.reshape(rows, -1)).view(np.int8),
+            np.ascontiguousarray(per16, dtype=np.float32),
+            None if offset is None else np.ascontiguousarray(offset, dtype=np.float32))
+
+
 def _cat(parts: Sequence[np.ndarray]) -> torch.Tensor:
     """Row-concatenate into a tensor that owns its memory (never the file mapping).
 
@@ -238,7 +260,9 @@ class QuantLinear:
 
     ``bits`` 4 (from Q4_0/Q4_1): 4-bit codes + f16 scale ``d`` and offset ``m`` per
     32 weights, 0.625 B/weight; ``bits`` 8 (from Q8_0 or Q5_0): int8 codes + f16 ``d``,
-    1.0625 B/weight. Built from GGUF-order codes and scales, which the kernel repacks into
+    1.0625 B/weight; ``bits`` 16, "k8" (K-quants, and block types fused with them):
+    int8 codes + f32 scales per 16 weights + f32 offsets per 32 where the type has
+    them, 1.25-1.375 B/weight. Built from GGUF-order codes and scales, which the kernel repacks into
     8-row interleaved groups (``ember/kernels/quant_matmul.cpp`` has the layout).
 
     Activations are quantized per 32 to int8 and dotted in integers (llama.cpp's
@@ -263,6 +287,12 @@ class QuantLinear:
             self.packed: tuple[torch.Tensor, ...] = tuple(ext.q4_pack(codes, d, m))
             self._kernel = ext.q4_matmul
             self._dequant = ext.q4_dequantize
+        elif bits == 16:
+            self.in_features = codes.shape[1]
+            empty = torch.empty(0, dtype=torch.float32)
+            self.packed = tuple(ext.k8_pack(codes, d, m if m is not None else empty))
+            self._kernel = ext.k8_matmul
+            self._dequant = ext.k8_dequantize
         else:
             self.packed = tuple(ext.q8_pack(codes, d))
             self._kernel = ext.q8_matmul
@@ -281,8 +311,8 @@ class QuantLinear:
 
     @classmethod
     def from_raw(cls, parts: Sequence[RawPart], names: Sequence[str] | None = None) -> QuantLinear:
-        """One layer from GGUF tensors of one layout (all Q4_0/Q4_1, or all Q8_0/Q5_0),
-        row-fused."""
+        """One layer from GGUF tensors of block types, row-fused: 4-bit if all are
+        Q4_0/Q4_1, 8-bit if all are Q8_0/Q5_0, else k8."""
         names = names or ["?"] * len(parts)
         if all(p[1] in _Q4_TYPES for p in parts):
             packed = [pack_q4(*p, name=n) for p, n in zip(parts, names, strict=True)]
@@ -290,6 +320,15 @@ class QuantLinear:
         if all(p[1] in _Q8_TYPES for p in parts):
             packed8 = [pack_q8(*p, name=n) for p, n in zip(parts, names, strict=True)]
             return cls(8, *(_cat(list(a)) for a in zip(*packed8, strict=True)))
+        if all(p[1] in _BLOCK_TYPES for p in parts):
+            k8 = [pack_k8(*p, name=n) for p, n in zip(parts, names, strict=True)]
+            codes, scales = _cat([c for c, _, _ in k8]), _cat([s for _, s, _ in k8])
+            mins = None
+            if any(m is not None for _, _, m in k8):  # a part without offsets: zeros
+                mins = _cat([m if m is not None else np.zeros((c.shape[0], c.shape[1] // 32),
+                                                              np.float32)
+                             for c, _, m in k8])
+            return cls(16, codes, scales, mins)
         raise UnsupportedModelError(f"tensors {list(names)}: no single quantized layout for types "
                                     f"{[GGMLType(p[1]).name for p in parts]}")
 
@@ -329,7 +368,8 @@ class ConcatLinear:
 
 
 class QuantFormat:
-    """Keep Q4_0/Q4_1 weights 4-bit and Q8_0/Q5_0 weights 8-bit; other types dense f32."""
+    """Keep Q4_0/Q4_1 weights 4-bit, Q8_0/Q5_0 8-bit and K-quants (Q4_K, Q5_K, Q6_K) as k8;
+    other types (F32/F16/BF16, Q2_K, Q3_K) dense f32."""
 
     name = "q4"
 
@@ -346,12 +386,17 @@ class QuantFormat:
         return self.linear_from_raw(parts, names)
 
     def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
-        def layout(item: tuple[RawPart, str]) -> str:
-            gt = item[0][1]
-            return "q4" if gt in _Q4_TYPES else "q8" if gt in _Q8_TYPES else "f32"
+        def layout(gt: int) -> str:
+            return ("q4" if gt in _Q4_TYPES else "q8" if gt in _Q8_TYPES
+                    else "k8" if gt in _BLOCK_TYPES else "f32")
 
+        kinds = [layout(p[1]) for p in parts]
+        if "f32" not in kinds and len(set(kinds)) > 1:
+            kinds = ["k8"] * len(kinds)  # one fused layer: k8 holds every block type
         layers: list[Linear] = []
-        for kind, group in groupby(zip(parts, names, strict=True), key=layout):
+        items = zip(parts, names, kinds, strict=True)
+        for kind, group in groupby(items, key=lambda item: item[2]):
+            group = [(part, name) for part, name, _ in group]
             raw_parts, group_names = zip(*group, strict=True)
             if kind == "f32":
                 layers.append(DENSE_F32.linear_from_raw(raw_parts, group_names))

@@ -269,6 +269,19 @@ def _unpack(raw: RawBytes, ggml_type: GGMLType, shape: tuple[int, ...]) -> tuple
     )
 
 
+def unpack_affine(raw: RawBytes, ggml_type: int, shape: tuple[int, ...]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block type as ``value = codes * scale + offset``: codes ``[rows, groups,
+    group]`` (group 16 or 32), f32 ``scale`` and ``offset`` (None: 0) ``[rows, groups]``.
+    A subtracted minimum comes back negated (exact), so dequantize's roundings hold."""
+    gt = GGMLType(ggml_type)
+    unpack, subtract = _FORMATS[gt]
+    q, scale, *offset = unpack(_blocks(raw, gt, tuple(shape)))
+    if not offset:
+        return q, scale, None
+    return q, scale, -offset[0] if subtract else offset[0]
+
+
 def q8_0_unpack(raw: RawBytes, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 codes ``q`` int8 ``[rows, n/32, 32]`` and scales ``d`` f32 ``[rows, n/32]``."""
     return _unpack(raw, GGMLType.Q8_0, shape)  # type: ignore[return-value]
