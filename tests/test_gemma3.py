@@ -213,7 +213,10 @@ def test_tiny_gemma_matches_transformers(tiny_gemma: Path) -> None:
 
 def test_tiny_gemma_q4_runs_the_fused_stack_as_op_by_op(tiny_gemma: Path) -> None:
     """Sliding windows, two RoPE bases, post-norms, GeGLU and q/k norms in the native
-    stack against the PyTorch path on the same packed weights (observed ~1e-7)."""
+    stack against the PyTorch path on the same packed weights. Both quantize
+    activations to int8, so a last-bit difference (the stack's vectorized tanh) can
+    flip an activation code and spread: observed 1.1e-2. A wrong op costs far more:
+    ignoring the window 0.99, dropping the MLP post-norm 0.44."""
     from ember import kernels
     from ember.models.loader import load_model
 
@@ -225,7 +228,8 @@ def test_tiny_gemma_q4_runs_the_fused_stack_as_op_by_op(tiny_gemma: Path) -> Non
     q4.model.native = None
     op_by_op = q4.model.score(TINY_IDS)
     rel = ((fused - op_by_op).norm() / op_by_op.norm()).item()
-    assert rel < 1e-3, rel
+    print(f"fused vs op-by-op q4: relative error {rel:.2e}")
+    assert rel < 0.05, rel
 
 
 def test_tiny_gemma_q4_is_batch_invariant(tiny_gemma: Path) -> None:

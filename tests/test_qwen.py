@@ -100,8 +100,9 @@ def test_q4_runs_the_fused_stack_as_the_op_by_op_path_does(loaded, tiny_qwen_ggu
     rel = ((fused - op_by_op).norm() / op_by_op.norm()).item()
     print(f"{arch}: fused vs op-by-op q4 relative error {rel:.1e}")
     # observed ~1e-7 (the same kernels; only norm, RoPE and attention arithmetic differ);
-    # an activation code rounding apart could cost more. A wrong op: 0.3 and up.
-    assert rel < 1e-3, rel
+    # an int8 activation code rounding apart spreads further (1e-2 seen on Gemma's
+    # block). A wrong op: 0.29 (NEOX off), 0.72 (biases dropped).
+    assert rel < 0.05, rel
     ref = loaded[arch].model.score(IDS)
     assert (ref.argmax(-1) == fused.argmax(-1)).float().mean().item() > 0.9
     assert (ref - fused).abs().max().item() < 0.1
