@@ -137,6 +137,23 @@ class RequestOutput:
         return len(self.token_ids)
 
 
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows' logits as one tensor: a view when they are consecutive rows of one
+    tensor (every row samples and none asks for prompt logprobs: the usual step), so
+    a step does not copy its [rows, vocab] logits; else a concatenated copy."""
+    if not parts:
+        return None
+    first, width = parts[0], parts[0].shape[-1]
+    n = sum(p.shape[0] for p in parts)
+    consecutive = all(p.dim() == 2 and p.stride() == (width, 1) for p in parts) and all(
+        b.data_ptr() == a.data_ptr() + a.shape[0] * width * a.element_size()
+        for a, b in zip(parts, parts[1:], strict=False))
+    if consecutive and first.untyped_storage().nbytes() >= (
+            first.storage_offset() + n * width) * first.element_size():
+        return first.as_strided((n, width), (width, 1))
+    return torch.cat(parts)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -643,7 +660,7 @@ class LLMEngine:
             plans.append((row, row_logits, len(batch)))
             batch += [SampleRow(req.sampler, row_logits[j], processed[j], row.draft[:j],
                                 req.num_output + j) for j in range(len(row.draft) + 1)]
-        raw = torch.cat([row_logits for _, row_logits, _ in plans]) if plans else None
+        raw = _stacked([row_logits for _, row_logits, _ in plans])
         results = sample_rows(batch, raw)
         topk = self._recycling_feed(plans, raw)
         changed = [row.request for row, _ in verify]

@@ -189,7 +189,9 @@ def _choose(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     out = [0] * len(rows)
     if greedy:
-        for i, t in zip(greedy, x[greedy].argmax(dim=-1).tolist(), strict=True):
+        # all greedy (the common batch): no gathered copy of the [rows, vocab] logits
+        chosen = x.argmax(dim=-1) if len(greedy) == len(rows) else x[greedy].argmax(dim=-1)
+        for i, t in zip(greedy, chosen.tolist(), strict=True):
             out[i] = t
     if sampled:
         u = torch.tensor([draw(rows[i].sampler.seed, rows[i].position) for i in sampled],
