@@ -307,11 +307,11 @@ class DecoderStack {
                 "DecoderStack: a linear is (4, rows, [qs, d, m]), (8, rows, [qs, d]) or "
                 "(16, rows, [qs, s, m])");
     TORCH_CHECK(rows == n, "DecoderStack: linear has ", rows, " rows, expected ", n);
-    const at::Tensor probe = at::empty({0, k}, t[0].options().dtype(at::kFloat));
     if (layout == kK8) {
-      check_k8(probe, t[0], t[1], t[2], n);
+      check_k8(probe(t[0], k), t[0], t[1], t[2], n);
     } else {
-      check(probe, t[0], t[1], layout == kQ4 ? &t[2] : nullptr, n, layout == kQ4 ? B4 : B8);
+      check(probe(t[0], k), t[0], t[1], layout == kQ4 ? &t[2] : nullptr, n,
+            layout == kQ4 ? B4 : B8);
     }
     QLinear L;
     L.layout = layout;

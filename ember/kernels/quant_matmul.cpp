@@ -702,8 +702,10 @@ struct Checked {
 };
 
 // Validate a packed weight (codes [G, nb * bpb], scales [G, nb * 8]) against x [M, K].
-Checked check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-              const at::Tensor* m, int64_t n_rows, int64_t bpb) {
+// What every packed layout checks: CPU tensors, x float32 [M, K] with K a multiple
+// of 32, and the codes' byte count (bpb bytes per group and block). Returns the dims.
+Dims check_codes(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                 int64_t n_rows, int64_t bpb) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(),
               "quant_matmul: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
@@ -712,6 +714,13 @@ Checked check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   TORCH_CHECK(qs.is_contiguous() && qs.numel() == G * nb * bpb && qs.element_size() == 1,
               "packed codes must be a contiguous byte tensor of ", G * nb * bpb, " elements for ",
               n_rows, " rows and K = ", K, ", got ", qs.sizes());
+  return Dims{x.size(0), n_rows, K, nb};
+}
+
+Checked check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+              const at::Tensor* m, int64_t n_rows, int64_t bpb) {
+  const Dims n = check_codes(x, qs, d, n_rows, bpb);
+  const int64_t nb = n.nb, G = (n_rows + RG - 1) / RG;
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == G * nb * RG,
               "packed scales must be contiguous float16 with ", G * nb * RG, " elements");
   Weights w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), half_ptr(d), nullptr};
@@ -721,7 +730,7 @@ Checked check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                 "packed offsets must be contiguous float16 like the scales");
     w.m = half_ptr(*m);
   }
-  return {w, Dims{x.size(0), n_rows, K, nb}};
+  return {w, n};
 }
 
 int64_t chunk_groups(int64_t K) {
@@ -751,69 +760,75 @@ at::Tensor matmul_dequant(const at::Tensor& x, const Dims& n, Dequant dequant) {
   return y;
 }
 
-at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                     const at::Tensor& m, int64_t n_rows, int64_t gemm_min_m) {
-  const at::Tensor x = x_in.contiguous();
-  const Checked c = check(x, qs, d, &m, n_rows, B4);
+// Rows of groups [g0, g1) of a checked weight of LAYOUT, dequantized to f32.
+template <int LAYOUT>
+void dequant_groups(const Weights& w, int64_t K, int64_t n_rows, int64_t g0, int64_t g1,
+                    float* out) {
+  if constexpr (LAYOUT == kQ4) {
+    dequant_q4_groups(w, K, n_rows, g0, g1, out);
+  } else if constexpr (LAYOUT == kQ8) {
+    dequant_q8_groups(w, K, n_rows, g0, g1, out);
+  } else {
+    dequant_k8_groups(w, K, n_rows, g0, g1, out);
+  }
+}
+
+// y = x @ W^T for a checked weight of LAYOUT: int8 activations below gemm_min_m rows,
+// else f32 GEMM over dequantized row chunks.
+template <int LAYOUT>
+at::Tensor matmul_checked(const at::Tensor& x, const Checked& c, int64_t gemm_min_m) {
   if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
   if (c.n.M >= gemm_min_m) {
     return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
-      dequant_q4_groups(c.w, c.n.K, c.n.N, g0, g1, out);
+      dequant_groups<LAYOUT>(c.w, c.n.K, c.n.N, g0, g1, out);
     });
   }
   const QuantX xq = quantize_x(x);
-  const Acts a = acts_of(xq);
   at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
-  matmul_int<kQ4>(c.w, a, c.n, y.data_ptr<float>());
+  matmul_int<LAYOUT>(c.w, acts_of(xq), c.n, y.data_ptr<float>());
   return y;
+}
+
+// A checked weight of LAYOUT as f32 [rows, K].
+template <int LAYOUT>
+at::Tensor dequantize_checked(const Checked& c) {
+  at::Tensor out = at::empty({c.n.N, c.n.K}, at::TensorOptions().dtype(at::kFloat));
+  dequant_groups<LAYOUT>(c.w, c.n.K, c.n.N, 0, (c.n.N + RG - 1) / RG, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor probe(const at::Tensor& like, int64_t K) {
+  return at::empty({0, K}, like.options().dtype(at::kFloat));
+}
+
+at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m, int64_t n_rows, int64_t gemm_min_m) {
+  const at::Tensor x = x_in.contiguous();
+  return matmul_checked<kQ4>(x, check(x, qs, d, &m, n_rows, B4), gemm_min_m);
 }
 
 at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                      int64_t n_rows, int64_t gemm_min_m) {
   const at::Tensor x = x_in.contiguous();
-  const Checked c = check(x, qs, d, nullptr, n_rows, B8);
-  if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
-  if (c.n.M >= gemm_min_m) {
-    return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
-      dequant_q8_groups(c.w, c.n.K, c.n.N, g0, g1, out);
-    });
-  }
-  const QuantX xq = quantize_x(x);
-  const Acts a = acts_of(xq);
-  at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
-  matmul_int<kQ8>(c.w, a, c.n, y.data_ptr<float>());
-  return y;
+  return matmul_checked<kQ8>(x, check(x, qs, d, nullptr, n_rows, B8), gemm_min_m);
 }
 
 at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                          int64_t n_rows, int64_t K) {
-  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
-  const Checked c = check(probe, qs, d, &m, n_rows, B4);
-  at::Tensor out = at::empty({n_rows, K}, probe.options());
-  dequant_q4_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
-  return out;
+  return dequantize_checked<kQ4>(check(probe(qs, K), qs, d, &m, n_rows, B4));
 }
 
 at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d, int64_t n_rows, int64_t K) {
-  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
-  const Checked c = check(probe, qs, d, nullptr, n_rows, B8);
-  at::Tensor out = at::empty({n_rows, K}, probe.options());
-  dequant_q8_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
-  return out;
+  return dequantize_checked<kQ8>(check(probe(qs, K), qs, d, nullptr, n_rows, B8));
 }
 
 // Validate a packed k8 weight: codes [G, nb * 256], scales f32 [G, nb * 16], offsets
 // f32 [G, nb * 8] or empty.
 Checked check_k8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s,
                  const at::Tensor& m, int64_t n_rows) {
-  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && s.device().is_cpu() &&
-                  m.device().is_cpu(),
-              "quant_matmul: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  const int64_t K = x.size(1), nb = K / QK, G = (n_rows + RG - 1) / RG;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(qs.is_contiguous() && qs.numel() == G * nb * B8 && qs.element_size() == 1,
-              "k8 codes must be a contiguous byte tensor of ", G * nb * B8, " elements");
+  const Dims n = check_codes(x, qs, s, n_rows, B8);
+  const int64_t nb = n.nb, G = (n_rows + RG - 1) / RG;
+  TORCH_CHECK(m.device().is_cpu(), "quant_matmul: CPU tensors only");
   TORCH_CHECK(s.is_contiguous() && s.scalar_type() == at::kFloat && s.numel() == G * nb * 2 * RG,
               "k8 scales must be contiguous float32 with ", G * nb * 2 * RG, " elements");
   TORCH_CHECK(m.numel() == 0 || (m.is_contiguous() && m.scalar_type() == at::kFloat &&
@@ -821,33 +836,18 @@ Checked check_k8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s,
               "k8 offsets must be empty or contiguous float32 with ", G * nb * RG, " elements");
   Weights w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr,
             s.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr};
-  return {w, Dims{x.size(0), n_rows, K, nb}};
+  return {w, n};
 }
 
 at::Tensor k8_matmul(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& s,
                      const at::Tensor& m, int64_t n_rows, int64_t gemm_min_m) {
   const at::Tensor x = x_in.contiguous();
-  const Checked c = check_k8(x, qs, s, m, n_rows);
-  if (c.n.M == 0 || c.n.N == 0) return at::zeros({c.n.M, c.n.N}, x.options());
-  if (c.n.M >= gemm_min_m) {
-    return matmul_dequant(x, c.n, [&](int64_t g0, int64_t g1, float* out) {
-      dequant_k8_groups(c.w, c.n.K, c.n.N, g0, g1, out);
-    });
-  }
-  const QuantX xq = quantize_x(x);
-  const Acts a = acts_of(xq);
-  at::Tensor y = at::empty({c.n.M, c.n.N}, x.options());
-  matmul_int<kK8>(c.w, a, c.n, y.data_ptr<float>());
-  return y;
+  return matmul_checked<kK8>(x, check_k8(x, qs, s, m, n_rows), gemm_min_m);
 }
 
 at::Tensor k8_dequantize(const at::Tensor& qs, const at::Tensor& s, const at::Tensor& m,
                          int64_t n_rows, int64_t K) {
-  const at::Tensor probe = at::empty({0, K}, qs.options().dtype(at::kFloat));
-  const Checked c = check_k8(probe, qs, s, m, n_rows);
-  at::Tensor out = at::empty({n_rows, K}, probe.options());
-  dequant_k8_groups(c.w, K, n_rows, 0, (n_rows + RG - 1) / RG, out.data_ptr<float>());
-  return out;
+  return dequantize_checked<kK8>(check_k8(probe(qs, K), qs, s, m, n_rows));
 }
 
 // ------------------------------------------------------------------- repacking
