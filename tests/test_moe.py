@@ -54,22 +54,18 @@ def expert_bytes(loaded) -> int:
     return store.experts[0][0].nbytes
 
 
-def outcomes(path: Path, weights: str = "f32", **options) -> list:
+def outcomes(path: Path, weights: str = "f32", **options) -> tuple[list, LLMEngine]:
+    """test_batch_invariance's outcomes (tokens, logprobs with top-k) of a greedy and two
+    seeded requests, on a fresh engine (closed after: its histogram is saved)."""
+    from test_batch_invariance import outcomes as run
+
     engine = LLMEngine(EngineConfig(model=str(path), weights=weights, num_kv_blocks=64,
                                     threads=1, **options))
     sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0.7, seed=4, max_tokens=12, ignore_eos=True, logprobs=2)]
-    reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, sps, strict=True)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    result = run(engine, PROMPTS, sps)
     engine.close()
-    result = [(done[r.request_id].token_ids, [(lp.token, lp.logprob, lp.top)
-                                               for lp in done[r.request_id].logprobs])
-              for r in reqs]
     return result, engine
 
 

@@ -21,6 +21,20 @@ from ember.models.gguf import GGUFFile
 TINY_QWEN: dict[str, dict[str, int]] = {"qwen2": {}, "qwen3": {"head_dim": 32}}
 
 
+def _random_tensors(w: gguf.GGUFWriter, rng: np.random.Generator):  # noqa: ANN202
+    """Writers of random tensors into ``w``: a Q8_0 matrix of N(0, scale^2) weights,
+    and an f32 vector around ``center`` (norm weights by default)."""
+    def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
+        data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
+        packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def f32(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
+        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+
+    return q8, f32
+
+
 def write_tiny_llama(
     path: Path,
     tokenizer_source: GGUFFile,
@@ -57,13 +71,7 @@ def write_tiny_llama(
     w.add_layer_norm_rms_eps(1e-5)
     _copy_tokenizer(w, tokenizer_source)
 
-    def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
-        data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
-        packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-
-    def f32(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
-        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+    q8, f32 = _random_tensors(w, rng)
 
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     q8("token_embd.weight", vocab, hidden, 1.0)
@@ -117,13 +125,7 @@ def write_tiny_gemma3(path: Path, tokenizer_source: GGUFFile, *, n_layers: int =
     w.add_sliding_window(window)
     _copy_tokenizer(w, tokenizer_source)
 
-    def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
-        data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-
-    def norm(name: str, n: int) -> None:
-        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    q8, norm = _random_tensors(w, rng)
 
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     q8("token_embd.weight", vocab, hidden, hidden**-0.5)
