@@ -70,18 +70,10 @@ class _Acc:
 
 def linear_bytes_per_weight(model: Any) -> float:
     """Bytes per weight of the repeated layers' linear maps (qkv, o, gate/up, down)."""
-    from ember.models.linear import ConcatLinear, DenseLinear, QuantLinear
+    from ember.models.linear import linear_nbytes
 
     def size(lin: Any) -> tuple[int, int]:
-        if isinstance(lin, ConcatLinear):
-            parts = [size(p) for p in lin.parts]
-            return sum(b for b, _ in parts), sum(w for _, w in parts)
-        weights = lin.out_features * lin.in_features
-        if isinstance(lin, QuantLinear):
-            return lin.nbytes, weights
-        if isinstance(lin, DenseLinear):
-            return lin.weight.nbytes, weights
-        raise TypeError(f"unknown linear {type(lin).__name__}")
+        return linear_nbytes(lin), lin.out_features * lin.in_features
 
     total = [size(getattr(layer, n)) for layer in model.layers
              for n in ("qkv", "o", "gate_up", "down")]

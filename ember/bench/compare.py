@@ -81,26 +81,15 @@ def gguf_step_bytes(gguf: Any) -> int:
     return sum(gguf.tensor(n).nbytes for n in step_tensor_names(gguf))
 
 
-def linear_bytes(layer: Any) -> int:
-    """Bytes of weight a Linear holds (and reads once per forward)."""
-    from ember.models.linear import ConcatLinear, DenseLinear, QuantLinear
-
-    if isinstance(layer, ConcatLinear):
-        return sum(linear_bytes(p) for p in layer.parts)
-    if isinstance(layer, QuantLinear):
-        return layer.nbytes
-    if isinstance(layer, DenseLinear):
-        return layer.weight.nbytes
-    raise TypeError(f"unknown Linear type {type(layer).__name__}")
-
-
 def ember_weight_bytes(model: Any) -> int:
     """Weight bytes an ember decode step reads: every layer's linears and norm vectors,
     the final norm and the output head (embedding lookups read one row: excluded)."""
-    total = model.output_norm.nbytes + linear_bytes(model.output)
+    from ember.models.linear import linear_nbytes
+
+    total = model.output_norm.nbytes + linear_nbytes(model.output)
     for layer in model.layers:
         total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
-        total += sum(linear_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        total += sum(linear_nbytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
     return total
 
 

@@ -125,15 +125,15 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _sizes(model: str, weights: str) -> tuple[int, int]:
     """(all experts' built bytes, the dense weights' built bytes) in ``weights``."""
+    from ember.models.linear import linear_nbytes
     from ember.models.loader import load_model
-    from ember.models.moe import built_bytes
 
     m = load_model(model, weights).model
     assert m.experts is not None, f"{model} is not a mixture-of-experts model"
-    dense = built_bytes(m.output) + m.output_norm.nbytes
+    dense = linear_nbytes(m.output) + m.output_norm.nbytes
     dense += getattr(getattr(m.embed, "weight", None), "nbytes", 0)  # 0: read from the file
     for layer in m.layers:
-        dense += sum(built_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        dense += sum(linear_nbytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
                      if x is not None)
         dense += sum(t.nbytes for t in (layer.attn_norm, layer.ffn_norm, layer.q_norm,
                                         layer.k_norm, layer.qkv_bias) if t is not None)

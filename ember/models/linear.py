@@ -412,6 +412,17 @@ class QuantFormat:
 
 DENSE_F32 = DenseFormat(torch.float32)
 
+
+def linear_nbytes(layer: Linear) -> int:
+    """Bytes of weight a Linear holds (and reads once per forward)."""
+    if isinstance(layer, ConcatLinear):
+        return sum(linear_nbytes(p) for p in layer.parts)
+    if isinstance(layer, QuantLinear):
+        return layer.nbytes
+    if isinstance(layer, DenseLinear):
+        return layer.weight.nbytes
+    raise TypeError(f"unknown Linear type {type(layer).__name__}")
+
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "f32": DENSE_F32,
     "bf16": DenseFormat(torch.bfloat16),

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from ember.errors import EmberError
 from ember.models.gguf import GGUFFile, TensorInfo
-from ember.models.linear import Linear
+from ember.models.linear import Linear, linear_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,6 @@ class Expert:
     nbytes: int  # resident bytes of its built weights
 
 
-def built_bytes(linear: Any) -> int:
-    """Resident bytes of a built layer's weights (packed, dense or concatenated)."""
-    if hasattr(linear, "nbytes"):
-        return int(linear.nbytes)
-    if hasattr(linear, "weight"):
-        return linear.weight.nbytes
-    return sum(built_bytes(p) for p in getattr(linear, "parts", []))
-
-
 def build_expert(build: BuildExpert, slices: ExpertSlices, e: int,
                  raws: Sequence[np.ndarray]) -> Expert:
     """An expert's layers from its three raw slices (gate, up, down)."""
@@ -123,7 +114,7 @@ def build_expert(build: BuildExpert, slices: ExpertSlices, e: int,
     gate_up = build([(g_raw, gate.ggml_type, tuple(gate.shape[1:])),
                      (u_raw, up.ggml_type, tuple(up.shape[1:]))], names[:2])
     down_l = build([(d_raw, down.ggml_type, tuple(down.shape[1:]))], names[2:])
-    return Expert(gate_up, down_l, built_bytes(gate_up) + built_bytes(down_l))
+    return Expert(gate_up, down_l, linear_nbytes(gate_up) + linear_nbytes(down_l))
 
 
 @dataclass
