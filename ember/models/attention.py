@@ -18,7 +18,7 @@ decode row's attention); prefill chunks, which are few and long, one by one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -41,14 +41,18 @@ class _Prefill:
     ctx_len: int
     mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None: causal
     start: int  # position of the chunk's first query
+    # windowed masks by window, built once per step for all the layers that share one
+    _windows: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def windowed(self, window: int) -> torch.Tensor | None:
         """The mask for a sliding-window layer (None where no query reaches past it)."""
         if self.ctx_len <= window:
             return self.mask
-        pos = torch.arange(self.start, self.ctx_len)[:, None]
-        key = torch.arange(self.ctx_len)[None, :]
-        return (key <= pos) & (key > pos - window)
+        if window not in self._windows:
+            pos = torch.arange(self.start, self.ctx_len)[:, None]
+            key = torch.arange(self.ctx_len)[None, :]
+            self._windows[window] = (key <= pos) & (key > pos - window)
+        return self._windows[window]
 
 
 SHORT_QUERY = 16  # rows with at most this many query tokens are attended together
@@ -63,11 +67,16 @@ class _ShortRows:
     blocks: torch.Tensor  # (B, NB) context blocks, padded
     mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool
     query_pos: torch.Tensor  # (B, Q) positions of the (padded) queries
+    # windowed masks by window, built once per step for all the layers that share one
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def windowed(self, window: int) -> torch.Tensor:
         """The mask for a sliding-window layer: also no key ``window`` or more back."""
-        key_pos = torch.arange(self.mask.shape[-1])
-        return self.mask & (key_pos[None, None, :] > self.query_pos[:, :, None] - window)[:, None]
+        if window not in self._windows:
+            key_pos = torch.arange(self.mask.shape[-1])
+            recent = key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windows[window] = self.mask & recent[:, None]
+        return self._windows[window]
 
 
 class AttentionBatch:
