@@ -236,6 +236,27 @@ def test_a_layer_fusing_kquants_with_other_blocks_is_one_k8_layer(ext) -> None:
     check_linear(lin, parts, torch.randn(5, cols))
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K])
+def test_a_rows_result_does_not_depend_on_the_thread_split(ext, qtype: GGMLType) -> None:
+    """With AVX-512 the kernel computes two row groups per instruction and a lone group
+    with 256-bit vectors; how the groups pair up follows the thread split. Each output
+    must be the same to the bit either way (batch invariance rests on it)."""
+    rows, cols = 75, 512  # 10 row groups: 1 thread pairs them all, 2 and 3 leave singles
+    raw = (random_kquant_raw if qtype in K_TYPES else random_raw)(qtype, rows, cols, 7)
+    lin = QuantLinear.from_raw([(raw, qtype, (rows, cols))])
+    torch.manual_seed(0)
+    x = torch.randn(16, cols)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(lin(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0])
 def test_heavy_tailed_and_zero_inputs(ext, qtype: GGMLType) -> None:
     rows, cols = 64, 256

@@ -35,8 +35,9 @@
 // ember.models.quant.dequantize) and multiplied by at::mm, f32-exact.
 //
 // Threads: at::parallel_for over row groups (follows torch.set_num_threads).
-// SIMD: AVX2+FMA+F16C, with AVX512-VNNI/VL dot products when compiled for them,
-// and a portable scalar fallback, chosen at compile time.
+// SIMD: AVX2+FMA+F16C, with AVX512-VNNI/VL dot products when compiled for them
+// (and with AVX512-BW, two row groups per 512-bit instruction), and a portable
+// scalar fallback, chosen at compile time.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -56,6 +57,9 @@
 #include <immintrin.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define EMBER_VNNI 1
+#endif
+#if defined(EMBER_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define EMBER_VNNI512 1
 #endif
 #endif
 
@@ -256,37 +260,126 @@ inline __m256i bcast32(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Group g of a 4-bit weight times activation rows [m0, m0 + MT).
-template <int MT>
+// The group kernels below are written once over a lane set L: Lanes8 computes one
+// group of 8 rows per instruction (__m256); Lanes16 (AVX-512) computes groups g and
+// g+1 side by side (__m512), halving the instructions per output. Every lane does the
+// same operations in the same order in both, so a row's result does not depend on
+// which lane set computed it (batch invariance holds across the pairing).
+struct Lanes8 {
+  static constexpr int64_t kGroups = 1;
+  using I = __m256i;
+  using F = __m256;
+  // `stride` (the distance to the next group's data) is unused with one group
+  static I codes(const uint8_t* p, int64_t) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static F halves(const uint16_t* p, int64_t) { return load_f16x8(p); }
+  static F floats(const float* p, int64_t) { return _mm256_loadu_ps(p); }
+  static I bcast(const int8_t* p) { return bcast32(p); }
+  static I seti(int32_t v) { return _mm256_set1_epi32(v); }
+  static I set8(char v) { return _mm256_set1_epi8(v); }
+  static F setf(float v) { return _mm256_set1_ps(v); }
+  static I zeroi() { return _mm256_setzero_si256(); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+#if defined(EMBER_VNNI)
+  static I dot(I acc, I w, I x) { return _mm256_dpbusd_epi32(acc, w, x); }
+#endif
+  static void store(F v, float* y, const Dims& n, int64_t mi, int64_t g) {
+    alignas(32) float out[RG];
+    _mm256_store_ps(out, v);
+    store_group(y, n, mi, g, out);
+  }
+};
+
+#if defined(EMBER_VNNI512)
+struct Lanes16 {
+  static constexpr int64_t kGroups = 2;
+  using I = __m512i;
+  using F = __m512;
+  static I codes(const uint8_t* p, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(Lanes8::codes(p, 0)),
+                              Lanes8::codes(p + stride, 0), 1);
+  }
+  static F halves(const uint16_t* p, int64_t stride) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+  }
+  static F floats(const float* p, int64_t stride) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p))),
+        _mm256_castps_pd(_mm256_loadu_ps(p + stride)), 1));
+  }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I seti(int32_t v) { return _mm512_set1_epi32(v); }
+  static I set8(char v) { return _mm512_set1_epi8(v); }
+  static F setf(float v) { return _mm512_set1_ps(v); }
+  static I zeroi() { return _mm512_setzero_si512(); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static void store(F v, float* y, const Dims& n, int64_t mi, int64_t g) {
+    alignas(64) float out[2 * RG];
+    _mm512_store_ps(out, v);
+    store_group(y, n, mi, g, out);
+    store_group(y, n, mi, g + 1, out + RG);
+  }
+};
+#endif
+
+// Groups [g, g + L::kGroups) of a 4-bit weight times activation rows [m0, m0 + MT).
+template <class L, int MT>
 inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[MT];
-  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
-  const uint8_t* qg = w.qs + g * n.nb * B4;
-  const uint16_t* dg = w.d + g * n.nb * RG;
-  const uint16_t* mg = w.m + g * n.nb * RG;
+  using I = typename L::I;
+  using F = typename L::F;
+  const I low = L::set8(0x0F);
+  F acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = L::zerof();
+  const int64_t qstride = n.nb * B4, dstride = n.nb * RG;
+  const uint8_t* qg = w.qs + g * qstride;
+  const uint16_t* dg = w.d + g * dstride;
+  const uint16_t* mg = w.m + g * dstride;
   for (int64_t b = 0; b < n.nb; ++b) {
     const uint8_t* qb = qg + b * B4;
-    __m256i wv[8];  // wv[u]: elements 4u..4u+3 of 8 rows; wv[4+u]: elements 16+4u..
+    I wv[8];  // wv[u]: elements 4u..4u+3 of 8 rows; wv[4+u]: elements 16+4u..
     for (int u = 0; u < 4; ++u) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * u));
-      wv[u] = _mm256_and_si256(raw, low);
-      wv[4 + u] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const I raw = L::codes(qb + 32 * u, qstride);
+      wv[u] = L::and_(raw, low);
+      wv[4 + u] = L::and_(L::shr4(raw), low);
     }
-    const __m256 dv = load_f16x8(dg + b * RG);
-    const __m256 mv = load_f16x8(mg + b * RG);
+    const F dv = L::halves(dg + b * RG, dstride);
+    const F mv = L::halves(mg + b * RG, dstride);
     for (int j = 0; j < MT; ++j) {
       const int64_t row = m0 + j;
       const int8_t* xb = a.q + row * n.K + b * QK;
 #if defined(EMBER_VNNI)
-      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
-      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[4], bcast32(xb + 16));
+      I s0 = L::dot(L::zeroi(), wv[0], L::bcast(xb));
+      I s1 = L::dot(L::zeroi(), wv[4], L::bcast(xb + 16));
       for (int u = 1; u < 4; ++u) {
-        s0 = _mm256_dpbusd_epi32(s0, wv[u], bcast32(xb + 4 * u));
-        s1 = _mm256_dpbusd_epi32(s1, wv[4 + u], bcast32(xb + 16 + 4 * u));
+        s0 = L::dot(s0, wv[u], L::bcast(xb + 4 * u));
+        s1 = L::dot(s1, wv[4 + u], L::bcast(xb + 16 + 4 * u));
       }
-      const __m256i isum = _mm256_add_epi32(s0, s1);
+      const I isum = L::add(s0, s1);
 #else
       // u8 (<= 15) x s8 (|.| <= 127) pair sums are <= 3810, so 8 of them fit int16
       __m256i p0 = _mm256_maddubs_epi16(wv[0], bcast32(xb));
@@ -295,161 +388,140 @@ inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
         p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(wv[u], bcast32(xb + 4 * u)));
         p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wv[4 + u], bcast32(xb + 16 + 4 * u)));
       }
-      const __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+      const I isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
 #endif
       const int64_t xi = row * n.nb + b;
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.d[xi]),
-                                       _mm256_set1_ps(a.c8[xi]));
-      acc[j] = _mm256_fmadd_ps(dv, t, acc[j]);
-      acc[j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[xi]), acc[j]);
+      const F t = L::fma(L::cvt(isum), L::setf(a.d[xi]), L::setf(a.c8[xi]));
+      acc[j] = L::fma(dv, t, acc[j]);
+      acc[j] = L::fma(mv, L::setf(a.s[xi]), acc[j]);
     }
   }
-  alignas(32) float out[RG];
-  for (int j = 0; j < MT; ++j) {
-    _mm256_store_ps(out, acc[j]);
-    store_group(y, n, m0 + j, g, out);
-  }
+  for (int j = 0; j < MT; ++j) L::store(acc[j], y, n, m0 + j, g);
 }
 
-// Group g of an 8-bit weight times activation rows [m0, m0 + MT).
-template <int MT>
+// Eight 32-byte code vectors of 8-bit block b: wv[t] holds elements 4t..4t+3 of 8 rows.
+// With VNNI they are biased to unsigned (xor of the sign bit: sum (w + 128) x =
+// sum w x + 128 sum x); without, wabs gets |w| for maddubs's u8 x s8.
+template <class L>
+inline void load_codes8(const uint8_t* qb, int64_t stride, typename L::I* wv,
+                        typename L::I* wabs) {
+#if defined(EMBER_VNNI)
+  (void)wabs;
+  const typename L::I flip = L::set8(static_cast<char>(0x80));
+  for (int t = 0; t < 8; ++t) wv[t] = L::xor_(L::codes(qb + 32 * t, stride), flip);
+#else
+  for (int t = 0; t < 8; ++t) {
+    wv[t] = L::codes(qb + 32 * t, stride);
+    wabs[t] = _mm256_sign_epi8(wv[t], wv[t]);
+  }
+#endif
+}
+
+#if !defined(EMBER_VNNI)
+// |w| x s8 pair sums reach 2 * 128 * 127, so each goes to int32 on its own
+inline __m256i dot8_avx2(__m256i wabs, __m256i wv, const int8_t* x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(bcast32(x), wv)),
+                           _mm256_set1_epi16(1));
+}
+#endif
+
+// Groups [g, g + L::kGroups) of an 8-bit weight times activation rows [m0, m0 + MT).
+template <class L, int MT>
 inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
-  __m256 acc[MT];
-  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
-  const uint8_t* qg = w.qs + g * n.nb * B8;
-  const uint16_t* dg = w.d + g * n.nb * RG;
+  using I = typename L::I;
+  using F = typename L::F;
+  F acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = L::zerof();
+  const int64_t qstride = n.nb * B8, dstride = n.nb * RG;
+  const uint8_t* qg = w.qs + g * qstride;
+  const uint16_t* dg = w.d + g * dstride;
   for (int64_t b = 0; b < n.nb; ++b) {
-    const uint8_t* qb = qg + b * B8;
-    __m256i wv[8];  // wv[t]: elements 4t..4t+3 of 8 rows
-#if defined(EMBER_VNNI)
-    // w + 128 as unsigned (xor of the sign bit); sum (w + 128) x = sum w x + 128 sum x
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int t = 0; t < 8; ++t) {
-      wv[t] = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t)), flip);
-    }
-#else
-    __m256i wabs[8];  // |w| pairs with sign(x, w) for maddubs's u8 x s8
-    for (int t = 0; t < 8; ++t) {
-      wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t));
-      wabs[t] = _mm256_sign_epi8(wv[t], wv[t]);
-    }
-#endif
-    const __m256 dv = load_f16x8(dg + b * RG);
+    I wv[8], wabs[8];
+    load_codes8<L>(qg + b * B8, qstride, wv, wabs);
+    const F dv = L::halves(dg + b * RG, dstride);
     for (int j = 0; j < MT; ++j) {
       const int64_t row = m0 + j;
       const int8_t* xb = a.q + row * n.K + b * QK;
       const int64_t xi = row * n.nb + b;
 #if defined(EMBER_VNNI)
-      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
-      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[1], bcast32(xb + 4));
+      I s0 = L::dot(L::zeroi(), wv[0], L::bcast(xb));
+      I s1 = L::dot(L::zeroi(), wv[1], L::bcast(xb + 4));
       for (int t = 2; t < 8; t += 2) {
-        s0 = _mm256_dpbusd_epi32(s0, wv[t], bcast32(xb + 4 * t));
-        s1 = _mm256_dpbusd_epi32(s1, wv[t + 1], bcast32(xb + 4 * t + 4));
+        s0 = L::dot(s0, wv[t], L::bcast(xb + 4 * t));
+        s1 = L::dot(s1, wv[t + 1], L::bcast(xb + 4 * t + 4));
       }
-      const __m256i isum =
-          _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * a.qsum[xi]));
+      const I isum = L::sub(L::add(s0, s1), L::seti(128 * a.qsum[xi]));
 #else
-      // |w| x s8 pair sums reach 2 * 128 * 127, so each goes to int32 on its own
-      const __m256i ones = _mm256_set1_epi16(1);
-      __m256i s0 = _mm256_madd_epi16(
-          _mm256_maddubs_epi16(wabs[0], _mm256_sign_epi8(bcast32(xb), wv[0])), ones);
-      __m256i s1 = _mm256_madd_epi16(
-          _mm256_maddubs_epi16(wabs[1], _mm256_sign_epi8(bcast32(xb + 4), wv[1])), ones);
+      I s0 = dot8_avx2(wabs[0], wv[0], xb), s1 = dot8_avx2(wabs[1], wv[1], xb + 4);
       for (int t = 2; t < 8; t += 2) {
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                      wabs[t], _mm256_sign_epi8(bcast32(xb + 4 * t), wv[t])),
-                                  ones));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                      wabs[t + 1],
-                                      _mm256_sign_epi8(bcast32(xb + 4 * t + 4), wv[t + 1])),
-                                  ones));
+        s0 = L::add(s0, dot8_avx2(wabs[t], wv[t], xb + 4 * t));
+        s1 = L::add(s1, dot8_avx2(wabs[t + 1], wv[t + 1], xb + 4 * t + 4));
       }
-      const __m256i isum = _mm256_add_epi32(s0, s1);
+      const I isum = L::add(s0, s1);
 #endif
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.d[xi]));
-      acc[j] = _mm256_fmadd_ps(dv, t, acc[j]);
+      const F t = L::mul(L::cvt(isum), L::setf(a.d[xi]));
+      acc[j] = L::fma(dv, t, acc[j]);
     }
   }
-  alignas(32) float out[RG];
-  for (int j = 0; j < MT; ++j) {
-    _mm256_store_ps(out, acc[j]);
-    store_group(y, n, m0 + j, g, out);
-  }
+  for (int j = 0; j < MT; ++j) L::store(acc[j], y, n, m0 + j, g);
 }
 
-// Group g of a k8 weight times activation rows [m0, m0 + MT): the q8 integer dots
-// split into the block's two halves, each scaled by its own f32 scale.
-template <int MT>
+// Groups [g, g + L::kGroups) of a k8 weight times activation rows [m0, m0 + MT): the
+// q8 integer dots split into the block's two halves, each scaled by its own f32 scale.
+template <class L, int MT>
 inline void group_k8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
-  __m256 acc[MT];
-  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
-  const uint8_t* qg = w.qs + g * n.nb * B8;
-  const float* sg = w.ks + g * n.nb * 2 * RG;
-  const float* mg = w.km != nullptr ? w.km + g * n.nb * RG : nullptr;
+  using I = typename L::I;
+  using F = typename L::F;
+  F acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = L::zerof();
+  const int64_t qstride = n.nb * B8, sstride = n.nb * 2 * RG, mstride = n.nb * RG;
+  const uint8_t* qg = w.qs + g * qstride;
+  const float* sg = w.ks + g * sstride;
+  const float* mg = w.km != nullptr ? w.km + g * mstride : nullptr;
   for (int64_t b = 0; b < n.nb; ++b) {
-    const uint8_t* qb = qg + b * B8;
-    __m256i wv[8];
-#if defined(EMBER_VNNI)
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int t = 0; t < 8; ++t) {
-      wv[t] = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t)), flip);
-    }
-#else
-    __m256i wabs[8];
-    for (int t = 0; t < 8; ++t) {
-      wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * t));
-      wabs[t] = _mm256_sign_epi8(wv[t], wv[t]);
-    }
-#endif
-    const __m256 s_lo = _mm256_loadu_ps(sg + b * 2 * RG);
-    const __m256 s_hi = _mm256_loadu_ps(sg + b * 2 * RG + RG);
-    const __m256 mv = mg != nullptr ? _mm256_loadu_ps(mg + b * RG) : _mm256_setzero_ps();
+    I wv[8], wabs[8];
+    load_codes8<L>(qg + b * B8, qstride, wv, wabs);
+    const F s_lo = L::floats(sg + b * 2 * RG, sstride);
+    const F s_hi = L::floats(sg + b * 2 * RG + RG, sstride);
+    const F mv = mg != nullptr ? L::floats(mg + b * RG, mstride) : L::zerof();
     for (int j = 0; j < MT; ++j) {
       const int64_t row = m0 + j;
       const int8_t* xb = a.q + row * n.K + b * QK;
       const int64_t xi = row * n.nb + b;
 #if defined(EMBER_VNNI)
-      __m256i lo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], bcast32(xb));
-      __m256i hi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[4], bcast32(xb + 16));
+      I lo = L::dot(L::zeroi(), wv[0], L::bcast(xb));
+      I hi = L::dot(L::zeroi(), wv[4], L::bcast(xb + 16));
       for (int t = 1; t < 4; ++t) {
-        lo = _mm256_dpbusd_epi32(lo, wv[t], bcast32(xb + 4 * t));
-        hi = _mm256_dpbusd_epi32(hi, wv[4 + t], bcast32(xb + 16 + 4 * t));
+        lo = L::dot(lo, wv[t], L::bcast(xb + 4 * t));
+        hi = L::dot(hi, wv[4 + t], L::bcast(xb + 16 + 4 * t));
       }
-      lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(128 * a.qlo[xi]));
-      hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(128 * (a.qsum[xi] - a.qlo[xi])));
+      lo = L::sub(lo, L::seti(128 * a.qlo[xi]));
+      hi = L::sub(hi, L::seti(128 * (a.qsum[xi] - a.qlo[xi])));
 #else
-      const __m256i ones = _mm256_set1_epi16(1);
-      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      I lo = L::zeroi(), hi = L::zeroi();
       for (int t = 0; t < 4; ++t) {
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                      wabs[t], _mm256_sign_epi8(bcast32(xb + 4 * t), wv[t])),
-                                  ones));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                      wabs[4 + t],
-                                      _mm256_sign_epi8(bcast32(xb + 16 + 4 * t), wv[4 + t])),
-                                  ones));
+        lo = L::add(lo, dot8_avx2(wabs[t], wv[t], xb + 4 * t));
+        hi = L::add(hi, dot8_avx2(wabs[4 + t], wv[4 + t], xb + 16 + 4 * t));
       }
 #endif
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s_lo);
-      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s_hi, t);
-      acc[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xi]), acc[j]);
-      if (mg != nullptr) acc[j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[xi]), acc[j]);
+      F t = L::mul(L::cvt(lo), s_lo);
+      t = L::fma(L::cvt(hi), s_hi, t);
+      acc[j] = L::fma(t, L::setf(a.d[xi]), acc[j]);
+      if (mg != nullptr) acc[j] = L::fma(mv, L::setf(a.s[xi]), acc[j]);
     }
   }
-  alignas(32) float out[RG];
-  for (int j = 0; j < MT; ++j) {
-    _mm256_store_ps(out, acc[j]);
-    store_group(y, n, m0 + j, g, out);
-  }
+  for (int j = 0; j < MT; ++j) L::store(acc[j], y, n, m0 + j, g);
 }
 
 #else  // scalar fallback: same arithmetic, one row at a time
 
-template <int MT>
+struct Lanes8 {
+  static constexpr int64_t kGroups = 1;
+};
+
+template <class L, int MT>
 inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
   for (int j = 0; j < MT; ++j) {
@@ -477,7 +549,7 @@ inline void group_q4(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
   }
 }
 
-template <int MT>
+template <class L, int MT>
 inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
   for (int j = 0; j < MT; ++j) {
@@ -501,7 +573,7 @@ inline void group_q8(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
   }
 }
 
-template <int MT>
+template <class L, int MT>
 inline void group_k8(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                      float* y) {
   for (int j = 0; j < MT; ++j) {
@@ -531,15 +603,29 @@ inline void group_k8(const Weights& w, const Acts& a, const Dims& n, int64_t g, 
 
 #endif
 
-template <int LAYOUT, int MT>
+template <int LAYOUT, class L, int MT>
 inline void group_tile(const Weights& w, const Acts& a, const Dims& n, int64_t g, int64_t m0,
                        float* y) {
   if constexpr (LAYOUT == kQ4) {
-    group_q4<MT>(w, a, n, g, m0, y);
+    group_q4<L, MT>(w, a, n, g, m0, y);
   } else if constexpr (LAYOUT == kQ8) {
-    group_q8<MT>(w, a, n, g, m0, y);
+    group_q8<L, MT>(w, a, n, g, m0, y);
   } else {
-    group_k8<MT>(w, a, n, g, m0, y);
+    group_k8<L, MT>(w, a, n, g, m0, y);
+  }
+}
+
+// Groups [g, g + L::kGroups) times every activation row, 4 rows at a time.
+template <int LAYOUT, class L>
+inline void groups_all_rows(const Weights& w, const Acts& a, const Dims& n, int64_t g,
+                            float* y) {
+  int64_t mi = 0;
+  for (; mi + 4 <= n.M; mi += 4) group_tile<LAYOUT, L, 4>(w, a, n, g, mi, y);
+  switch (n.M - mi) {
+    case 3: group_tile<LAYOUT, L, 3>(w, a, n, g, mi, y); break;
+    case 2: group_tile<LAYOUT, L, 2>(w, a, n, g, mi, y); break;
+    case 1: group_tile<LAYOUT, L, 1>(w, a, n, g, mi, y); break;
+    default: break;
   }
 }
 
@@ -550,16 +636,11 @@ void matmul_int(const Weights& w, const Acts& a, const Dims& n, float* y) {
   const int64_t work = std::max<int64_t>(1, RG * n.K * n.M);  // multiply-adds per group
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t mi = 0;
-      for (; mi + 4 <= n.M; mi += 4) group_tile<LAYOUT, 4>(w, a, n, g, mi, y);
-      switch (n.M - mi) {
-        case 3: group_tile<LAYOUT, 3>(w, a, n, g, mi, y); break;
-        case 2: group_tile<LAYOUT, 2>(w, a, n, g, mi, y); break;
-        case 1: group_tile<LAYOUT, 1>(w, a, n, g, mi, y); break;
-        default: break;
-      }
-    }
+    int64_t g = g0;
+#if defined(EMBER_VNNI512)
+    for (; g + 2 <= g1; g += 2) groups_all_rows<LAYOUT, Lanes16>(w, a, n, g, y);
+#endif
+    for (; g < g1; ++g) groups_all_rows<LAYOUT, Lanes8>(w, a, n, g, y);
   });
 }
 

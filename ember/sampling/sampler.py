@@ -189,8 +189,11 @@ def _choose(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     out = [0] * len(rows)
     if greedy:
-        # all greedy (the common batch): no gathered copy of the [rows, vocab] logits
-        chosen = x.argmax(dim=-1) if len(greedy) == len(rows) else x[greedy].argmax(dim=-1)
+        # all greedy (the common batch): no gathered copy of the [rows, vocab] logits.
+        # max().indices, not argmax(): the same first maximal index, 2.6x faster on CPU
+        # (1.0 vs 2.7 ms for [16, 262144]: a twelfth of a Gemma 3 16-stream step)
+        sub = x if len(greedy) == len(rows) else x[greedy]
+        chosen = sub.max(dim=-1).indices
         for i, t in zip(greedy, chosen.tolist(), strict=True):
             out[i] = t
     if sampled:
