@@ -318,6 +318,13 @@ class GGUFFile:
         if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             self._mmap.madvise(mmap.MADV_DONTNEED)
 
+    def drop_array_metadata(self) -> None:
+        """Forget list-valued metadata (vocabulary, scores, merges) once the tokenizer
+        and chat template have read it: the model keeps this file open for embedding
+        rows, and a 49k-entry vocabulary's strings are ~10 MB for its whole life."""
+        for key in [k for k, v in self.metadata.items() if isinstance(v, list)]:
+            del self.metadata[key]
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The tensor's raw bytes as a read-only uint8 array (a view of the mapping)."""
         info = self.tensor(name)

@@ -86,6 +86,7 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
         log.warning("%s has no experts: --moe-stream ignored", path.name)
     model = family.model.from_gguf(gguf, config, fmt, moe)
     gguf.release_pages()
+    gguf.drop_array_metadata()
     return LoadedModel(path, config, model, tokenizer, template, weights,
                        time.perf_counter() - start)
 
