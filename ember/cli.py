@@ -73,6 +73,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="accept this bearer key (repeatable); its tenant is derived from it")
     s.add_argument("--api-keys-file", type=Path,
                    help="lines of 'KEY [TENANT [WEIGHT]]' (WEIGHT: the tenant's fair share)")
+    s.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="run N engine replicas on Ray Serve behind this server, routed by "
+                        "tenant-aware prefix affinity (needs: pip install 'ember[ray]')")
+    s.add_argument("--ray-address", default=None,
+                   help="with --replicas: an existing Ray cluster (default: a private "
+                        "local Ray on 127.0.0.1)")
     s.add_argument("--slo-ttft", type=float, default=None,
                    help="seconds to first token: requests predicted to miss it get 429")
     s.add_argument("--slo-tpot", type=float, default=None,
@@ -316,7 +322,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                          tenant_weights=weights)
+                          tenant_weights=weights, replicas=args.replicas,
+                          ray_address=args.ray_address)
+    if args.replicas < 0 or (args.ray_address and not args.replicas):
+        raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     return run_server(config, args.host, args.port, args.graceful_seconds)
 
 

@@ -43,7 +43,7 @@ from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.disk import BlockRecord, DiskStore
 from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
-from ember.kv.prefix import extend_keys
+from ember.kv.prefix import extend_keys, tenant_salt
 from ember.kv.tier import DiskTier, restore_chain
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.moe import MoEOptions
@@ -297,7 +297,7 @@ class LLMEngine:
 
     def salt_for(self, tenant: str | None) -> bytes:
         """Prefix-cache salt: model fingerprint + tenant. Never from request content."""
-        return self.model_salt + b"\0tenant:" + (tenant or "").encode()
+        return tenant_salt(self.model_salt, tenant)
 
     def prepare(
         self,

@@ -70,6 +70,11 @@ class Slot:
         self._owner = owner
         self._open = True
 
+    @property
+    def open(self) -> bool:
+        """Not yet submitted nor released."""
+        return self._open
+
     def submit(self, group: list[Request], callback: OutputCallback) -> list[str]:
         """Hand prepared requests (one group: n choices of a prompt) to the engine thread;
         returns their ids at once. ``callback`` receives every output of every request,
@@ -154,6 +159,10 @@ class EngineThread:
                 self._cancelled.add(request_id)
                 return
         self.engine.abort(request_id)
+
+    def discard(self, group: Sequence[Request]) -> None:
+        """Prepared requests that will not be submitted. Nothing to undo here: they hold
+        no engine state until handed over (a replica set must stop them remotely)."""
 
     def abort_all(self) -> None:
         """Abort every request the thread delivers outputs for (thread-safe)."""

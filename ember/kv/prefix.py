@@ -39,6 +39,13 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def tenant_salt(model_salt: bytes, tenant: str | None) -> bytes:
+    """A tenant's prefix-cache salt: the model's fingerprint + the tenant, never request
+    content. The engine and the replica router (which must predict the engine's keys)
+    both derive it here."""
+    return model_salt + b"\0tenant:" + (tenant or "").encode()
+
+
 def root_key(salt: bytes) -> bytes:
     return hashlib.blake2b(b"ember-prefix-v1\0" + salt, digest_size=16).digest()
 
@@ -96,6 +103,11 @@ class PrefixCache:
     @property
     def num_cached(self) -> int:
         return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        """The chain keys of every cached block (safe to call from another thread: the
+        copy is one C-level pass under the GIL)."""
+        return list(self._by_key.copy())
 
     @property
     def num_evictable(self) -> int:

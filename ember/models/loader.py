@@ -65,6 +65,25 @@ class LoadedModel:
         return f"{sha256_of(self.path)}:{self.weights}"
 
 
+def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
+    """Everything of ``name`` but its weights (``model`` is None): the tokenizer, chat
+    template and config, for a process that routes requests to replicas holding the
+    model. Its ``fingerprint`` equals theirs (same file, same weight format)."""
+    start = time.perf_counter()
+    path = ensure_model(name)
+    with GGUFFile(path) as gguf:
+        config = ModelConfig.from_gguf(gguf)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        family = ARCHITECTURES[config.architecture]
+        try:
+            template: ChatTemplate | None = ChatTemplate.from_gguf(
+                gguf, default=family.chat_template)
+        except ChatTemplateError:
+            template = None
+    return LoadedModel(path, config, None, tokenizer, template,  # type: ignore[arg-type]
+                       resolve_weights(weights), time.perf_counter() - start)
+
+
 def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) -> LoadedModel:
     """Load ``name`` (alias or .gguf path), pulling a registered alias if needed.
 

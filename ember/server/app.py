@@ -79,6 +79,8 @@ class ServerConfig:
     slo_ttft: float | None = None  # default seconds to first token (requests may set theirs)
     slo_tpot: float | None = None  # default seconds per output token
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
+    replicas: int = 0  # > 0: that many engine replicas on Ray Serve (ember.cluster)
+    ray_address: str | None = None  # an existing Ray cluster for the replicas
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -146,8 +148,13 @@ class Admitted:
     groups: list[list[EngineRequest]]  # one per prompt: its n choices
     slots: list[Slot]
     names: dict[str, str]
+    discard: Callable[[list[EngineRequest]], None] = lambda group: None
 
     def release(self) -> None:
+        """Give back the queue places, and the groups never handed over."""
+        for group, slot in zip(self.groups, self.slots, strict=False):
+            if slot.open:
+                self.discard(group)
         for slot in self.slots:
             slot.release()
 
@@ -157,9 +164,11 @@ class Server:
 
     def __init__(self, config: ServerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.thread: EngineThread | None = None
+        # the engine thread, or with config.replicas an ember.cluster.front.ReplicaSet:
+        # the same interface, its engine N replicas on Ray Serve
+        self.thread: EngineThread | Any = None
         self.load_error: str | None = None
-        self.metrics = Metrics(self._engine_stats)
+        self.metrics = Metrics(self._engine_stats, self._extra_metrics)
         self._engine = engine
         self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
         self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
@@ -173,9 +182,19 @@ class Server:
 
     def _load(self) -> None:
         try:
-            engine = self._engine or LLMEngine(self.config.engine)
-            self.thread = EngineThread(engine).start()
-            log.info("model %s loaded in %.2fs", engine.loaded.name, engine.loaded.load_seconds)
+            if self.config.replicas:
+                from ember.cluster.deploy import start_replicas
+
+                self.thread = start_replicas(self.config.engine, self.config.replicas,
+                                             self.config.ray_address)
+                engine = self.thread.engine
+                log.info("%d replicas of %s ready on Ray Serve", self.config.replicas,
+                         engine.loaded.name)
+            else:
+                engine = self._engine or LLMEngine(self.config.engine)
+                self.thread = EngineThread(engine).start()
+                log.info("model %s loaded in %.2fs", engine.loaded.name,
+                         engine.loaded.load_seconds)
             # torch, the model and the tokenizer are a million long-lived objects: left in
             # the collected generations, every full collection walks them all (~100 ms,
             # measured), stalling the event loop mid-burst. They live as long as we do.
@@ -211,6 +230,10 @@ class Server:
 
     def _engine_stats(self) -> dict[str, Any]:
         return self.thread.engine.metrics() if self.thread else {}
+
+    def _extra_metrics(self) -> list[str]:
+        lines = getattr(self.thread, "metric_lines", None)
+        return lines() if lines is not None else []
 
     # ------------------------------------------------------------ auth
     def _bearer(self, request: Request) -> bytes:
@@ -264,12 +287,19 @@ class Server:
             req, groups = await loop.run_in_executor(self._prep, self._prepare, route, raw,
                                                      tenant, arrival)
             slots = [first]
-            with _as_api_errors({}):
-                slots += [thread.slot() for _ in groups[1:]]
+            try:
+                with _as_api_errors({}):
+                    slots += [thread.slot() for _ in groups[1:]]
+            except BaseException:
+                for group in groups:
+                    thread.discard(group)
+                for slot in slots[1:]:
+                    slot.release()
+                raise
         except BaseException:
             first.release()
             raise
-        return Admitted(req, groups, slots, route.names(req))
+        return Admitted(req, groups, slots, route.names(req), thread.discard)
 
     def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float
                  ) -> tuple[Any, list[list[EngineRequest]]]:
@@ -279,13 +309,18 @@ class Server:
         names = route.names(req)
         with _as_api_errors({}):
             slo = self._slo(req)
-        groups = []
-        for prompt_ids, params in route.build(self, req):
-            with _as_api_errors(names):
-                groups.append(self.engine.prepare(
-                    prompt_ids, params, tenant=tenant, priority=req.priority or 0, slo=slo,
-                    weight=self.config.tenant_weights.get(tenant, 1.0), arrival=arrival,
-                    references=req.references or ()))
+        groups: list[list[EngineRequest]] = []
+        try:
+            for prompt_ids, params in route.build(self, req):
+                with _as_api_errors(names):
+                    groups.append(self.engine.prepare(
+                        prompt_ids, params, tenant=tenant, priority=req.priority or 0,
+                        slo=slo, weight=self.config.tenant_weights.get(tenant, 1.0),
+                        arrival=arrival, references=req.references or ()))
+        except BaseException:
+            for group in groups:  # a later prompt failed: the earlier ones never run
+                self._thread().discard(group)
+            raise
         return req, groups
 
     def _slo(self, req: Any) -> SLO | None:
@@ -650,7 +685,9 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
     async def metrics(request: Request) -> Response:
         server.check_metrics_access(request)
-        return PlainTextResponse(server.metrics.render(),
+        # off the event loop: with replicas, rendering may wait for their fresh stats
+        text = await asyncio.get_running_loop().run_in_executor(None, server.metrics.render)
+        return PlainTextResponse(text,
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", responses=openapi.MODELS)
@@ -782,6 +819,11 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
     import uvicorn
 
     _log_to_stderr()
+    if config.replicas:  # here, in the main thread (see start_ray)
+        from ember.cluster.deploy import replica_threads, start_ray
+
+        start_ray(config.ray_address, config.replicas,
+                  replica_threads(config.engine, config.replicas))
     server = Server(config)
     server.start_loading()
     app = create_app(server)
@@ -802,6 +844,10 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
     if server.thread is not None:
         server.thread.drain(timeout=graceful_seconds)
         server.thread.shutdown(timeout=graceful_seconds)
+    if config.replicas:
+        from ember.cluster.deploy import stop
+
+        stop()
     print("ember: stopped", flush=True)
     return 0
 

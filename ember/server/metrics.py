@@ -40,8 +40,10 @@ class Histogram:
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]],
+                 extra: Callable[[], list[str]] = lambda: []) -> None:
         self._engine_stats = engine_stats
+        self._extra = extra  # more families (the replicas' and the router's)
         self._lock = threading.Lock()
         self.ttft = Histogram("ember_time_to_first_token_seconds", "Time to first token.")
         self.itl = Histogram("ember_inter_token_latency_seconds",
@@ -123,6 +125,7 @@ class Metrics:
                s.get("preemptions", 0))
         lines += _disk_lines(s.get("kv_disk"))
         lines += _moe_lines(s.get("moe"))
+        lines += self._extra()
         spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
         for i, what in ((0, "drafted"), (1, "accepted")):
             name = f"ember_spec_{what}_tokens_total"

@@ -1,0 +1,118 @@
+"""Start Ray (or join a cluster), deploy N ember replicas on Ray Serve, build the front.
+
+Local Ray (no ``--ray-address``) is started by ember, bound to 127.0.0.1, with the
+dashboard off and token authentication on (``RAY_AUTH_MODE=token``; Ray writes the
+token to ``~/.ray/auth_token``). Ray Serve's own HTTP proxy is disabled: the HTTP
+surface is ember's server in this process, talking to the replicas through a
+deployment handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from ember.cluster.protocol import APP, DEPLOYMENT
+from ember.config import EngineConfig
+from ember.errors import EmberError
+
+log = logging.getLogger("ember.cluster")
+ROUTER = "ember.cluster.router:PrefixAffinityRouter"
+STATS_PERIOD_S = 0.5  # how often replicas report their prefix-cache digest to the router
+
+
+class RayUnavailable(EmberError):
+    """``--replicas`` needs Ray Serve: ``pip install 'ember[ray]'``."""
+
+
+def _ray() -> Any:
+    try:
+        import ray
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise RayUnavailable("--replicas needs Ray Serve: pip install 'ember[ray]'") from None
+    return ray
+
+
+def replica_threads(config: EngineConfig, replicas: int) -> int:
+    """Each replica's compute threads: given, or this machine's cores shared out."""
+    return config.threads or max(1, (os.cpu_count() or 1) // replicas)
+
+
+def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:
+    """Join ``address``, or start a private local Ray on loopback.
+
+    Call it from the main thread, or from one that lives as long as Ray should: Ray
+    ties its local processes' lives to the thread that started them (their parent-death
+    signal fires when that thread exits)."""
+    cpus = max(os.cpu_count() or 1, replicas * threads)
+    if not address:  # read when ray is imported: set it first
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    common = {"include_dashboard": False, "logging_level": logging.WARNING,
+              "log_to_driver": False, "namespace": "ember"}
+    if address:
+        ray.init(address=address, **common)
+        return
+    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", **common)
+
+
+def deploy(config: EngineConfig, replicas: int, imbalance: int = 4) -> Any:
+    """Run ``replicas`` engines as one Ray Serve deployment; return its handle."""
+    _ray()
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from ember.cluster.replica import EmberReplica
+    from ember.cluster.router import view
+
+    view().reset()
+    serve.start(proxy_location="Disabled")
+    deployment = serve.deployment(
+        EmberReplica, name=DEPLOYMENT, num_replicas=replicas,
+        # the engine's own queue is the bound (and answers 429 at once): Ray must not queue
+        max_ongoing_requests=config.max_num_seqs + config.max_queue + 8,
+        ray_actor_options={"num_cpus": config.threads or 1},
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER, request_router_kwargs={"imbalance": imbalance},
+            request_routing_stats_period_s=STATS_PERIOD_S,
+            request_routing_stats_timeout_s=10 * STATS_PERIOD_S))
+    return serve.run(deployment.bind(config), name=APP, route_prefix=None)
+
+
+def start_replicas(config: EngineConfig, replicas: int, address: str | None = None,
+                   imbalance: int = 4) -> Any:
+    """Ray up, replicas deployed and a started :class:`ReplicaSet` for the server."""
+    if not address:  # Ray reads it when imported (ember.cluster.front imports it)
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ember.cluster.front import ReplicaSet
+    from ember.models.loader import load_model_meta
+
+    loaded = load_model_meta(config.model, config.weights)
+    # the front resolved "auto": every replica uses the same format (the prefix-cache
+    # salt, which the router must predict, includes it)
+    config = dataclasses.replace(config, weights=loaded.weights,
+                                 threads=replica_threads(config, replicas))
+    start_ray(address, replicas)
+    handle = deploy(config, replicas, imbalance)
+    return ReplicaSet(handle, config, replicas, loaded).start()
+
+
+def stop() -> None:
+    """Tear the deployment down (and a Ray this process started)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        return
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

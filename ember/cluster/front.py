@@ -1,0 +1,443 @@
+"""The front's side of the replicas: an engine thread whose engine is N Ray replicas.
+
+:class:`ReplicaSet` offers what the server uses of an
+:class:`~ember.engine.thread.EngineThread` (slots, submit, abort, drain, shutdown),
+and :class:`FrontEngine` what it uses of an :class:`~ember.engine.engine.LLMEngine`
+(tokenizer, chat template, limits, ``prepare``, metrics) — so the HTTP server, its
+routes, auth, errors and streaming are the single-process server's own code.
+
+``prepare`` dispatches the group to a replica (through the prefix-affinity router)
+and waits for the replica's verdict, so a bad request gets exactly the error a
+single-process server gives (the replica's ``engine.prepare`` decides). Outputs that
+arrive before the server attaches its callback are buffered. A replica that dies
+before the group streamed a token has the group re-dispatched (another replica, the
+same request); after, the group's requests finish with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ember.cluster.protocol import GroupSpec, Verdict
+from ember.cluster.router import RoutingView, view
+from ember.config import EngineConfig
+from ember.engine.engine import SLO, InvalidRequest, QueueFull, RequestOutput
+from ember.engine.thread import EngineStopped
+from ember.kv.prefix import extend_keys, tenant_salt
+from ember.models.loader import LoadedModel
+from ember.sampling.params import SamplingParams
+from ember.sampling.reasoning import ThinkingTags
+
+log = logging.getLogger("ember.cluster")
+Callback = Callable[[RequestOutput], None]
+DISPATCH_ATTEMPTS = 3  # replicas tried for one group before it fails
+FRESH_STATS_WAIT_S = 3.0  # longest a metrics scrape waits for stats newer than the last change
+
+
+@dataclass
+class RemoteRequest:
+    """What the server reads of a prepared request (one choice of a group)."""
+
+    request_id: str
+    num_prompt: int
+    slo_ttft: float | None
+    slo_tpot: float | None
+    group: RemoteGroup
+
+
+@dataclass
+class RemoteGroup:
+    """One dispatched group; its state lives on the ReplicaSet's event loop."""
+
+    spec: GroupSpec
+    replica: str = ""
+    callback: Callback | None = None
+    buffer: list[RequestOutput] = field(default_factory=list)
+    latest: dict[str, RequestOutput] = field(default_factory=dict)
+    streamed: bool = False  # a token reached the front: a replica's death cannot be retried
+    task: asyncio.Task | None = None
+
+    def deliver(self, out: RequestOutput) -> None:
+        self.streamed = self.streamed or bool(out.delta_token_ids)
+        self.latest[out.request_id] = out
+        if self.callback is None:
+            self.buffer.append(out)
+        else:
+            self.callback(out)
+
+    def attach(self, callback: Callback) -> None:
+        self.callback = callback
+        for out in self.buffer:
+            callback(out)
+        self.buffer.clear()
+
+    @property
+    def open_ids(self) -> list[str]:
+        return [r for r in self.spec.request_ids
+                if r not in self.latest or not self.latest[r].finished]
+
+
+def _replica_died(e: BaseException) -> bool:
+    """Whether ``e`` says the replica serving a stream went away (retryable)."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, ActorDiedError | ActorUnavailableError | RayActorError)
+
+
+class ReplicaSet:
+    """The engine thread of a front: groups go to replicas through ``handle``."""
+
+    def __init__(self, handle: Any, config: EngineConfig, replicas: int,
+                 loaded: LoadedModel) -> None:
+        self.handle = handle.options(stream=True, method_name="generate")
+        self.config = config
+        self.replicas = replicas
+        self.view: RoutingView = view()
+        self.engine = FrontEngine(config, loaded, self)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ember-replicas",
+                                        daemon=True)
+        self._lock = threading.Lock()
+        self._slots = 0
+        self._groups: dict[str, RemoteGroup] = {}  # request id -> its group
+        self._stopping = False
+        self._changed_at = 0.0  # wall time a stream last started or ended here
+        self.error: BaseException | None = None
+
+    def start(self) -> ReplicaSet:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._loop.is_closed()
+
+    # ------------------------------------------------------------ the EngineThread API
+    def slot(self) -> _Slot:
+        with self._lock:
+            if self._stopping or not self.alive:
+                raise EngineStopped("the replicas are not running")
+            if self._queued() >= self._capacity():
+                raise QueueFull(f"queue is full ({self._capacity()} requests across "
+                                f"{self.replicas} replicas)")
+            self._slots += 1
+        return _Slot(self)
+
+    def queue_full(self) -> bool:
+        return self._queued() >= self._capacity()
+
+    def _capacity(self) -> int:
+        return self.config.max_queue * self.replicas
+
+    def _queued(self) -> int:
+        waiting = sum(int(s.get("metrics", {}).get("requests_waiting", 0))
+                      for s in list(self.view.stats.values()))
+        return waiting + self._slots
+
+    def dispatch(self, spec: GroupSpec) -> RemoteGroup:
+        """Send ``spec`` to a replica; return once it accepted (raises what its
+        ``engine.prepare`` raised). Called from a preparation thread."""
+        return asyncio.run_coroutine_threadsafe(self._open(spec), self._loop).result()
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._cancel(group)
+
+    def discard(self, group: Sequence[Any]) -> None:
+        """Prepared requests that will never be submitted: stop them on their replica."""
+        for req in group:
+            self._cancel(req.group)
+
+    def abort_all(self) -> None:
+        for group in list(self._groups.values()):
+            self._cancel(group)
+
+    def drain(self, timeout: float) -> bool:
+        with self._lock:
+            self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._groups or self._slots:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._stopping = True
+        self.abort_all()
+        if self.alive:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the replicas' loop
+    def _cancel(self, group: RemoteGroup) -> None:
+        if group.task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(group.task.cancel)
+
+    async def _open(self, spec: GroupSpec) -> RemoteGroup:
+        group = RemoteGroup(spec)
+        stream, verdict = await self._dispatch(spec)
+        group.replica = verdict.replica
+        self.view.inflight[group.replica] += 1
+        self._changed_at = time.time()
+        for rid in spec.request_ids:
+            self._groups[rid] = group
+        group.task = asyncio.get_running_loop().create_task(self._pump(group, stream))
+        return group
+
+    async def _dispatch(self, spec: GroupSpec) -> tuple[Any, Verdict]:
+        """A stream from a replica that accepted ``spec`` (another one if it dies)."""
+        for _ in range(DISPATCH_ATTEMPTS):
+            stream = self.handle.remote(spec)
+            try:
+                verdict = await stream.__anext__()
+            except Exception as e:
+                if not _replica_died(e):
+                    raise
+                log.warning("replica died before answering %s: %s", spec.request_id, e)
+                self.view.retries += 1
+                continue
+            if verdict.error is None:
+                return stream, verdict
+            if verdict.kind == "invalid":
+                raise InvalidRequest(verdict.param, verdict.error)
+            if verdict.kind == "queue_full":
+                raise QueueFull(verdict.error)
+            raise EngineStopped(verdict.error)
+        raise EngineStopped(f"no replica could take the request after {DISPATCH_ATTEMPTS} "
+                            "tries (replicas dying?)")
+
+    async def _pump(self, group: RemoteGroup, stream: Any) -> None:
+        try:
+            while group.open_ids:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:
+                    if not _replica_died(e):
+                        raise
+                    stream = await self._failover(group, e)
+                    if stream is None:
+                        return
+                    continue
+                group.deliver(out)
+                if out.finished and out.request_id == group.spec.request_id:
+                    self._count_cached(group.spec.request_id, out.cached_tokens)
+        except asyncio.CancelledError:
+            stream.cancel()
+            self._finish(group, "abort", None)
+        except Exception as e:
+            log.exception("stream of %s failed", group.spec.request_id)
+            self._finish(group, "error", f"the replica stream failed: {e}")
+        finally:
+            self.view.inflight[group.replica] -= 1
+            self._changed_at = time.time()
+            for rid in group.spec.request_ids:
+                self._groups.pop(rid, None)
+
+    async def _failover(self, group: RemoteGroup, error: BaseException) -> Any:
+        """The replica died mid-stream: re-dispatch if nothing was streamed, else fail."""
+        self.view.replica_failures += 1
+        if group.streamed:
+            self._finish(group, "error", f"the replica serving this request died ({error})")
+            return None
+        self.view.retries += 1
+        try:
+            stream, verdict = await self._dispatch(group.spec)
+        except Exception as e:
+            self._finish(group, "error", f"no replica could take over: {e}")
+            return None
+        self.view.inflight[group.replica] -= 1
+        group.replica = verdict.replica
+        self.view.inflight[group.replica] += 1
+        group.buffer.clear()  # no token was in it; the new replica starts the group afresh
+        group.latest.clear()
+        return stream
+
+    def _finish(self, group: RemoteGroup, reason: str, error: str | None) -> None:
+        """End the group's open requests with ``reason`` (they get no further outputs)."""
+        for rid in group.open_ids:
+            last = group.latest.get(rid)
+            group.deliver(RequestOutput(
+                request_id=rid, text=last.text if last else "",
+                token_ids=list(last.token_ids) if last else [],
+                prompt_tokens=len(group.spec.prompt_ids),
+                cached_tokens=last.cached_tokens if last else 0, finished=True,
+                finish_reason=reason, error=error))
+
+    def _count_cached(self, request_id: str, cached: int) -> None:
+        v = self.view
+        with v.lock:
+            blocks = v.predicted_blocks.pop(request_id, None)
+            if blocks is not None:
+                v.predicted_tokens += blocks * self.config.block_size
+                v.actual_tokens += cached
+
+    # ------------------------------------------------------------ metrics
+    def merged_metrics(self) -> dict[str, Any]:
+        """The replicas' engine metrics summed, as of their routing stats: taken after
+        the last stream started or ended here where they arrive within
+        ``FRESH_STATS_WAIT_S`` (so a scrape reflects the requests it follows)."""
+        self._await_fresh_stats()
+        total: dict[str, Any] = {}
+        for stats in list(self.view.stats.values()):
+            _add(total, stats.get("metrics", {}))
+        return total
+
+    def _await_fresh_stats(self) -> None:
+        deadline = time.monotonic() + FRESH_STATS_WAIT_S
+        while time.monotonic() < deadline:
+            stats = list(self.view.stats.values())
+            if stats and all(s.get("taken_at", 0.0) >= self._changed_at for s in stats):
+                return
+            time.sleep(0.02)
+
+    def metric_lines(self) -> list[str]:
+        """Per-replica and router metrics, in the Prometheus text format."""
+        v = self.view
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help: str, rows: list[tuple[str, Any]]) -> None:
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{labels} {value}" for labels, value in rows)
+
+        replicas = sorted(v.stats)
+        family("ember_replicas", "gauge", "Replicas the router currently sees.",
+               [("", len(replicas))])
+        family("ember_replica_info", "gauge", "A replica the router sees, with its process id.",
+               [(f'{{replica="{r}",pid="{v.stats[r].get("pid", "")}"}}', 1) for r in replicas])
+        family("ember_replica_inflight", "gauge", "Streams this front has open on a replica.",
+               [(f'{{replica="{r}"}}', v.load(r)) for r in replicas])
+        for key, kind, help in (
+                ("requests_running", "gauge", "Requests running on a replica."),
+                ("requests_waiting", "gauge", "Requests waiting on a replica."),
+                ("prefix_cache_queries", "counter", "Prompt tokens a replica looked up."),
+                ("prefix_cache_hits", "counter", "Prompt tokens a replica served from cache.")):
+            name = f"ember_replica_{key}" + ("_total" if kind == "counter" else "")
+            family(name, kind, help + " (as of its last routing stats)",
+                   [(f'{{replica="{r}"}}', v.stats[r].get("metrics", {}).get(key, 0))
+                    for r in replicas])
+        family("ember_router_requests_total", "counter", "Groups routed, by what decided.",
+               [(f'{{by="{by}"}}', v.decisions.get(by, 0)) for by in ("affinity", "load")])
+        family("ember_router_predicted_cached_tokens_total", "counter",
+               "Prompt tokens the router predicted cached where it sent them.",
+               [("", v.predicted_tokens)])
+        family("ember_router_actual_cached_tokens_total", "counter",
+               "Prompt tokens the replicas actually served from cache, same requests.",
+               [("", v.actual_tokens)])
+        family("ember_router_retries_total", "counter",
+               "Groups re-dispatched because their replica died before streaming.",
+               [("", v.retries)])
+        family("ember_router_replica_failures_total", "counter",
+               "Streams cut by a replica's death.", [("", v.replica_failures)])
+        return lines
+
+
+def _add(total: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, bool) or value is None:
+            total.setdefault(key, value)
+        elif isinstance(value, int | float):
+            total[key] = total.get(key, 0) + value
+        elif isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        elif isinstance(value, list | tuple):  # e.g. a draft source's [drafted, accepted]
+            mine = total.setdefault(key, [0] * len(value))
+            total[key] = [a + b for a, b in zip(mine, value, strict=False)]
+
+
+class _Slot:
+    def __init__(self, owner: ReplicaSet) -> None:
+        self._owner = owner
+        self.open = True
+
+    def submit(self, group: list[RemoteRequest], callback: Callback) -> list[str]:
+        if not self.open:
+            raise RuntimeError("slot already used")
+        self._close()
+        remote = group[0].group
+        self._owner._loop.call_soon_threadsafe(remote.attach, callback)
+        return [r.request_id for r in group]
+
+    def release(self) -> None:
+        if self.open:
+            self._close()
+
+    def _close(self) -> None:
+        self.open = False
+        with self._owner._lock:
+            self._owner._slots -= 1
+
+    def __enter__(self) -> _Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class FrontEngine:
+    """What the server reads of an engine, for a front whose engines are replicas."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, replicas: ReplicaSet) -> None:
+        from ember.engine.engine import _template
+
+        if config.chat_template is not None:
+            loaded = replace(loaded, chat_template=_template(config.chat_template, loaded))
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        source = loaded.chat_template.source if loaded.chat_template else None
+        self.thinking_tags = ThinkingTags.of_template(source)
+        context = loaded.config.context_length
+        self.max_model_len = min(config.max_model_len or context, context)
+        self.model_salt = loaded.fingerprint().encode()
+        self._replicas = replicas
+        self._ids = itertools.count()
+        self._prefix = f"rq-{secrets.token_hex(4)}"
+
+    def prepare(self, prompt_ids: list[int], params: SamplingParams | Sequence[SamplingParams],
+                *, request_id: str | None = None, tenant: str | None = None,
+                processors: Sequence[Any] = (), priority: int = 0, slo: SLO | None = None,
+                weight: float = 1.0, arrival: float | None = None,
+                references: Sequence[str] = ()) -> list[RemoteRequest]:
+        """Dispatch one prompt's choices to a replica (see the module docstring)."""
+        if processors:
+            raise InvalidRequest("processors", "logit processors cannot cross to a replica")
+        choices = [params] if isinstance(params, SamplingParams) else list(params)
+        spec = GroupSpec(
+            request_id=request_id or f"{self._prefix}-{next(self._ids)}",
+            prompt_ids=list(prompt_ids), params=choices, tenant=tenant or "",
+            priority=priority, slo=slo, weight=weight,
+            waited=0.0 if arrival is None else max(0.0, time.monotonic() - arrival),
+            references=tuple(references), keys=self.prefix_keys(prompt_ids, tenant))
+        group = self._replicas.dispatch(spec)
+        return [RemoteRequest(rid, len(spec.prompt_ids), slo.ttft if slo else None,
+                              slo.tpot if slo else None, group) for rid in spec.request_ids]
+
+    def prefix_keys(self, prompt_ids: Sequence[int], tenant: str | None) -> list[bytes]:
+        """The chain keys the replicas' prefix caches give this prompt's full blocks."""
+        if not self.config.enable_prefix_caching:
+            return []
+        keys: list[bytes] = []
+        try:
+            extend_keys(keys, tenant_salt(self.model_salt, tenant), list(prompt_ids),
+                        self.config.block_size)
+        except (OverflowError, TypeError, ValueError):
+            return []  # not valid token ids: the replica will say so
+        return keys
+
+    def metrics(self) -> dict[str, Any]:
+        return self._replicas.merged_metrics()

@@ -1,0 +1,43 @@
+"""What travels between the front and the replicas (all of it picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.engine.engine import SLO
+from ember.sampling.params import SamplingParams
+
+DEPLOYMENT = "EmberReplica"
+APP = "ember"
+
+
+@dataclass
+class GroupSpec:
+    """One prompt's n choices, as the front prepared them for a replica's
+    ``engine.prepare`` (which validates them again, so a replica's answer is the same
+    as a single-process server's)."""
+
+    request_id: str  # choice j > 0 gets f"{request_id}-{j}", as engine.prepare names them
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    tenant: str
+    priority: int = 0
+    slo: SLO | None = None
+    weight: float = 1.0
+    waited: float = 0.0  # seconds since the request arrived at the front (TTFT counts from then)
+    references: tuple[str, ...] = ()
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys, for routing
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.request_id] + [f"{self.request_id}-{j}" for j in range(1, len(self.params))]
+
+
+@dataclass
+class Verdict:
+    """A replica's first answer to a group: accepted, or the error ``prepare`` raised."""
+
+    replica: str  # the replica's unique id
+    error: str | None = None  # None: accepted
+    kind: str = ""  # "invalid" (param names the culprit), "queue_full" or "stopped"
+    param: str = ""

@@ -1,0 +1,94 @@
+"""One ember engine as a Ray Serve deployment replica.
+
+Each replica owns an :class:`~ember.engine.thread.EngineThread` (the same one the
+single-process server runs) and answers :meth:`EmberReplica.generate` with a stream:
+first a :class:`~ember.cluster.protocol.Verdict` (what ``engine.prepare`` said), then
+the group's :class:`~ember.engine.engine.RequestOutput` objects. Cancelling the stream
+(the client went away) aborts the group in the engine. ``record_routing_stats`` is
+Ray Serve's hook for the router's view: the keys in this replica's prefix cache and
+its engine metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ember.cluster.protocol import GroupSpec, Verdict
+from ember.config import EngineConfig
+from ember.engine.engine import InvalidRequest, LLMEngine, QueueFull, RequestOutput
+from ember.engine.thread import EngineStopped, EngineThread
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Ray Serve (tests drive the class directly)
+        return f"pid-{os.getpid()}"
+
+
+class EmberReplica:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.thread = EngineThread(self.engine).start()
+        self.replica = _replica_id()
+
+    async def generate(self, spec: GroupSpec) -> AsyncIterator[Verdict | RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:  # prepare compiles grammars: off the replica's event loop
+            ids = await loop.run_in_executor(None, self._submit, spec, deliver)
+        except InvalidRequest as e:
+            yield Verdict(self.replica, str(e), "invalid", e.param)
+            return
+        except QueueFull as e:
+            yield Verdict(self.replica, str(e), "queue_full")
+            return
+        except EngineStopped as e:
+            yield Verdict(self.replica, str(e), "stopped")
+            return
+        yield Verdict(self.replica)
+        open_ids = set(ids)
+        try:
+            while open_ids:
+                out = await queue.get()
+                if out.finished:
+                    open_ids.discard(out.request_id)
+                yield out
+        finally:  # cancelled (the front's client went away) or done
+            for rid in open_ids:
+                self.thread.abort(rid)
+
+    def _submit(self, spec: GroupSpec, deliver: Any) -> list[str]:
+        with self.thread.slot() as slot:
+            group = self.engine.prepare(
+                spec.prompt_ids, spec.params, request_id=spec.request_id, tenant=spec.tenant,
+                priority=spec.priority, slo=spec.slo, weight=spec.weight,
+                arrival=time.monotonic() - spec.waited, references=spec.references)
+            return slot.submit(group, deliver)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The router's view of this replica (Ray Serve calls it periodically)."""
+        prefix = self.engine.kv.prefix
+        keys = prefix.keys() if prefix is not None else []
+        return {"keys": keys, "metrics": self.engine.metrics(), "pid": os.getpid(),
+                "taken_at": time.time()}
+
+    def check_health(self) -> None:
+        if not self.thread.alive:
+            raise RuntimeError(f"the engine thread stopped: {self.thread.error!r}")
+
+    def __del__(self) -> None:
+        thread = getattr(self, "thread", None)
+        if thread is not None and thread.alive:
+            thread.shutdown(timeout=5)

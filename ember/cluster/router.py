@@ -1,0 +1,201 @@
+"""Tenant-aware prefix-affinity routing of request groups to ember replicas.
+
+A request's routing key is the chain of prefix-cache keys of its prompt's full
+blocks, computed under its tenant's salt exactly as the replicas' prefix caches
+compute them (:func:`ember.kv.prefix.extend_keys`). Two tenants sending the same text
+have disjoint keys, so tenant B is never routed by tenant A's cache: B could not hit
+it (the text-matching routers of SGLang and Ray Serve LLM would send B there anyway).
+
+What the router believes a replica holds (:class:`RoutingView`) is the union of
+
+- the replica's own digest: the keys in its prefix cache, reported through Ray
+  Serve's routing stats (``record_routing_stats``, every ``stats_period`` seconds);
+- the keys of requests routed to it since (their blocks are being computed there).
+
+A stale view costs a cache miss, never a wrong answer: the replica looks its prefix
+cache up itself, and a hit is verified token by token there.
+
+Policy (:func:`choose`): the candidate with the longest cached prefix wins unless its
+in-flight streams exceed the least loaded replica's by more than ``imbalance``; then,
+and for a request no replica holds, power of two choices on in-flight streams.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUTED_KEYS = 1 << 16  # keys remembered per replica from routing (the digest has the rest)
+ROUTED_TTL = 60.0  # seconds a routed key counts without the replica's digest confirming it
+
+
+@dataclass
+class Decision:
+    replica: str
+    by: str  # "affinity" or "load"
+    blocks: int  # cached blocks predicted on that replica
+
+
+@dataclass
+class RoutingView:
+    """Process-wide: the router(s) and the front of one process share it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight: Counter = field(default_factory=Counter)  # replica -> open streams (this front)
+    digests: dict[str, frozenset[bytes]] = field(default_factory=dict)
+    routed: dict[str, OrderedDict[bytes, float]] = field(default_factory=dict)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica -> routing stats
+    decisions: Counter = field(default_factory=Counter)  # "affinity" / "load" -> requests
+    predicted_blocks: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+    predicted_tokens: int = 0
+    actual_tokens: int = 0  # cached prompt tokens the replicas reported for routed requests
+    retries: int = 0  # groups re-dispatched after their replica died before streaming
+    replica_failures: int = 0  # streams cut by a replica's death
+
+    def load(self, replica: str) -> int:
+        return self.inflight.get(replica, 0)
+
+    def match(self, replica: str, keys: Sequence[bytes], now: float) -> int:
+        """Leading blocks of ``keys`` the replica is believed to hold."""
+        digest = self.digests.get(replica, frozenset())
+        routed = self.routed.get(replica, {})
+        n = 0
+        for key in keys:
+            if key in digest or routed.get(key, 0.0) > now - ROUTED_TTL:
+                n += 1
+            else:
+                break
+        return n
+
+    def observe(self, replica: str, stats: dict[str, Any] | None) -> None:
+        """Take a replica's routing stats (its digest and engine metrics)."""
+        if not stats or stats is self.stats.get(replica):
+            return
+        with self.lock:
+            self.stats[replica] = stats
+            self.digests[replica] = frozenset(stats.get("keys", ()))
+
+    def routed_to(self, replica: str, keys: Sequence[bytes]) -> None:
+        now = time.monotonic()
+        with self.lock:
+            seen = self.routed.setdefault(replica, OrderedDict())
+            for key in keys:
+                seen[key] = now
+                seen.move_to_end(key)
+            while len(seen) > ROUTED_KEYS:
+                seen.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        with self.lock:
+            for table in (self.digests, self.routed, self.stats):
+                table.pop(replica, None)
+
+    def reset(self) -> None:
+        """Forget everything (a new deployment in this process)."""
+        with self.lock:
+            for table in (self.inflight, self.digests, self.routed, self.stats,
+                          self.decisions, self.predicted_blocks):
+                table.clear()
+            self.predicted_tokens = self.actual_tokens = 0
+            self.retries = self.replica_failures = 0
+
+
+VIEW = RoutingView()
+
+
+def view() -> RoutingView:
+    """The process's view, looked up through the module: Ray may deserialize the router
+    class by value, with its own copy of this module's globals."""
+    return importlib.import_module("ember.cluster.router").VIEW
+
+
+def choose(keys: Sequence[bytes], candidates: Sequence[str], v: RoutingView,
+           imbalance: int, rng: random.Random | None = None) -> Decision:
+    """Where a request with prefix ``keys`` goes among ``candidates`` (see the module)."""
+    now = time.monotonic()
+    loads = {c: v.load(c) for c in candidates}
+    least = min(loads.values())
+    matches = {c: v.match(c, keys, now) for c in candidates}
+    best = max(candidates, key=lambda c: (matches[c], -loads[c]))
+    if matches[best] > 0 and loads[best] - least <= imbalance:
+        return Decision(best, "affinity", matches[best])
+    pair = (rng or random).sample(list(candidates), min(2, len(candidates)))
+    pick = min(pair, key=lambda c: loads[c])
+    return Decision(pick, "load", matches[pick])
+
+
+def _spec_of(pending: Any) -> Any:
+    from ember.cluster.protocol import GroupSpec
+
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, GroupSpec):
+            return arg
+    return None
+
+
+try:  # Ray is optional: the policy above is usable (and tested) without it
+    from ray.serve.request_router import RequestRouter
+except ImportError:  # pragma: no cover - exercised where ray is not installed
+    RequestRouter = object  # type: ignore[assignment,misc]
+
+
+class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
+    """Ray Serve request router for :class:`ember.cluster.replica.EmberReplica`."""
+
+    def initialize_state(self, imbalance: int = 4, **_: Any) -> None:
+        self._imbalance = imbalance
+        self._pending: dict[int, Decision] = {}
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
+                              ) -> list[list]:
+        v = view()
+        by_id = {}
+        for r in candidate_replicas:
+            rid = r.replica_id.unique_id
+            by_id[rid] = r
+            v.observe(rid, r.routing_stats)
+        if not by_id:
+            return []
+        spec = _spec_of(pending_request)
+        ranked = sorted(by_id, key=v.load)
+        if spec is None:  # not a generation (or no key): least loaded first
+            return [[by_id[r] for r in ranked]]
+        decision = choose(spec.keys, list(by_id), v, self._imbalance)
+        self._pending[id(pending_request)] = decision
+        return [[by_id[decision.replica]], [by_id[r] for r in ranked if r != decision.replica]]
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        spec = _spec_of(pending_request)
+        decision = self._pending.pop(id(pending_request), None)
+        if spec is None:
+            return
+        v = view()
+        replica = replica_id.unique_id
+        if decision is None or decision.replica != replica:  # fell through to another rank
+            decision = Decision(replica, "load", v.match(replica, spec.keys, time.monotonic()))
+        v.routed_to(replica, spec.keys)
+        with v.lock:
+            v.decisions[decision.by] += 1
+            v.predicted_blocks[spec.request_id] = decision.blocks
+
+    def update_replicas(self, replicas: list) -> None:
+        super().update_replicas(replicas)
+        v = view()
+        live = set()
+        for r in replicas:
+            live.add(r.replica_id.unique_id)
+            v.observe(r.replica_id.unique_id, r.routing_stats)
+        for gone in set(v.stats) - live:
+            v.forget(gone)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        view().forget(replica_id.unique_id)

@@ -1,0 +1,216 @@
+"""``ember serve --replicas 2`` on Ray Serve: the single-process server's core cases
+run again against it (imported below, with this module's fixtures), then routing and
+replica failure.
+
+Each server starts its own private local Ray (loopback, token auth, no dashboard);
+two replicas of one thread each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from e2e_server import KEY_A, KEY_B, EmberServer, served_weights, start_server  # noqa: E402
+from test_server import (  # noqa: E402,F401  (collected here, against the replicas)
+    sdk,
+    test_burst_beyond_the_queue_gets_429_and_the_server_recovers,
+    test_chat_stream_deltas_concatenate_to_the_greedy_reply,
+    test_completions_prompt_text_and_token_ids_agree_streamed_or_not,
+    test_n2_returns_two_seeded_choices_sharing_one_prompt,
+    test_prefix_cache_is_isolated_per_tenant,
+    test_requests_without_a_valid_key_get_401,
+    test_responses_stream_emits_the_full_event_sequence_in_order,
+    test_sdk_raises_authentication_error_on_a_wrong_key,
+    test_second_chat_turn_reuses_the_cached_history,
+    test_stop_string_is_excluded_and_finishes_with_stop,
+    user,
+    wait_for_metrics,
+)
+
+REPLICA_READY_TIMEOUT = 240.0  # Ray's start, then two replicas loading the model
+
+
+def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
+           weights: str = "f32") -> Iterator[EmberServer]:
+    server = start_server(model, log_dir, "--replicas", "2", *args, weights=weights)
+    try:
+        server.wait_ready(timeout=REPLICA_READY_TIMEOUT, api_key=api_key)
+        wait_for_metrics(server, {"ember_replicas": 2}, timeout=30)
+        yield server
+    finally:
+        server.stop(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path) -> Iterator[EmberServer]:
+    """SmolLM2 on two replicas behind tenants A and B (the same flags as the
+    single-process ``smol_server``)."""
+    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
+                      "--num-kv-blocks", "512", api_key=KEY_A, weights=served_weights())
+
+
+@pytest.fixture(scope="module")
+def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
+    """The tiny model on two replicas, one sequence and a one-slot queue each."""
+    yield from _serve(tiny_gguf, e2e_log_dir, "--max-num-seqs", "1", "--max-queue", "1",
+                      "--no-prefix-caching", "--num-kv-blocks", "256")
+
+
+@pytest.fixture(scope="module")
+def client(smol_server: EmberServer):
+    return sdk(smol_server)
+
+
+@pytest.fixture(scope="module")
+def model(smol_server: EmberServer) -> str:
+    return smol_server.model_id
+
+
+def _router(server: EmberServer) -> dict[str, float]:
+    m = server.metrics()
+    return {"affinity": m['ember_router_requests_total{by="affinity"}'],
+            "load": m['ember_router_requests_total{by="load"}'],
+            "predicted": m["ember_router_predicted_cached_tokens_total"],
+            "actual": m["ember_router_actual_cached_tokens_total"]}
+
+
+def _replicas(server: EmberServer) -> dict[str, int]:
+    """replica id -> process id, as the router sees them."""
+    out = {}
+    for name in server.metrics():
+        found = re.fullmatch(r'ember_replica_info\{replica="([^"]+)",pid="(\d+)"\}', name)
+        if found:
+            out[found[1]] = int(found[2])
+    return out
+
+
+# ====================================================================== metrics
+def test_metrics_sum_the_replicas_and_label_each(smol_server, model):
+    sdk(smol_server).chat.completions.create(model=model, messages=user("hi"), max_tokens=2)
+    m = wait_for_metrics(smol_server, {"ember_replicas": 2})
+    assert m["ember_kv_blocks_total"] == 2 * 512  # each replica's --num-kv-blocks
+    replicas = _replicas(smol_server)
+    assert len(replicas) == 2 and len(set(replicas.values())) == 2
+    for rid in replicas:
+        assert f'ember_replica_requests_running{{replica="{rid}"}}' in m
+        assert f'ember_replica_prefix_cache_hits_total{{replica="{rid}"}}' in m
+    assert m['ember_router_requests_total{by="affinity"}'] + m[
+        'ember_router_requests_total{by="load"}'] >= 1
+
+
+# ====================================================================== routing
+def test_follow_up_turns_land_where_their_conversation_is_cached(smol_server, model):
+    """Six conversations, two turns each: every second turn is routed by affinity and
+    finds the first turn's blocks cached; the router predicted what the replica had."""
+    client = sdk(smol_server, KEY_A)
+    before = _router(smol_server)
+    cached = []
+    for i in range(6):
+        history = user(f"[{uuid.uuid4().hex}] Conversation {i}: name a colour and an animal.")
+        first = client.chat.completions.create(model=model, messages=history, max_tokens=8,
+                                               temperature=0)
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And another one?"}]
+        time.sleep(0.1)
+        second = client.chat.completions.create(model=model, messages=history, max_tokens=4,
+                                                temperature=0)
+        cached.append(second.usage.prompt_tokens_details.cached_tokens)
+    after = _router(smol_server)
+    assert after["affinity"] - before["affinity"] >= 6, (before, after)
+    assert all(c >= 16 for c in cached), cached  # at least the first turn's full blocks
+    predicted = after["predicted"] - before["predicted"]
+    actual = after["actual"] - before["actual"]
+    assert predicted > 0 and actual >= 0.9 * predicted, (predicted, actual)
+
+
+def test_same_text_from_another_tenant_is_not_routed_by_the_first_tenants_cache(
+        smol_server, model):
+    """B sends A's text: the router predicts for B only what B's own traffic cached
+    (at most the chat template's preamble), and that is what B gets; A's repeat is
+    predicted and served its whole prefix."""
+    text = f"[{uuid.uuid4().hex}] " + "Tenants share nothing, not even a cache line. " * 8
+    a, b = sdk(smol_server, KEY_A), sdk(smol_server, KEY_B)
+    kw = dict(model=model, messages=user(text), temperature=0, max_tokens=1)
+    a.chat.completions.create(**kw)
+    time.sleep(0.1)
+    before = _router(smol_server)
+    r = b.chat.completions.create(**kw)
+    mid = _router(smol_server)
+    b_cached = r.usage.prompt_tokens_details.cached_tokens
+    assert b_cached <= 16 < r.usage.prompt_tokens - 64
+    assert mid["predicted"] - before["predicted"] == b_cached == mid["actual"] - before["actual"]
+    again = a.chat.completions.create(**kw)
+    after = _router(smol_server)
+    a_cached = again.usage.prompt_tokens_details.cached_tokens
+    assert a_cached >= r.usage.prompt_tokens - 16
+    assert after["predicted"] - mid["predicted"] == a_cached == after["actual"] - mid["actual"]
+    assert after["affinity"] == mid["affinity"] + 1
+
+
+# ====================================================================== failures
+def _stream(server: EmberServer, max_tokens: int) -> httpx.Response:
+    body = {"model": server.model_id, "messages": user("hello"), "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}
+    return httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_disconnect_mid_stream_aborts_on_the_replica(tiny_mech_server):
+    server = tiny_mech_server
+    aborts = 'ember_request_finished_total{finish_reason="abort"}'
+    before = server.metrics()[aborts]
+    with _stream(server, 1500) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert sum(1 for line in (next(lines) for _ in range(8)) if line.startswith("data:"))
+        wait_for_metrics(server, {"ember_requests_running": 1}, timeout=10)
+    idle = {"ember_kv_blocks_used": 0, "ember_requests_running": 0,
+            "ember_requests_waiting": 0, aborts: before + 1}
+    wait_for_metrics(server, idle, timeout=15)
+    assert server.healthy()
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_cleanly_and_service_resumes(
+        tiny_mech_server):
+    server = tiny_mech_server
+    wait_for_metrics(server, {"ember_replicas": 2}, timeout=60)
+    pids = _replicas(server)
+    chunks: list[str] = []
+    with _stream(server, 1500) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        chunks += [next(lines) for _ in range(6)]
+        m = server.metrics()
+        busy = [rid for rid in pids if m.get(f'ember_replica_inflight{{replica="{rid}"}}')]
+        assert len(busy) == 1, m
+        os.kill(pids[busy[0]], signal.SIGKILL)
+        chunks += list(lines)  # the stream must end, not hang
+    data = [c[len("data: "):] for c in chunks if c.startswith("data: ")]
+    assert data[-1] == "[DONE]" or '"error"' in data[-1], data[-3:]
+    assert any('"error"' in d and "died" in d for d in data), data[-3:]
+    # service resumes at once on the other replica...
+    body = {"model": server.model_id, "prompt": "hi", "max_tokens": 4}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    # ...and Ray Serve brings a replacement up
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = _replicas(server)
+        if len(now) == 2 and set(now.values()) != set(pids.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no replacement replica: {_replicas(server)}")
+    assert server.metrics()["ember_router_replica_failures_total"] >= 1
+    for _ in range(4):  # one at a time: each replica has a one-slot queue
+        assert httpx.post(server.url + "/v1/completions", json=body,
+                          timeout=60).status_code == 200
