@@ -79,6 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ray-address", default=None,
                    help="with --replicas: an existing Ray cluster (default: a private "
                         "local Ray on 127.0.0.1)")
+    s.add_argument("--router", choices=("affinity", "round-robin"), default="affinity",
+                   help="with --replicas: tenant-aware prefix affinity (default), or replicas "
+                        "in turn (the baseline it is measured against)")
     s.add_argument("--slo-ttft", type=float, default=None,
                    help="seconds to first token: requests predicted to miss it get 429")
     s.add_argument("--slo-tpot", type=float, default=None,
@@ -323,7 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                           tenant_weights=weights, replicas=args.replicas,
-                          ray_address=args.ray_address)
+                          ray_address=args.ray_address, router=args.router)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     return run_server(config, args.host, args.port, args.graceful_seconds)

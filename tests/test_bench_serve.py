@@ -58,6 +58,17 @@ def test_goodput_counts_requests_meeting_both_objectives_over_the_run():
     assert s["output_tps"] == pytest.approx((5 * 4 + 1) / 10)
 
 
+def test_prefix_hit_rate_and_follow_up_ttft_count_only_what_they_say():
+    records = [rec(0.0, 0.9), rec(1.0, 0.2), rec(2.0, 0.4), rec(3.0, None, status="failed")]
+    for r, turn, prompt, cached in zip(records, (0, 1, 2, 1), (100, 150, 200, 900),
+                                       (0, 96, 144, 900), strict=True):
+        r.turn, r.prompt_tokens, r.cached_tokens = turn, prompt, cached
+    s = summarize(RunResult(records, started=0.0, duration=5.0, planned=4), Objectives())
+    assert s["prefix_hit_rate"] == pytest.approx((96 + 144) / (100 + 150 + 200))  # ok only
+    assert s["ttft_follow_up_s"]["median"] == pytest.approx(0.3)  # turns 1 and 2
+    assert s["ttft_s"]["median"] == pytest.approx(0.4)
+
+
 def test_percentiles_interpolate_like_numpy():
     xs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
     import numpy as np
@@ -157,7 +168,8 @@ async def _stub(scope, receive, send) -> None:
         chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n"
                     .encode(), "more_body": True})
-    usage = {"choices": [], "usage": {"completion_tokens": TOKENS}}
+    usage = {"choices": [], "usage": {"completion_tokens": TOKENS, "prompt_tokens": 100,
+                                      "prompt_tokens_details": {"cached_tokens": 40}}}
     await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n"
                 "data: [DONE]\n\n".encode(), "more_body": False})
 
@@ -194,6 +206,7 @@ def test_the_load_generator_measures_the_stubs_fixed_timings(stub_url):
     assert [r.status for r in result.records] == ["ok"] * 3
     for r in result.records:
         assert r.output_tokens == TOKENS
+        assert (r.prompt_tokens, r.cached_tokens) == (100, 40)
         assert TTFT <= r.ttft < TTFT + 0.1
         assert GAP <= r.tpot < GAP + 0.03
         assert len(r.itls) == TOKENS - 1

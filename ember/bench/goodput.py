@@ -93,6 +93,11 @@ def summarize(result: RunResult, slo: Objectives) -> dict[str, Any]:
         "output_tps": sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
         "attainment": len(good) / len(recs) if recs else 0.0,
         "ttft_s": _dist([r.ttft for r in ok if r.ttft is not None]),
+        # follow-up turns resend their conversation: where a prefix cache (and a router
+        # that finds it) pays
+        "ttft_follow_up_s": _dist([r.ttft for r in ok if r.ttft is not None and r.turn > 0]),
+        "prefix_hit_rate": (sum(r.cached_tokens for r in ok)
+                            / max(1, sum(r.prompt_tokens for r in ok))),
         "tpot_s": _dist([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": _dist([x for r in ok for x in r.itls]),
         "e2e_s": _dist([r.e2e for r in ok if r.e2e is not None]),

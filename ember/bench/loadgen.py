@@ -57,6 +57,9 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # content chunks after the first
     retry_after: str | None = None
     error: str = ""
+    turn: int = 0  # 0: a conversation's first request; n: its n-th follow-up
+    prompt_tokens: int = 0  # from the final usage chunk, when the server sends one
+    cached_tokens: int = 0  # of those, served from the prefix cache
 
     @property
     def ttft(self) -> float | None:
@@ -135,6 +138,9 @@ async def _read_stream(r: httpx.Response, record: RequestRecord, parts: list[str
             raise ValueError(f"error event: {chunk['error']}")
         if chunk.get("usage"):
             usage = chunk["usage"].get("completion_tokens")
+            record.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
+            details = chunk["usage"].get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens") or 0
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
@@ -160,7 +166,8 @@ async def run(endpoint: Endpoint, workload: Workload, times: list[float] | None 
 
         async def one(scheduled: float) -> None:
             conv = workload.next()
-            record = RequestRecord(scheduled, time.monotonic() - t0, conv.tenant, conv.kind)
+            record = RequestRecord(scheduled, time.monotonic() - t0, conv.tenant, conv.kind,
+                                   turn=sum(m["role"] == "assistant" for m in conv.messages))
             records.append(record)
             reply = await _send(client, endpoint, workload.body(conv), record, t0, timeout)
             workload.finish(conv, reply)

@@ -110,7 +110,8 @@ def _ms(x: float | None) -> str:
 
 _HEADER = (f"{'endpoint':<12} {'load':>7} {'sent':>5} {'ok':>5} {'429':>4} {'fail':>4} "
            f"{'good':>5} {'req/s':>6} {'goodput':>7} {'tok/s':>7} {'TTFT p50':>8} "
-           f"{'p99':>7} {'TPOT p50':>8} {'p99':>6} {'attain':>6}")
+           f"{'p99':>7} {'TPOT p50':>8} {'p99':>6} {'attain':>6} {'hit%':>5} "
+           f"{'TTFT fu p50':>11}")
 
 
 def _format(row: dict[str, Any]) -> str:
@@ -121,7 +122,9 @@ def _format(row: dict[str, Any]) -> str:
             f"{row['throughput_rps']:>6.2f} {row['goodput_rps']:>7.2f} "
             f"{row['output_tps']:>7.1f} {_ms(row['ttft_s']['median']):>8} "
             f"{_ms(row['ttft_s']['p99']):>7} {_ms(row['tpot_s']['median']):>8} "
-            f"{_ms(row['tpot_s']['p99']):>6} {row['attainment']:>6.0%}{flag}")
+            f"{_ms(row['tpot_s']['p99']):>6} {row['attainment']:>6.0%} "
+            f"{row['prefix_hit_rate']:>5.0%} {_ms(row['ttft_follow_up_s']['median']):>11}"
+            f"{flag}")
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

@@ -19,7 +19,6 @@ from ember.config import EngineConfig
 from ember.errors import EmberError
 
 log = logging.getLogger("ember.cluster")
-ROUTER = "ember.cluster.router:PrefixAffinityRouter"
 STATS_PERIOD_S = 0.5  # how often replicas report their prefix-cache digest to the router
 
 
@@ -61,14 +60,15 @@ def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:
     ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", **common)
 
 
-def deploy(config: EngineConfig, replicas: int, imbalance: int = 4) -> Any:
+def deploy(config: EngineConfig, replicas: int, router: str = "affinity",
+           imbalance: int = 4) -> Any:
     """Run ``replicas`` engines as one Ray Serve deployment; return its handle."""
     _ray()
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from ember.cluster.replica import EmberReplica
-    from ember.cluster.router import view
+    from ember.cluster.router import ROUTERS, view
 
     view().reset()
     serve.start(proxy_location="Disabled")
@@ -80,14 +80,15 @@ def deploy(config: EngineConfig, replicas: int, imbalance: int = 4) -> Any:
         health_check_period_s=2.0, health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER, request_router_kwargs={"imbalance": imbalance},
+            request_router_class=ROUTERS[router],
+            request_router_kwargs={"imbalance": imbalance} if router == "affinity" else {},
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=10 * STATS_PERIOD_S))
     return serve.run(deployment.bind(config), name=APP, route_prefix=None)
 
 
 def start_replicas(config: EngineConfig, replicas: int, address: str | None = None,
-                   imbalance: int = 4) -> Any:
+                   router: str = "affinity", imbalance: int = 4) -> Any:
     """Ray up, replicas deployed and a started :class:`ReplicaSet` for the server."""
     if not address:  # Ray reads it when imported (ember.cluster.front imports it)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -100,7 +101,7 @@ def start_replicas(config: EngineConfig, replicas: int, address: str | None = No
     config = dataclasses.replace(config, weights=loaded.weights,
                                  threads=replica_threads(config, replicas))
     start_ray(address, replicas)
-    handle = deploy(config, replicas, imbalance)
+    handle = deploy(config, replicas, router, imbalance)
     return ReplicaSet(handle, config, replicas, loaded).start()
 
 

@@ -331,7 +331,8 @@ class ReplicaSet:
                    [(f'{{replica="{r}"}}', v.stats[r].get("metrics", {}).get(key, 0))
                     for r in replicas])
         family("ember_router_requests_total", "counter", "Groups routed, by what decided.",
-               [(f'{{by="{by}"}}', v.decisions.get(by, 0)) for by in ("affinity", "load")])
+               [(f'{{by="{by}"}}', v.decisions.get(by, 0))
+                for by in sorted({"affinity", "load", *v.decisions})])
         family("ember_router_predicted_cached_tokens_total", "counter",
                "Prompt tokens the router predicted cached where it sent them.",
                [("", v.predicted_tokens)])

@@ -199,3 +199,44 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         view().forget(replica_id.unique_id)
+
+
+class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
+    """Replicas in turn, blind to caches and load: the baseline ``ember bench serve``
+    measures the prefix-affinity router against (``ember serve --router round-robin``)."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
+                              ) -> list[list]:
+        v = view()
+        for r in candidate_replicas:
+            v.observe(r.replica_id.unique_id, r.routing_stats)
+        if not candidate_replicas:
+            return []
+        ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        first = self._turn % len(ranked)
+        if _spec_of(pending_request) is not None:
+            self._turn += 1
+        return [[ranked[first]], ranked[first + 1:] + ranked[:first]]
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        spec = _spec_of(pending_request)
+        if spec is None:
+            return
+        v = view()
+        blocks = v.match(replica_id.unique_id, spec.keys, time.monotonic())
+        v.routed_to(replica_id.unique_id, spec.keys)
+        with v.lock:
+            v.decisions["round-robin"] += 1
+            v.predicted_blocks[spec.request_id] = blocks
+
+    def update_replicas(self, replicas: list) -> None:
+        super().update_replicas(replicas)
+        for r in replicas:
+            view().observe(r.replica_id.unique_id, r.routing_stats)
+
+
+ROUTERS = {"affinity": "ember.cluster.router:PrefixAffinityRouter",
+           "round-robin": "ember.cluster.router:RoundRobinRouter"}

@@ -81,6 +81,7 @@ class ServerConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
     replicas: int = 0  # > 0: that many engine replicas on Ray Serve (ember.cluster)
     ray_address: str | None = None  # an existing Ray cluster for the replicas
+    router: str = "affinity"  # how the replicas are chosen (ember.cluster.router.ROUTERS)
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -186,7 +187,7 @@ class Server:
                 from ember.cluster.deploy import start_replicas
 
                 self.thread = start_replicas(self.config.engine, self.config.replicas,
-                                             self.config.ray_address)
+                                             self.config.ray_address, self.config.router)
                 engine = self.thread.engine
                 log.info("%d replicas of %s ready on Ray Serve", self.config.replicas,
                          engine.loaded.name)
