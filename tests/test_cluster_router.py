@@ -42,8 +42,20 @@ def test_the_replica_with_the_longest_cached_prefix_wins() -> None:
 
 def test_a_prefix_counts_only_from_its_first_block() -> None:
     prompt = keys("k", 4)
-    v = view_with({"a": prompt[1:], "b": prompt[:1]}, {})
+    v = view_with({"a": prompt[1:], "b": prompt[:3]}, {})
     assert choose(prompt, ["a", "b"], v, imbalance=4).replica == "b"
+
+
+def test_a_short_shared_prefix_does_not_pin_new_conversations() -> None:
+    """A tenant's system prompt (2 of 8 blocks here) is on replica a: new conversations
+    still spread by load, preferring a only as a tie-break."""
+    prompt = keys("k", 8)
+    v = view_with({"a": prompt[:2]}, {"a": 3, "b": 1})
+    for seed in range(10):
+        d = choose(prompt, ["a", "b"], v, imbalance=4, rng=random.Random(seed))
+        assert (d.replica, d.by) == ("b", "load")
+    v.inflight["b"] = 3  # equal loads: the match breaks the tie
+    assert choose(prompt, ["a", "b"], v, imbalance=4).replica == "a"
 
 
 def test_an_overloaded_holder_falls_back_to_the_least_loaded() -> None:

@@ -15,9 +15,13 @@ What the router believes a replica holds (:class:`RoutingView`) is the union of
 A stale view costs a cache miss, never a wrong answer: the replica looks its prefix
 cache up itself, and a hit is verified token by token there.
 
-Policy (:func:`choose`): the candidate with the longest cached prefix wins unless its
-in-flight streams exceed the least loaded replica's by more than ``imbalance``; then,
-and for a request no replica holds, power of two choices on in-flight streams.
+Policy (:func:`choose`): the candidate with the longest cached prefix wins if that
+prefix is at least ``min_match`` of the prompt's blocks and its in-flight streams do
+not exceed the least loaded replica's by more than ``imbalance``. Otherwise power of
+two choices on in-flight streams (ties to the longer match): a short match — the
+system prompt every conversation of a tenant shares — must not pin all of a tenant's
+new conversations to one replica (measured: it did, and follow-up TTFT suffered on
+the overloaded replica).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 ROUTED_KEYS = 1 << 16  # keys remembered per replica from routing (the digest has the rest)
 ROUTED_TTL = 60.0  # seconds a routed key counts without the replica's digest confirming it
+MIN_MATCH = 0.5  # share of a prompt's blocks a replica must hold to win it by affinity
 
 
 @dataclass
@@ -116,17 +121,19 @@ def view() -> RoutingView:
 
 
 def choose(keys: Sequence[bytes], candidates: Sequence[str], v: RoutingView,
-           imbalance: int, rng: random.Random | None = None) -> Decision:
+           imbalance: int, min_match: float = MIN_MATCH,
+           rng: random.Random | None = None) -> Decision:
     """Where a request with prefix ``keys`` goes among ``candidates`` (see the module)."""
     now = time.monotonic()
     loads = {c: v.load(c) for c in candidates}
     least = min(loads.values())
     matches = {c: v.match(c, keys, now) for c in candidates}
     best = max(candidates, key=lambda c: (matches[c], -loads[c]))
-    if matches[best] > 0 and loads[best] - least <= imbalance:
+    if (matches[best] > 0 and matches[best] >= min_match * len(keys)
+            and loads[best] - least <= imbalance):
         return Decision(best, "affinity", matches[best])
     pair = (rng or random).sample(list(candidates), min(2, len(candidates)))
-    pick = min(pair, key=lambda c: loads[c])
+    pick = min(pair, key=lambda c: (loads[c], -matches[c]))
     return Decision(pick, "load", matches[pick])
 
 
@@ -150,8 +157,10 @@ except ImportError:  # pragma: no cover - exercised where ray is not installed
 class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
     """Ray Serve request router for :class:`ember.cluster.replica.EmberReplica`."""
 
-    def initialize_state(self, imbalance: int = 4, **_: Any) -> None:
+    def initialize_state(self, imbalance: int = 4, min_match: float = MIN_MATCH,
+                         **_: Any) -> None:
         self._imbalance = imbalance
+        self._min_match = min_match
         self._pending: dict[int, Decision] = {}
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
@@ -168,7 +177,7 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
         ranked = sorted(by_id, key=v.load)
         if spec is None:  # not a generation (or no key): least loaded first
             return [[by_id[r] for r in ranked]]
-        decision = choose(spec.keys, list(by_id), v, self._imbalance)
+        decision = choose(spec.keys, list(by_id), v, self._imbalance, self._min_match)
         self._pending[id(pending_request)] = decision
         return [[by_id[decision.replica]], [by_id[r] for r in ranked if r != decision.replica]]
 
