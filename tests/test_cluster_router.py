@@ -118,3 +118,14 @@ def _run(engine: LLMEngine, prompt: list[int], tenant: str | None) -> None:
     while engine.has_unfinished():
         engine.step()
     assert req.output_ids
+
+
+def test_replicas_that_refused_a_request_are_not_chosen_again_unless_all_did() -> None:
+    from ember.cluster.protocol import GroupSpec
+    from ember.cluster.router import _eligible
+
+    spec = GroupSpec("g", [1], [SamplingParams()], "t", avoid=("a",))
+    assert _eligible(spec, ["a", "b", "c"]) == ["b", "c"]
+    spec.avoid = ("a", "b", "c")
+    assert _eligible(spec, ["a", "b", "c"]) == ["a", "b", "c"]
+    assert _eligible(None, ["a"]) == ["a"]

@@ -20,6 +20,7 @@ from ember.errors import EmberError
 
 log = logging.getLogger("ember.cluster")
 STATS_PERIOD_S = 0.5  # how often replicas report their prefix-cache digest to the router
+_started_ray = False  # whether this process started the Ray it uses (else: a cluster's)
 
 
 class RayUnavailable(EmberError):
@@ -57,6 +58,8 @@ def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:
     if address:
         ray.init(address=address, **common)
         return
+    global _started_ray
+    _started_ray = True
     ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", **common)
 
 
@@ -90,6 +93,9 @@ def deploy(config: EngineConfig, replicas: int, router: str = "affinity",
 def start_replicas(config: EngineConfig, replicas: int, address: str | None = None,
                    router: str = "affinity", imbalance: int = 4) -> Any:
     """Ray up, replicas deployed and a started :class:`ReplicaSet` for the server."""
+    if config.kv_cache_dir is not None and replicas > 1:
+        raise EmberError("--kv-cache-dir with --replicas > 1: the replicas would share one "
+                         "disk store, which is not supported (yet)")
     if not address:  # Ray reads it when imported (ember.cluster.front imports it)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     from ember.cluster.front import ReplicaSet
@@ -106,14 +112,19 @@ def start_replicas(config: EngineConfig, replicas: int, address: str | None = No
 
 
 def stop() -> None:
-    """Tear the deployment down (and a Ray this process started)."""
+    """Tear the deployment down; and Serve and Ray if this process started them (on a
+    cluster, only ember's application goes: others may share its Serve)."""
     try:
         import ray
         from ray import serve
     except ImportError:
         return
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    if not ray.is_initialized():
+        return
+    if not _started_ray:
+        serve.delete(APP)
+        return
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -38,7 +38,8 @@ from ember.sampling.reasoning import ThinkingTags
 
 log = logging.getLogger("ember.cluster")
 Callback = Callable[[RequestOutput], None]
-DISPATCH_ATTEMPTS = 3  # replicas tried for one group before it fails
+DISPATCH_ATTEMPTS = 3  # dispatches one group may take over its life (failovers included)
+DISPATCH_TIMEOUT_S = 60.0  # longest wait for a replica's verdict (none alive: 503)
 FRESH_STATS_WAIT_S = 3.0  # longest a metrics scrape waits for stats newer than the last change
 
 
@@ -62,11 +63,13 @@ class RemoteGroup:
     callback: Callback | None = None
     buffer: list[RequestOutput] = field(default_factory=list)
     latest: dict[str, RequestOutput] = field(default_factory=dict)
-    streamed: bool = False  # a token reached the front: a replica's death cannot be retried
+    streamed: bool = False  # a token or a finished choice came: a death cannot be retried
     task: asyncio.Task | None = None
+    stream: Any = None  # the live replica stream
+    attempts: int = 0  # dispatches so far (DISPATCH_ATTEMPTS at most)
 
     def deliver(self, out: RequestOutput) -> None:
-        self.streamed = self.streamed or bool(out.delta_token_ids)
+        self.streamed = self.streamed or bool(out.token_ids) or out.finished
         self.latest[out.request_id] = out
         if self.callback is None:
             self.buffer.append(out)
@@ -88,10 +91,12 @@ class RemoteGroup:
 def _replica_died(e: BaseException) -> bool:
     """Whether ``e`` says the replica serving a stream went away (retryable)."""
     try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from ray.exceptions import ActorDiedError
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(e, ActorDiedError | ActorUnavailableError | RayActorError)
+    # not ActorUnavailableError: the replica may still run the request (Ray says so), and
+    # a retry could run it twice
+    return isinstance(e, ActorDiedError)
 
 
 class ReplicaSet:
@@ -141,7 +146,7 @@ class ReplicaSet:
 
     def _queued(self) -> int:
         waiting = sum(int(s.get("metrics", {}).get("requests_waiting", 0))
-                      for s in list(self.view.stats.values()))
+                      for s in self.view.snapshot().values())
         return waiting + self._slots
 
     def dispatch(self, spec: GroupSpec) -> RemoteGroup:
@@ -188,84 +193,116 @@ class ReplicaSet:
 
     async def _open(self, spec: GroupSpec) -> RemoteGroup:
         group = RemoteGroup(spec)
-        stream, verdict = await self._dispatch(spec)
+        try:
+            group.stream, verdict = await self._dispatch(group)
+        except BaseException:
+            self._forget_prediction(spec.request_id)
+            raise
         group.replica = verdict.replica
         self.view.inflight[group.replica] += 1
         self._changed_at = time.time()
         for rid in spec.request_ids:
             self._groups[rid] = group
-        group.task = asyncio.get_running_loop().create_task(self._pump(group, stream))
+        group.task = asyncio.get_running_loop().create_task(self._pump(group))
         return group
 
-    async def _dispatch(self, spec: GroupSpec) -> tuple[Any, Verdict]:
-        """A stream from a replica that accepted ``spec`` (another one if it dies)."""
-        for _ in range(DISPATCH_ATTEMPTS):
+    async def _dispatch(self, group: RemoteGroup) -> tuple[Any, Verdict]:
+        """A stream from a replica that accepted the group's spec.
+
+        A replica that died before answering, or refused with a full queue or a stopped
+        engine, is avoided and another one asked, up to ``DISPATCH_ATTEMPTS`` tries per
+        group over its life (failovers included): a request that kills every replica it
+        touches must not crash-loop the deployment. No answer within
+        ``DISPATCH_TIMEOUT_S`` (no replica alive) is a 503."""
+        spec, refusal = group.spec, None
+        while group.attempts < DISPATCH_ATTEMPTS:
+            group.attempts += 1
             stream = self.handle.remote(spec)
             try:
-                verdict = await stream.__anext__()
+                verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)
+            except TimeoutError:
+                stream.cancel()
+                raise EngineStopped(f"no replica answered within {DISPATCH_TIMEOUT_S:g} s") \
+                    from None
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
             except Exception as e:
                 if not _replica_died(e):
-                    raise
-                log.warning("replica died before answering %s: %s", spec.request_id, e)
+                    log.error("dispatching %s failed: %r", spec.request_id, e)
+                    raise EngineStopped("a replica failed to take the request") from None
+                log.warning("replica died before answering %s: %r", spec.request_id, e)
                 self.view.retries += 1
                 continue
             if verdict.error is None:
                 return stream, verdict
             if verdict.kind == "invalid":
                 raise InvalidRequest(verdict.param, verdict.error)
-            if verdict.kind == "queue_full":
-                raise QueueFull(verdict.error)
-            raise EngineStopped(verdict.error)
-        raise EngineStopped(f"no replica could take the request after {DISPATCH_ATTEMPTS} "
-                            "tries (replicas dying?)")
+            # this replica is full or stopping: another one may not be
+            refusal = verdict
+            spec.avoid = (*spec.avoid, verdict.replica)
+            if len(set(spec.avoid)) >= self.replicas:
+                break
+        if refusal is not None and refusal.kind == "queue_full":
+            raise QueueFull(refusal.error)
+        raise EngineStopped(refusal.error if refusal is not None else
+                            f"no replica could take the request in {DISPATCH_ATTEMPTS} tries")
 
-    async def _pump(self, group: RemoteGroup, stream: Any) -> None:
+    async def _pump(self, group: RemoteGroup) -> None:
         try:
             while group.open_ids:
                 try:
-                    out = await stream.__anext__()
+                    out = await group.stream.__anext__()
                 except StopAsyncIteration:
                     break
                 except Exception as e:
                     if not _replica_died(e):
                         raise
-                    stream = await self._failover(group, e)
-                    if stream is None:
+                    if not await self._failover(group, e):
                         return
                     continue
                 group.deliver(out)
                 if out.finished and out.request_id == group.spec.request_id:
                     self._count_cached(group.spec.request_id, out.cached_tokens)
         except asyncio.CancelledError:
-            stream.cancel()
+            group.stream.cancel()
             self._finish(group, "abort", None)
         except Exception as e:
-            log.exception("stream of %s failed", group.spec.request_id)
-            self._finish(group, "error", f"the replica stream failed: {e}")
+            log.exception("stream of %s failed: %r", group.spec.request_id, e)
+            self._finish(group, "error", "the replica stream failed")
         finally:
             self.view.inflight[group.replica] -= 1
             self._changed_at = time.time()
+            self._forget_prediction(group.spec.request_id)
             for rid in group.spec.request_ids:
                 self._groups.pop(rid, None)
 
-    async def _failover(self, group: RemoteGroup, error: BaseException) -> Any:
-        """The replica died mid-stream: re-dispatch if nothing was streamed, else fail."""
+    async def _failover(self, group: RemoteGroup, error: BaseException) -> bool:
+        """The replica died mid-stream: re-dispatch if nothing reached the client yet
+        (no token, no finished choice), else end the group with an error. Whether the
+        pump goes on."""
+        log.warning("replica %s died serving %s: %r", group.replica, group.spec.request_id,
+                    error)
         self.view.replica_failures += 1
         if group.streamed:
-            self._finish(group, "error", f"the replica serving this request died ({error})")
-            return None
+            self._finish(group, "error", "the replica serving this request died")
+            return False
         self.view.retries += 1
+        group.spec.avoid = (*group.spec.avoid, group.replica)
         try:
-            stream, verdict = await self._dispatch(group.spec)
-        except Exception as e:
-            self._finish(group, "error", f"no replica could take over: {e}")
-            return None
+            group.stream, verdict = await self._dispatch(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._finish(group, "error", "the replica serving this request died and no "
+                         "other could take over")
+            return False
         self.view.inflight[group.replica] -= 1
         group.replica = verdict.replica
         self.view.inflight[group.replica] += 1
-        group.buffer.clear()  # no token was in it; the new replica starts the group afresh
+        group.buffer.clear()  # nothing in it reached anyone: the new replica starts afresh
         group.latest.clear()
-        return stream
+        return True
 
     def _finish(self, group: RemoteGroup, reason: str, error: str | None) -> None:
         """End the group's open requests with ``reason`` (they get no further outputs)."""
@@ -286,22 +323,26 @@ class ReplicaSet:
                 v.predicted_tokens += blocks * self.config.block_size
                 v.actual_tokens += cached
 
+    def _forget_prediction(self, request_id: str) -> None:
+        with self.view.lock:
+            self.view.predicted_blocks.pop(request_id, None)
+
     # ------------------------------------------------------------ metrics
     def merged_metrics(self) -> dict[str, Any]:
         """The replicas' engine metrics summed, as of their routing stats: taken after
-        the last stream started or ended here where they arrive within
-        ``FRESH_STATS_WAIT_S`` (so a scrape reflects the requests it follows)."""
-        self._await_fresh_stats()
+        the last stream started or ended here before this call, where such stats arrive
+        within ``FRESH_STATS_WAIT_S`` (so a scrape reflects the requests it follows)."""
+        self._await_fresh_stats(self._changed_at)
         total: dict[str, Any] = {}
-        for stats in list(self.view.stats.values()):
+        for stats in self.view.snapshot().values():
             _add(total, stats.get("metrics", {}))
         return total
 
-    def _await_fresh_stats(self) -> None:
+    def _await_fresh_stats(self, since: float) -> None:
         deadline = time.monotonic() + FRESH_STATS_WAIT_S
         while time.monotonic() < deadline:
-            stats = list(self.view.stats.values())
-            if stats and all(s.get("taken_at", 0.0) >= self._changed_at for s in stats):
+            stats = self.view.snapshot().values()
+            if stats and all(s.get("taken_at", 0.0) >= since for s in stats):
                 return
             time.sleep(0.02)
 
@@ -314,11 +355,12 @@ class ReplicaSet:
             lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
             lines.extend(f"{name}{labels} {value}" for labels, value in rows)
 
-        replicas = sorted(v.stats)
+        stats = v.snapshot()
+        replicas = sorted(stats)
         family("ember_replicas", "gauge", "Replicas the router currently sees.",
                [("", len(replicas))])
         family("ember_replica_info", "gauge", "A replica the router sees, with its process id.",
-               [(f'{{replica="{r}",pid="{v.stats[r].get("pid", "")}"}}', 1) for r in replicas])
+               [(f'{{replica="{r}",pid="{stats[r].get("pid", "")}"}}', 1) for r in replicas])
         family("ember_replica_inflight", "gauge", "Streams this front has open on a replica.",
                [(f'{{replica="{r}"}}', v.load(r)) for r in replicas])
         for key, kind, help in (
@@ -328,7 +370,7 @@ class ReplicaSet:
                 ("prefix_cache_hits", "counter", "Prompt tokens a replica served from cache.")):
             name = f"ember_replica_{key}" + ("_total" if kind == "counter" else "")
             family(name, kind, help + " (as of its last routing stats)",
-                   [(f'{{replica="{r}"}}', v.stats[r].get("metrics", {}).get(key, 0))
+                   [(f'{{replica="{r}"}}', stats[r].get("metrics", {}).get(key, 0))
                     for r in replicas])
         family("ember_router_requests_total", "counter", "Groups routed, by what decided.",
                [(f'{{by="{by}"}}', v.decisions.get(by, 0))

@@ -27,6 +27,7 @@ class GroupSpec:
     waited: float = 0.0  # seconds since the request arrived at the front (TTFT counts from then)
     references: tuple[str, ...] = ()
     keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys, for routing
+    avoid: tuple[str, ...] = ()  # replicas that refused or died on it: route elsewhere
 
     @property
     def request_ids(self) -> list[str]:

@@ -46,8 +46,12 @@ class EmberReplica:
         def deliver(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
+        submitting = loop.run_in_executor(None, self._submit, spec, deliver)
         try:  # prepare compiles grammars: off the replica's event loop
-            ids = await loop.run_in_executor(None, self._submit, spec, deliver)
+            ids = await asyncio.shield(submitting)
+        except asyncio.CancelledError:  # the front gave up: stop what is submitted anyway
+            submitting.add_done_callback(self._abort_when_submitted)
+            raise
         except InvalidRequest as e:
             yield Verdict(self.replica, str(e), "invalid", e.param)
             return
@@ -67,6 +71,11 @@ class EmberReplica:
                 yield out
         finally:  # cancelled (the front's client went away) or done
             for rid in open_ids:
+                self.thread.abort(rid)
+
+    def _abort_when_submitted(self, submitted: asyncio.Future) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            for rid in submitted.result():
                 self.thread.abort(rid)
 
     def _submit(self, spec: GroupSpec, deliver: Any) -> list[str]:

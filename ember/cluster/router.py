@@ -96,6 +96,20 @@ class RoutingView:
             while len(seen) > ROUTED_KEYS:
                 seen.popitem(last=False)
 
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Each replica's latest routing stats (a consistent copy)."""
+        with self.lock:
+            return dict(self.stats)
+
+    def prune(self, replicas: Sequence[Any]) -> None:
+        """Take the live replicas' stats; forget the ones no longer among them."""
+        live = set()
+        for r in replicas:
+            live.add(r.replica_id.unique_id)
+            self.observe(r.replica_id.unique_id, r.routing_stats)
+        for gone in set(self.snapshot()) - live:
+            self.forget(gone)
+
     def forget(self, replica: str) -> None:
         with self.lock:
             for table in (self.digests, self.routed, self.stats):
@@ -137,6 +151,12 @@ def choose(keys: Sequence[bytes], candidates: Sequence[str], v: RoutingView,
     return Decision(pick, "load", matches[pick])
 
 
+def _eligible(spec: Any, candidates: list[str]) -> list[str]:
+    """The candidates the spec has not been refused by (all of them if it was by all)."""
+    avoid = set(spec.avoid) if spec is not None else set()
+    return [c for c in candidates if c not in avoid] or candidates
+
+
 def _spec_of(pending: Any) -> Any:
     from ember.cluster.protocol import GroupSpec
 
@@ -161,7 +181,9 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
                          **_: Any) -> None:
         self._imbalance = imbalance
         self._min_match = min_match
-        self._pending: dict[int, Decision] = {}
+        # decisions awaiting on_request_routed, by request id (bounded: a routing that is
+        # cancelled never gets there)
+        self._pending: OrderedDict[str, Decision] = OrderedDict()
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
                               ) -> list[list]:
@@ -177,15 +199,18 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
         ranked = sorted(by_id, key=v.load)
         if spec is None:  # not a generation (or no key): least loaded first
             return [[by_id[r] for r in ranked]]
-        decision = choose(spec.keys, list(by_id), v, self._imbalance, self._min_match)
-        self._pending[id(pending_request)] = decision
+        decision = choose(spec.keys, _eligible(spec, list(by_id)), v, self._imbalance,
+                          self._min_match)
+        self._pending[spec.request_id] = decision
+        while len(self._pending) > 4096:
+            self._pending.popitem(last=False)
         return [[by_id[decision.replica]], [by_id[r] for r in ranked if r != decision.replica]]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
         spec = _spec_of(pending_request)
-        decision = self._pending.pop(id(pending_request), None)
         if spec is None:
             return
+        decision = self._pending.pop(spec.request_id, None)
         v = view()
         replica = replica_id.unique_id
         if decision is None or decision.replica != replica:  # fell through to another rank
@@ -197,13 +222,7 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
 
     def update_replicas(self, replicas: list) -> None:
         super().update_replicas(replicas)
-        v = view()
-        live = set()
-        for r in replicas:
-            live.add(r.replica_id.unique_id)
-            v.observe(r.replica_id.unique_id, r.routing_stats)
-        for gone in set(v.stats) - live:
-            v.forget(gone)
+        view().prune(replicas)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -222,11 +241,14 @@ class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
         v = view()
         for r in candidate_replicas:
             v.observe(r.replica_id.unique_id, r.routing_stats)
-        if not candidate_replicas:
+        spec = _spec_of(pending_request)
+        ids = _eligible(spec, [r.replica_id.unique_id for r in candidate_replicas])
+        ranked = sorted((r for r in candidate_replicas if r.replica_id.unique_id in ids),
+                        key=lambda r: r.replica_id.unique_id)
+        if not ranked:
             return []
-        ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         first = self._turn % len(ranked)
-        if _spec_of(pending_request) is not None:
+        if spec is not None:
             self._turn += 1
         return [[ranked[first]], ranked[first + 1:] + ranked[:first]]
 
@@ -243,8 +265,11 @@ class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
 
     def update_replicas(self, replicas: list) -> None:
         super().update_replicas(replicas)
-        for r in replicas:
-            view().observe(r.replica_id.unique_id, r.routing_stats)
+        view().prune(replicas)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        view().forget(replica_id.unique_id)
 
 
 ROUTERS = {"affinity": "ember.cluster.router:PrefixAffinityRouter",

@@ -284,9 +284,12 @@ class Server:
         with _as_api_errors({}):
             first = thread.slot()
         try:
-            loop = asyncio.get_running_loop()
-            req, groups = await loop.run_in_executor(self._prep, self._prepare, route, raw,
-                                                     tenant, arrival)
+            preparing = self._prep.submit(self._prepare, route, raw, tenant, arrival)
+            try:
+                req, groups = await asyncio.wrap_future(preparing)
+            except asyncio.CancelledError:  # what it prepares anyway is never submitted
+                preparing.add_done_callback(lambda f: _discard_prepared(f, thread))
+                raise
             slots = [first]
             try:
                 with _as_api_errors({}):
@@ -472,6 +475,12 @@ class Server:
                                      out.finish_reason or "error", out.queued_seconds)
         if req.slo_ttft is not None or req.slo_tpot is not None:
             self.metrics.observe_slo(_met(t, out, req))
+
+
+def _discard_prepared(done: Any, thread: Any) -> None:
+    if not done.cancelled() and done.exception() is None:
+        for group in done.result()[1]:
+            thread.discard(group)
 
 
 def _met(t: _Timing, out: RequestOutput, req: EngineRequest) -> bool:

@@ -1,0 +1,189 @@
+"""The front's replica set against a scripted stand-in for the Ray Serve handle: what
+each replica answers (a verdict, outputs, or death) is fixed per dispatch, so every
+failure path runs deterministically, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from ember.cluster import front as front_mod  # noqa: E402
+from ember.cluster.front import DISPATCH_ATTEMPTS, ReplicaSet  # noqa: E402
+from ember.cluster.protocol import Verdict  # noqa: E402
+from ember.config import EngineConfig  # noqa: E402
+from ember.engine.engine import InvalidRequest, QueueFull, RequestOutput  # noqa: E402
+from ember.engine.thread import EngineStopped  # noqa: E402
+from ember.models.loader import load_model_meta  # noqa: E402
+from ember.sampling.params import SamplingParams  # noqa: E402
+
+HANG = "hang"
+
+
+class Stream:
+    def __init__(self, items: list) -> None:
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if item == HANG:
+            await asyncio.sleep(3600)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Handle:
+    """Dispatch i gets ``script[i]``; records each dispatch's avoided replicas."""
+
+    def __init__(self, script: list[list]) -> None:
+        self.script, self.avoided, self.streams = list(script), [], []
+
+    def options(self, **_):
+        return self
+
+    def remote(self, spec):
+        self.avoided.append(tuple(spec.avoid))
+        stream = Stream(self.script.pop(0))
+        self.streams.append(stream)
+        return stream
+
+
+def out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id=rid, text="x" * len(tokens), token_ids=tokens,
+                         prompt_tokens=20, cached_tokens=16, finished=finished,
+                         finish_reason="length" if finished else None,
+                         delta_token_ids=tokens[-1:])
+
+
+@pytest.fixture(scope="module")
+def meta(tiny_gguf: Path):
+    return load_model_meta(str(tiny_gguf), "f32")
+
+
+@pytest.fixture
+def make(meta):
+    made = []
+
+    def build(script: list[list], replicas: int = 2) -> tuple[ReplicaSet, Handle]:
+        handle = Handle(script)
+        rs = ReplicaSet(handle, EngineConfig(model=str(meta.path), weights="f32"), replicas,
+                        meta).start()
+        rs.view.reset()
+        made.append(rs)
+        return rs, handle
+
+    yield build
+    for rs in made:
+        rs.shutdown(timeout=5)
+
+
+def prepare(rs: ReplicaSet, request_id: str = "g"):
+    return rs.engine.prepare(list(range(100, 140)), SamplingParams(max_tokens=4),
+                             request_id=request_id, tenant="t")
+
+
+def collect(rs: ReplicaSet, group) -> list[RequestOutput]:
+    """Submit through a slot and wait for the group's last output."""
+    got, done = [], threading.Event()
+
+    def callback(o: RequestOutput) -> None:
+        got.append(o)
+        if o.finished:
+            done.set()
+
+    with rs.slot() as slot:
+        slot.submit(group, callback)
+    assert done.wait(10), got
+    return got
+
+
+def test_accepted_outputs_reach_the_callback_even_if_they_came_first(make) -> None:
+    rs, _ = make([[Verdict("r1"), out("g", [5]), out("g", [5, 6], finished=True)]])
+    group = prepare(rs)
+    got = collect(rs, group)
+    assert [o.token_ids for o in got] == [[5], [5, 6]] and got[-1].finish_reason == "length"
+    assert rs.view.load("r1") == 0
+
+
+def test_a_replica_dying_before_its_verdict_is_replaced(make) -> None:
+    rs, handle = make([[ActorDiedError()], [Verdict("r2"), out("g", [7], finished=True)]])
+    got = collect(rs, prepare(rs))
+    assert got[-1].token_ids == [7] and rs.view.retries == 1
+
+
+def test_dispatch_gives_up_after_its_attempts(make) -> None:
+    rs, handle = make([[ActorDiedError()] for _ in range(DISPATCH_ATTEMPTS)])
+    with pytest.raises(EngineStopped):
+        prepare(rs)
+    assert not handle.script  # every scripted dispatch was tried, and no more
+
+
+def test_a_full_replica_is_avoided_and_429_only_when_all_are_full(make) -> None:
+    rs, handle = make([[Verdict("r1", "queue is full", "queue_full")],
+                       [Verdict("r2"), out("g", [1], finished=True)]])
+    collect(rs, prepare(rs))
+    assert handle.avoided == [(), ("r1",)]
+    rs, handle = make([[Verdict("r1", "queue is full", "queue_full")],
+                       [Verdict("r2", "queue is full", "queue_full")]])
+    with pytest.raises(QueueFull):
+        prepare(rs)
+    assert not rs.view.predicted_blocks
+
+
+def test_an_invalid_request_is_the_replicas_error_as_is(make) -> None:
+    rs, _ = make([[Verdict("r1", "max_tokens too big", "invalid", "max_tokens")]])
+    with pytest.raises(InvalidRequest) as e:
+        prepare(rs)
+    assert (e.value.param, str(e.value)) == ("max_tokens", "max_tokens too big")
+
+
+def test_death_before_any_token_fails_over_and_after_a_token_ends_with_an_error(make) -> None:
+    rs, handle = make([[Verdict("r1"), ActorDiedError()],
+                       [Verdict("r2"), out("g", [3]), out("g", [3, 4], finished=True)]])
+    got = collect(rs, prepare(rs))
+    assert got[-1].token_ids == [3, 4] and handle.avoided[1] == ("r1",)
+    assert rs.view.load("r1") == rs.view.load("r2") == 0
+    rs, handle = make([[Verdict("r1"), out("g", [3]), ActorDiedError()]])
+    got = collect(rs, prepare(rs))
+    assert got[-1].finish_reason == "error" and got[-1].token_ids == [3]
+    assert got[-1].error == "the replica serving this request died"  # no Ray internals
+    assert not handle.script  # not re-dispatched: the client already had a token
+
+
+def test_a_request_that_kills_every_replica_is_not_retried_for_ever(make) -> None:
+    script = [[Verdict(f"r{i}"), ActorDiedError()] for i in range(DISPATCH_ATTEMPTS)]
+    rs, handle = make(script, replicas=8)
+    got = collect(rs, prepare(rs))
+    assert got[-1].finish_reason == "error" and not handle.script
+
+
+def test_abort_cancels_the_live_stream(make) -> None:
+    rs, handle = make([[Verdict("r1"), HANG]])
+    group = prepare(rs)
+    got, done = [], threading.Event()
+    with rs.slot() as slot:
+        slot.submit(group, lambda o: (got.append(o), o.finished and done.set()))
+    rs.abort("g")
+    assert done.wait(5) and got[-1].finish_reason == "abort"
+    assert handle.streams[0].cancelled
+
+
+def test_no_answer_in_time_is_a_503(make, monkeypatch) -> None:
+    monkeypatch.setattr(front_mod, "DISPATCH_TIMEOUT_S", 0.2)
+    rs, handle = make([[HANG]])
+    with pytest.raises(EngineStopped):
+        prepare(rs)
+    assert handle.streams[0].cancelled
