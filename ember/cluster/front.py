@@ -198,8 +198,7 @@ class ReplicaSet:
         except BaseException:
             self._forget_prediction(spec.request_id)
             raise
-        group.replica = verdict.replica
-        self.view.inflight[group.replica] += 1
+        group.replica = verdict.replica  # the router placed it there (view.place)
         self._changed_at = time.time()
         for rid in spec.request_ids:
             self._groups[rid] = group
@@ -217,18 +216,22 @@ class ReplicaSet:
         spec, refusal = group.spec, None
         while group.attempts < DISPATCH_ATTEMPTS:
             group.attempts += 1
+            self.view.unplace(spec.request_id)  # the previous attempt's, if any
             stream = self.handle.remote(spec)
             try:
                 verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)
             except TimeoutError:
                 stream.cancel()
+                self.view.unplace(spec.request_id)
                 raise EngineStopped(f"no replica answered within {DISPATCH_TIMEOUT_S:g} s") \
                     from None
             except asyncio.CancelledError:
                 stream.cancel()
+                self.view.unplace(spec.request_id)
                 raise
             except Exception as e:
                 if not _replica_died(e):
+                    self.view.unplace(spec.request_id)
                     log.error("dispatching %s failed: %r", spec.request_id, e)
                     raise EngineStopped("a replica failed to take the request") from None
                 log.warning("replica died before answering %s: %r", spec.request_id, e)
@@ -237,12 +240,14 @@ class ReplicaSet:
             if verdict.error is None:
                 return stream, verdict
             if verdict.kind == "invalid":
+                self.view.unplace(spec.request_id)
                 raise InvalidRequest(verdict.param, verdict.error)
             # this replica is full or stopping: another one may not be
             refusal = verdict
             spec.avoid = (*spec.avoid, verdict.replica)
             if len(set(spec.avoid)) >= self.replicas:
                 break
+        self.view.unplace(spec.request_id)
         if refusal is not None and refusal.kind == "queue_full":
             raise QueueFull(refusal.error)
         raise EngineStopped(refusal.error if refusal is not None else
@@ -271,7 +276,7 @@ class ReplicaSet:
             log.exception("stream of %s failed: %r", group.spec.request_id, e)
             self._finish(group, "error", "the replica stream failed")
         finally:
-            self.view.inflight[group.replica] -= 1
+            self.view.unplace(group.spec.request_id)
             self._changed_at = time.time()
             self._forget_prediction(group.spec.request_id)
             for rid in group.spec.request_ids:
@@ -297,9 +302,7 @@ class ReplicaSet:
             self._finish(group, "error", "the replica serving this request died and no "
                          "other could take over")
             return False
-        self.view.inflight[group.replica] -= 1
         group.replica = verdict.replica
-        self.view.inflight[group.replica] += 1
         group.buffer.clear()  # nothing in it reached anyone: the new replica starts afresh
         group.latest.clear()
         return True

@@ -53,6 +53,7 @@ class RoutingView:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     inflight: Counter = field(default_factory=Counter)  # replica -> open streams (this front)
+    placed: dict[str, str] = field(default_factory=dict)  # request id -> replica routed to
     digests: dict[str, frozenset[bytes]] = field(default_factory=dict)
     routed: dict[str, OrderedDict[bytes, float]] = field(default_factory=dict)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica -> routing stats
@@ -65,6 +66,20 @@ class RoutingView:
 
     def load(self, replica: str) -> int:
         return self.inflight.get(replica, 0)
+
+    def place(self, request_id: str, replica: str) -> None:
+        """A request was routed to ``replica``: it counts there from now (not from the
+        replica's answer, so a burst being routed already weighs on the imbalance)."""
+        with self.lock:
+            self.inflight[replica] += 1
+            self.placed[request_id] = replica
+
+    def unplace(self, request_id: str) -> None:
+        """The request's stream on its replica ended (or never started)."""
+        with self.lock:
+            replica = self.placed.pop(request_id, None)
+            if replica is not None:
+                self.inflight[replica] -= 1
 
     def match(self, replica: str, keys: Sequence[bytes], now: float) -> int:
         """Leading blocks of ``keys`` the replica is believed to hold."""
@@ -118,7 +133,7 @@ class RoutingView:
     def reset(self) -> None:
         """Forget everything (a new deployment in this process)."""
         with self.lock:
-            for table in (self.inflight, self.digests, self.routed, self.stats,
+            for table in (self.inflight, self.placed, self.digests, self.routed, self.stats,
                           self.decisions, self.predicted_blocks):
                 table.clear()
             self.predicted_tokens = self.actual_tokens = 0
@@ -216,6 +231,7 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
         if decision is None or decision.replica != replica:  # fell through to another rank
             decision = Decision(replica, "load", v.match(replica, spec.keys, time.monotonic()))
         v.routed_to(replica, spec.keys)
+        v.place(spec.request_id, replica)
         with v.lock:
             v.decisions[decision.by] += 1
             v.predicted_blocks[spec.request_id] = decision.blocks
@@ -259,6 +275,7 @@ class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
         v = view()
         blocks = v.match(replica_id.unique_id, spec.keys, time.monotonic())
         v.routed_to(replica_id.unique_id, spec.keys)
+        v.place(spec.request_id, replica_id.unique_id)
         with v.lock:
             v.decisions["round-robin"] += 1
             v.predicted_blocks[spec.request_id] = blocks
