@@ -189,7 +189,19 @@ except ImportError:  # pragma: no cover - exercised where ray is not installed
     RequestRouter = object  # type: ignore[assignment,misc]
 
 
-class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
+class _ViewUpkeep(RequestRouter):  # type: ignore[misc,valid-type]
+    """Keeps the process's view of the replicas in step with Ray Serve's."""
+
+    def update_replicas(self, replicas: list) -> None:
+        super().update_replicas(replicas)
+        view().prune(replicas)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        view().forget(replica_id.unique_id)
+
+
+class PrefixAffinityRouter(_ViewUpkeep):
     """Ray Serve request router for :class:`ember.cluster.replica.EmberReplica`."""
 
     def initialize_state(self, imbalance: int = 4, min_match: float = MIN_MATCH,
@@ -236,16 +248,8 @@ class PrefixAffinityRouter(RequestRouter):  # type: ignore[misc,valid-type]
             v.decisions[decision.by] += 1
             v.predicted_blocks[spec.request_id] = decision.blocks
 
-    def update_replicas(self, replicas: list) -> None:
-        super().update_replicas(replicas)
-        view().prune(replicas)
 
-    def on_replica_actor_died(self, replica_id: Any) -> None:
-        super().on_replica_actor_died(replica_id)
-        view().forget(replica_id.unique_id)
-
-
-class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
+class RoundRobinRouter(_ViewUpkeep):
     """Replicas in turn, blind to caches and load: the baseline ``ember bench serve``
     measures the prefix-affinity router against (``ember serve --router round-robin``)."""
 
@@ -279,14 +283,6 @@ class RoundRobinRouter(RequestRouter):  # type: ignore[misc,valid-type]
         with v.lock:
             v.decisions["round-robin"] += 1
             v.predicted_blocks[spec.request_id] = blocks
-
-    def update_replicas(self, replicas: list) -> None:
-        super().update_replicas(replicas)
-        view().prune(replicas)
-
-    def on_replica_actor_died(self, replica_id: Any) -> None:
-        super().on_replica_actor_died(replica_id)
-        view().forget(replica_id.unique_id)
 
 
 ROUTERS = {"affinity": "ember.cluster.router:PrefixAffinityRouter",

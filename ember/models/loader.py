@@ -74,14 +74,19 @@ def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
     with GGUFFile(path) as gguf:
         config = ModelConfig.from_gguf(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
-        family = ARCHITECTURES[config.architecture]
-        try:
-            template: ChatTemplate | None = ChatTemplate.from_gguf(
-                gguf, default=family.chat_template)
-        except ChatTemplateError:
-            template = None
+        template = _chat_template(gguf, config)
     return LoadedModel(path, config, None, tokenizer, template,  # type: ignore[arg-type]
                        resolve_weights(weights), time.perf_counter() - start)
+
+
+def _chat_template(gguf: GGUFFile, config: ModelConfig) -> ChatTemplate | None:
+    """The GGUF's chat template, else its family's; None for a base model without one
+    (it can still complete raw text)."""
+    try:
+        return ChatTemplate.from_gguf(gguf, default=ARCHITECTURES[config.architecture]
+                                      .chat_template)
+    except ChatTemplateError:
+        return None
 
 
 def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) -> LoadedModel:
@@ -96,11 +101,7 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     fmt = weight_format(weights)
     tokenizer = Tokenizer.from_gguf(gguf)
     family = ARCHITECTURES[config.architecture]
-    try:
-        template: ChatTemplate | None = ChatTemplate.from_gguf(
-            gguf, default=family.chat_template)
-    except ChatTemplateError:
-        template = None  # base models without a template can still complete raw text
+    template = _chat_template(gguf, config)
     if moe is not None and moe.stream and not config.n_experts:
         log.warning("%s has no experts: --moe-stream ignored", path.name)
     model = family.model.from_gguf(gguf, config, fmt, moe)
