@@ -21,7 +21,7 @@ import torch
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.models.loader import load_model
-from ember.models.moe import HISTOGRAM_SUFFIX, PINNED_SHARE, MoEOptions
+from ember.models.moe import HISTOGRAM_SUFFIX, PINNED_SHARE, ExpertReadError, MoEOptions
 from ember.sampling.params import SamplingParams
 
 ATOL = 1e-4
@@ -170,14 +170,18 @@ def test_a_damaged_sidecar_is_ignored(model_copy: Path) -> None:
 
 
 # ------------------------------------------------------------------ a damaged model file
-def damage(path: Path, loaded, layer: int, expert: int) -> None:
-    """Flip a byte inside one expert's slice, in place."""
+def damage(path: Path, loaded, layer: int, expert: int, keep_mtime: bool = False) -> None:
+    """Flip a byte inside one expert's slice, in place (``keep_mtime``: and put the file's
+    times back, as silent corruption on the device would leave them)."""
+    st = path.stat()
     _, offset, size = loaded.model.experts.layers[layer].spans(expert)[0]
     with open(path, "r+b") as f:
         f.seek(offset + size // 2)
         byte = f.read(1)
         f.seek(offset + size // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_a_corrupted_expert_fails_the_request_with_a_clear_error(model_copy: Path) -> None:
@@ -193,7 +197,7 @@ def test_a_corrupted_expert_fails_the_request_with_a_clear_error(model_copy: Pat
     # every expert this prompt used was read (and checksummed): damage one of them
     store = engine.loaded.model.experts
     layer, e = next(k for k in sorted(store._crc))  # noqa: SLF001
-    damage(model_copy, engine.loaded, layer, e)
+    damage(model_copy, engine.loaded, layer, e, keep_mtime=True)
     again = engine.add_request(PROMPTS[0], sp)
     while engine.has_unfinished():
         engine.step()
@@ -210,4 +214,76 @@ def test_a_truncated_file_fails_the_request_with_a_clear_error(model_copy: Path)
     while engine.has_unfinished():
         engine.step()
     assert req.finish_reason.value == "error"
-    assert "changed size" in req.error or "short read" in req.error
+    assert "changed since it was loaded" in req.error or "short read" in req.error
+
+
+def test_a_file_changed_in_place_fails_even_an_expert_never_read(model_copy: Path) -> None:
+    """GGUF has no checksums: an expert's first read is trusted only because the file is
+    still the one parsed (same inode, size and mtime)."""
+    loaded = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=1))
+    store = loaded.model.experts
+    assert not store._crc  # noqa: SLF001  (nothing read yet)
+    damage(model_copy, loaded, 1, 3)
+    with pytest.raises(ExpertReadError, match="changed since it was loaded"):
+        list(store.experts_for(1, [3]))
+    store.close()
+
+
+def test_a_file_replaced_after_parsing_is_refused(model_copy: Path) -> None:
+    from ember.models.gguf import GGUFFile
+    from ember.models.moe import StreamedExperts, expert_slices
+
+    gguf = GGUFFile(model_copy)
+    slices = [expert_slices(gguf, i) for i in range(N_LAYERS)]
+    other = model_copy.with_name("other.gguf")
+    shutil.copy(model_copy, other)
+    os.replace(other, model_copy)  # same bytes, another file: offsets are not its own
+    with pytest.raises(ExpertReadError, match="replaced"):
+        StreamedExperts(model_copy, slices, lambda *a: None, 1, identity=gguf.identity)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '{"histogram": 3}', '{"histogram": [1, 2]}',
+                                  "IDENTITY_WITH_BAD_CRC", "IDENTITY_WITH_BAD_COUNTS"])
+def test_a_malformed_histogram_file_is_ignored(model_copy: Path, text: str) -> None:
+    from ember.models.gguf import file_identity
+
+    identity = list(file_identity(os.stat(model_copy)))
+    good = [[0] * N_EXPERTS for _ in range(N_LAYERS)]
+    text = {"IDENTITY_WITH_BAD_CRC": json.dumps({"file": identity, "histogram": good,
+                                                 "crc32": {"3": 5}}),
+            "IDENTITY_WITH_BAD_COUNTS": json.dumps({"file": identity, "histogram": [
+                ["x"] * N_EXPERTS for _ in range(N_LAYERS)]})}.get(text, text)
+    Path(str(model_copy) + HISTOGRAM_SUFFIX).write_text(text)
+    loaded = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=1))
+    store = loaded.model.experts
+    assert store.histogram == good and not store.pinned
+    store.close()
+
+
+def test_a_layer_routed_to_every_expert_holds_only_a_read_ahead_window(
+        model_copy: Path, monkeypatch) -> None:
+    """Prefill can route to all of a layer's experts: those the cache cannot keep live
+    only while computed (plus the read-ahead), not all at once."""
+    import gc
+    import weakref
+
+    from ember.models import moe
+
+    built: list[weakref.ref] = []
+    build = moe.build_expert
+
+    def tracked(*args):
+        expert = build(*args)
+        built.append(weakref.ref(expert))
+        return expert
+
+    monkeypatch.setattr(moe, "build_expert", tracked)
+    loaded = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=1))
+    store = loaded.model.experts
+    most = 0
+    for _e, expert in store.experts_for(0, list(range(N_EXPERTS))):
+        gc.collect()
+        most = max(most, sum(r() is not None for r in built))
+        assert expert is not None
+    assert N_EXPERTS > moe.READ_AHEAD + 1 and 1 <= most <= moe.READ_AHEAD + 1
+    store.close()

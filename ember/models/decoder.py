@@ -198,7 +198,8 @@ def _expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions) -> ExpertStore:
     slices = [expert_slices(gguf, i) for i in range(cfg.n_layers)]
     if moe.stream:
-        return StreamedExperts(gguf.path, slices, fmt.linear_from_raw, moe.cache_bytes)
+        return StreamedExperts(gguf.path, slices, fmt.linear_from_raw, moe.cache_bytes,
+                               identity=gguf.identity)
     return ResidentExperts(gguf, slices, fmt.linear_from_raw)
 
 

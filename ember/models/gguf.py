@@ -13,6 +13,7 @@ offset), padding to ``general.alignment``, then the tensor data.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -236,6 +237,12 @@ class _Cursor:
         return bool(value) if vt == _ValueType.BOOL else value
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file, in which state: (device, inode, size, mtime). Whoever reads a model's
+    bytes again later checks it is still the file that was parsed."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class GGUFFile:
     """An open GGUF file: ``metadata`` (dict), ``tensors`` (name → TensorInfo), raw bytes.
 
@@ -250,6 +257,7 @@ class GGUFFile:
         try:
             with open(self.path, "rb") as f:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self.identity = file_identity(os.fstat(f.fileno()))
         except (OSError, ValueError) as e:  # ValueError: empty file cannot be mapped
             raise GGUFError(f"{self.path}: cannot map file ({e})") from None
         self.metadata: dict[str, Any] = {}

@@ -34,12 +34,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.errors import EmberError
-from ember.models.gguf import GGUFFile, TensorInfo
+from ember.models.gguf import GGUFFile, TensorInfo, file_identity
 from ember.models.linear import Linear, linear_nbytes
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 HISTOGRAM_SUFFIX = ".experts.json"
 PINNED_SHARE = 0.5  # of the cache budget, for the hottest experts of earlier runs
 IO_THREADS = 2
+READ_AHEAD = IO_THREADS + 1  # misses read (and built) ahead of the one being computed
 SAVE_EVERY = 256  # steps between histogram saves (and at close)
 
 BuildExpert = Callable[[list[tuple[np.ndarray, int, tuple[int, ...]]], list[str]], Linear]
@@ -143,13 +145,15 @@ class ExpertStore(Protocol):
     streamed: bool
     cached_bytes: int  # resident bytes of built experts
 
-    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]: ...
+    def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]: ...
 
     def record(self, layer: int, counts: dict[int, int]) -> None: ...
 
     def begin_step(self) -> None: ...
 
     def flush(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ResidentExperts:
@@ -171,9 +175,9 @@ class ResidentExperts:
         self.stats = MoEStats()
         self.cached_bytes = sum(x.nbytes for layer in self.experts for x in layer)
 
-    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]:
+    def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]:
         self.stats.pinned_hits += len(ids)
-        return {e: self.experts[layer][e] for e in ids}
+        return ((e, self.experts[layer][e]) for e in ids)
 
     def record(self, layer: int, counts: dict[int, int]) -> None:
         self.stats.tokens_routed += sum(counts.values())
@@ -182,6 +186,9 @@ class ResidentExperts:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -197,13 +204,17 @@ class StreamedExperts:
     streamed = True
 
     def __init__(self, path: Path, layers: Sequence[ExpertSlices], build: BuildExpert,
-                 cache_bytes: int) -> None:
+                 cache_bytes: int, identity: tuple[int, ...] | None = None) -> None:
+        """``identity``: the parsed file's (:func:`~ember.models.gguf.file_identity`); the
+        slices' offsets are that file's, so reading another is refused."""
         self.path, self.layers, self.build = Path(path), list(layers), build
         self.cache_bytes = cache_bytes
         self.stats = MoEStats()
         self._fd = os.open(self.path, os.O_RDONLY)
-        st = os.fstat(self._fd)
-        self._identity = (st.st_size, st.st_mtime_ns)
+        self._identity = file_identity(os.fstat(self._fd))
+        if identity is not None and tuple(identity) != self._identity:
+            os.close(self._fd)
+            raise ExpertReadError(f"{self.path} was replaced or changed after it was parsed")
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ember-moe-io")
         self._buffers = threading.local()  # each I/O thread's read buffers, reused
         _return_large_frees_to_the_os()
@@ -226,28 +237,39 @@ class StreamedExperts:
             data = json.loads(self._sidecar.read_text())
         except (OSError, ValueError):
             return empty, {}
-        if data.get("file") != list(self._identity) or [len(h) for h in data.get(
-                "histogram", [])] != [s.count for s in self.layers]:
+        if not isinstance(data, dict) or not isinstance(data.get("histogram"), list):
+            return empty, {}
+        if data.get("file") != list(self._identity) or [
+                len(h) if isinstance(h, list) else -1 for h in data["histogram"]
+        ] != [s.count for s in self.layers]:
             log.info("%s: for another version of the model; starting afresh", self._sidecar)
             return empty, {}
-        crc = {(int(k.split(":")[0]), int(k.split(":")[1])): int(v)
-               for k, v in data.get("crc32", {}).items()}
-        return [list(map(int, h)) for h in data["histogram"]], crc
+        try:
+            crc = {(int(k.split(":")[0]), int(k.split(":")[1])): int(v)
+                   for k, v in data.get("crc32", {}).items()}
+            return [list(map(int, h)) for h in data["histogram"]], crc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            log.info("%s: malformed; starting afresh", self._sidecar)
+            return empty, {}
 
     def save(self) -> None:
         """Write the histogram and checksums: temp file, fsync, rename."""
         with self._lock:
             data = {"file": list(self._identity), "histogram": self.histogram,
                     "crc32": {f"{layer}:{e}": v for (layer, e), v in self._crc.items()}}
-        tmp = self._sidecar.with_name(self._sidecar.name + ".tmp")
-        try:
-            with open(tmp, "w") as f:
+        tmp = None
+        try:  # a unique temp name: two processes sharing the model never write one file
+            fd, tmp = tempfile.mkstemp(dir=self._sidecar.parent,
+                                       prefix=self._sidecar.name + ".", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._sidecar)
         except OSError as e:
             log.warning("could not save the expert histogram to %s: %s", self._sidecar, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
     def _pin_hottest(self) -> None:
         """Fill the pinned share of the budget with the most used experts so far."""
@@ -255,6 +277,8 @@ class StreamedExperts:
                          for e, count in enumerate(h) if count), reverse=True)
         budget, used, size = PINNED_SHARE * self.cache_bytes, 0, {}
         for _, layer, e in ranked:
+            if used >= budget:
+                break
             if used + size.get(layer, 0) > budget:  # experts of a layer are one size
                 continue
             expert = self._read(layer, e)
@@ -267,9 +291,7 @@ class StreamedExperts:
     # ------------------------------------------------------------ reading
     def _read(self, layer: int, e: int) -> Expert:
         slices = self.layers[layer]
-        if os.fstat(self._fd).st_size != self._identity[0]:
-            raise ExpertReadError(f"{self.path}: the file changed size since it was loaded "
-                                  f"(reading expert {e} of layer {layer})")
+        self._check_unchanged(layer, e)
         start = time.perf_counter()
         raws, crc = [], 0
         for i, (info, offset, size) in enumerate(slices.spans(e)):
@@ -280,6 +302,7 @@ class StreamedExperts:
                                       f"{layer} ({info.name}: {got} of {size} bytes)")
             crc = zlib.crc32(buf, crc)
             raws.append(buf)
+        self._check_unchanged(layer, e)  # not written to while we read it
         with self._lock:
             known = self._crc.setdefault((layer, e), crc)
             self.stats.bytes_read += sum(r.nbytes for r in raws)
@@ -289,6 +312,14 @@ class StreamedExperts:
                                   f"CRC32 {crc:08x}, recorded {known:08x}: the file is corrupt "
                                   "or was replaced")
         return build_expert(self.build, slices, e, raws)
+
+    def _check_unchanged(self, layer: int, e: int) -> None:
+        """The file is still the one loaded: same device, inode, size and mtime. (GGUF
+        has no checksums: an expert's first read can only be trusted this way; later
+        reads are also checked against the CRC32 of the first.)"""
+        if file_identity(os.fstat(self._fd)) != self._identity:
+            raise ExpertReadError(f"{self.path}: the file changed since it was loaded "
+                                  f"(reading expert {e} of layer {layer})")
 
     def _buffer(self, i: int, size: int) -> np.ndarray:
         """This thread's ``i``-th read buffer, at least ``size`` bytes (a view of it)."""
@@ -319,26 +350,45 @@ class StreamedExperts:
         if spans:
             self._hinter.submit(self._hint, spans)
 
-    def get(self, layer: int, ids: list[int]) -> dict[int, Expert]:
+    def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]:
+        """``(id, expert)`` in the order of ``ids``. Misses are read ahead by the I/O
+        threads, at most ``READ_AHEAD`` at a time: an expert that does not fit the cache
+        lives only while the caller computes with it, so a prefill that routes to every
+        expert of a layer never holds the whole layer (memory stays budget + window)."""
         cache = self._caches[layer]
-        out, missing = {}, []
+        hits, missing = {}, []
         for e in ids:
             if (layer, e) in self.pinned:
-                out[e] = self.pinned[(layer, e)]
+                hits[e] = self.pinned[(layer, e)]
                 self.stats.pinned_hits += 1
             elif e in cache.lru:
                 cache.lru.move_to_end(e)
-                out[e] = cache.lru[e]
+                hits[e] = cache.lru[e]
                 self.stats.lru_hits += 1
             else:
                 missing.append(e)
         self.stats.misses += len(missing)
-        for e, expert in zip(missing, self._io.map(lambda x: self._read(layer, x), missing),
-                             strict=True):
-            out[e] = expert
-            self._admit(cache, e, expert, keep=set(ids))
         self._last_used[layer] = list(ids)
-        return out
+        pending: dict[int, Future[Expert]] = {}
+        queued = iter(missing)
+
+        def read_ahead() -> None:
+            while len(pending) < READ_AHEAD:
+                e = next(queued, None)
+                if e is None:
+                    return
+                pending[e] = self._io.submit(self._read, layer, e)
+
+        read_ahead()
+        keep = set(ids)
+        for e in ids:
+            if e in hits:
+                yield e, hits.pop(e)
+                continue
+            expert = pending.pop(e).result()
+            read_ahead()
+            self._admit(cache, e, expert, keep)
+            yield e, expert
 
     def _admit(self, cache: _LayerCache, e: int, expert: Expert, keep: set[int]) -> None:
         """Cache ``expert`` if the layer's share allows, evicting least recently used
@@ -370,6 +420,16 @@ class StreamedExperts:
     def flush(self) -> None:
         """Save the histogram now (the store stays usable)."""
         self.save()
+
+    def close(self) -> None:
+        """Save, stop the threads, close the file (the store is unusable after)."""
+        if self._fd < 0:
+            return
+        self.save()
+        self._hinter.shutdown(wait=True)  # before the fd number can be reused
+        self._io.shutdown(wait=True)
+        os.close(self._fd)
+        self._fd = -1
 
 
 def _return_large_frees_to_the_os() -> None:
@@ -405,11 +465,10 @@ class MoEFeedForward:
         used, counts = chosen.unique(return_counts=True)
         ids = used.tolist()
         self.store.record(self.layer, dict(zip(ids, counts.tolist(), strict=True)))
-        experts = self.store.get(self.layer, ids)
         out = torch.zeros_like(h)
-        for e in ids:  # ascending expert id: a token's sum has a fixed order
+        # ascending expert id (unique() sorts): a token's sum has a fixed order
+        for e, expert in self.store.experts_for(self.layer, ids):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            expert = experts[e]
             gate, up = expert.gate_up(h[rows]).chunk(2, dim=-1)
             y = expert.down(self.activation(gate) * up)
             out.index_add_(0, rows, y * weights[rows, slot, None])
