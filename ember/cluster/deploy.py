@@ -41,6 +41,13 @@ def replica_threads(config: EngineConfig, replicas: int) -> int:
     return config.threads or max(1, (os.cpu_count() or 1) // replicas)
 
 
+def _token_auth_unless_joining(address: str | None) -> None:
+    """A Ray ember starts itself requires its token (a cluster's mode is its own). Ray
+    reads this when imported: call it before anything imports ray."""
+    if not address:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:
     """Join ``address``, or start a private local Ray on loopback.
 
@@ -48,8 +55,7 @@ def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:
     ties its local processes' lives to the thread that started them (their parent-death
     signal fires when that thread exits)."""
     cpus = max(os.cpu_count() or 1, replicas * threads)
-    if not address:  # read when ray is imported: set it first
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    _token_auth_unless_joining(address)
     ray = _ray()
     if ray.is_initialized():
         return
@@ -96,8 +102,7 @@ def start_replicas(config: EngineConfig, replicas: int, address: str | None = No
     if config.kv_cache_dir is not None and replicas > 1:
         raise EmberError("--kv-cache-dir with --replicas > 1: the replicas would share one "
                          "disk store, which is not supported (yet)")
-    if not address:  # Ray reads it when imported (ember.cluster.front imports it)
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    _token_auth_unless_joining(address)  # ember.cluster.front imports ray
     from ember.cluster.front import ReplicaSet
     from ember.models.loader import load_model_meta
 
@@ -106,7 +111,7 @@ def start_replicas(config: EngineConfig, replicas: int, address: str | None = No
     # salt, which the router must predict, includes it)
     config = dataclasses.replace(config, weights=loaded.weights,
                                  threads=replica_threads(config, replicas))
-    start_ray(address, replicas)
+    start_ray(address, replicas, config.threads)
     handle = deploy(config, replicas, router, imbalance)
     return ReplicaSet(handle, config, replicas, loaded).start()
 

@@ -117,7 +117,6 @@ class ReplicaSet:
         self._groups: dict[str, RemoteGroup] = {}  # request id -> its group
         self._stopping = False
         self._changed_at = 0.0  # wall time a stream last started or ended here
-        self.error: BaseException | None = None
 
     def start(self) -> ReplicaSet:
         self._thread.start()
@@ -132,7 +131,7 @@ class ReplicaSet:
         with self._lock:
             if self._stopping or not self.alive:
                 raise EngineStopped("the replicas are not running")
-            if self._queued() >= self._capacity():
+            if self.queue_full():
                 raise QueueFull(f"queue is full ({self._capacity()} requests across "
                                 f"{self.replicas} replicas)")
             self._slots += 1
@@ -161,8 +160,8 @@ class ReplicaSet:
 
     def discard(self, group: Sequence[Any]) -> None:
         """Prepared requests that will never be submitted: stop them on their replica."""
-        for req in group:
-            self._cancel(req.group)
+        if group:
+            self._cancel(group[0].group)  # a group's choices share one stream
 
     def abort_all(self) -> None:
         for group in list(self._groups.values()):
@@ -213,6 +212,13 @@ class ReplicaSet:
         group over its life (failovers included): a request that kills every replica it
         touches must not crash-loop the deployment. No answer within
         ``DISPATCH_TIMEOUT_S`` (no replica alive) is a 503."""
+        try:
+            return await self._try_replicas(group)
+        except BaseException:  # no replica has it: it counts on none
+            self.view.unplace(group.spec.request_id)
+            raise
+
+    async def _try_replicas(self, group: RemoteGroup) -> tuple[Any, Verdict]:
         spec, refusal = group.spec, None
         while group.attempts < DISPATCH_ATTEMPTS:
             group.attempts += 1
@@ -222,16 +228,13 @@ class ReplicaSet:
                 verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)
             except TimeoutError:
                 stream.cancel()
-                self.view.unplace(spec.request_id)
                 raise EngineStopped(f"no replica answered within {DISPATCH_TIMEOUT_S:g} s") \
                     from None
             except asyncio.CancelledError:
                 stream.cancel()
-                self.view.unplace(spec.request_id)
                 raise
             except Exception as e:
                 if not _replica_died(e):
-                    self.view.unplace(spec.request_id)
                     log.error("dispatching %s failed: %r", spec.request_id, e)
                     raise EngineStopped("a replica failed to take the request") from None
                 log.warning("replica died before answering %s: %r", spec.request_id, e)
@@ -240,14 +243,12 @@ class ReplicaSet:
             if verdict.error is None:
                 return stream, verdict
             if verdict.kind == "invalid":
-                self.view.unplace(spec.request_id)
                 raise InvalidRequest(verdict.param, verdict.error)
             # this replica is full or stopping: another one may not be
             refusal = verdict
             spec.avoid = (*spec.avoid, verdict.replica)
             if len(set(spec.avoid)) >= self.replicas:
                 break
-        self.view.unplace(spec.request_id)
         if refusal is not None and refusal.kind == "queue_full":
             raise QueueFull(refusal.error)
         raise EngineStopped(refusal.error if refusal is not None else
@@ -296,8 +297,6 @@ class ReplicaSet:
         group.spec.avoid = (*group.spec.avoid, group.replica)
         try:
             group.stream, verdict = await self._dispatch(group)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             self._finish(group, "error", "the replica serving this request died and no "
                          "other could take over")

@@ -34,7 +34,6 @@ def _replica_id() -> str:
 
 class EmberReplica:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.engine = LLMEngine(config)
         self.thread = EngineThread(self.engine).start()
         self.replica = _replica_id()

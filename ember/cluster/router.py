@@ -116,14 +116,27 @@ class RoutingView:
         with self.lock:
             return dict(self.stats)
 
+    def observe_replicas(self, replicas: Sequence[Any]) -> dict[str, Any]:
+        """Take the routing stats of Ray Serve's ``replicas``; return them by id."""
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        for rid, r in by_id.items():
+            self.observe(rid, r.routing_stats)
+        return by_id
+
     def prune(self, replicas: Sequence[Any]) -> None:
         """Take the live replicas' stats; forget the ones no longer among them."""
-        live = set()
-        for r in replicas:
-            live.add(r.replica_id.unique_id)
-            self.observe(r.replica_id.unique_id, r.routing_stats)
-        for gone in set(self.snapshot()) - live:
+        live = self.observe_replicas(replicas)
+        for gone in set(self.snapshot()) - set(live):
             self.forget(gone)
+
+    def record_routed(self, request_id: str, keys: Sequence[bytes], replica: str, by: str,
+                      blocks: int) -> None:
+        """A request went to ``replica`` (decided ``by``, ``blocks`` predicted cached)."""
+        self.routed_to(replica, keys)
+        self.place(request_id, replica)
+        with self.lock:
+            self.decisions[by] += 1
+            self.predicted_blocks[request_id] = blocks
 
     def forget(self, replica: str) -> None:
         with self.lock:
@@ -215,11 +228,7 @@ class PrefixAffinityRouter(_ViewUpkeep):
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
                               ) -> list[list]:
         v = view()
-        by_id = {}
-        for r in candidate_replicas:
-            rid = r.replica_id.unique_id
-            by_id[rid] = r
-            v.observe(rid, r.routing_stats)
+        by_id = v.observe_replicas(candidate_replicas)
         if not by_id:
             return []
         spec = _spec_of(pending_request)
@@ -242,11 +251,7 @@ class PrefixAffinityRouter(_ViewUpkeep):
         replica = replica_id.unique_id
         if decision is None or decision.replica != replica:  # fell through to another rank
             decision = Decision(replica, "load", v.match(replica, spec.keys, time.monotonic()))
-        v.routed_to(replica, spec.keys)
-        v.place(spec.request_id, replica)
-        with v.lock:
-            v.decisions[decision.by] += 1
-            v.predicted_blocks[spec.request_id] = decision.blocks
+        v.record_routed(spec.request_id, spec.keys, replica, decision.by, decision.blocks)
 
 
 class RoundRobinRouter(_ViewUpkeep):
@@ -258,13 +263,9 @@ class RoundRobinRouter(_ViewUpkeep):
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
                               ) -> list[list]:
-        v = view()
-        for r in candidate_replicas:
-            v.observe(r.replica_id.unique_id, r.routing_stats)
+        by_id = view().observe_replicas(candidate_replicas)
         spec = _spec_of(pending_request)
-        ids = _eligible(spec, [r.replica_id.unique_id for r in candidate_replicas])
-        ranked = sorted((r for r in candidate_replicas if r.replica_id.unique_id in ids),
-                        key=lambda r: r.replica_id.unique_id)
+        ranked = [by_id[r] for r in sorted(_eligible(spec, list(by_id)))]
         if not ranked:
             return []
         first = self._turn % len(ranked)
@@ -276,13 +277,9 @@ class RoundRobinRouter(_ViewUpkeep):
         spec = _spec_of(pending_request)
         if spec is None:
             return
-        v = view()
-        blocks = v.match(replica_id.unique_id, spec.keys, time.monotonic())
-        v.routed_to(replica_id.unique_id, spec.keys)
-        v.place(spec.request_id, replica_id.unique_id)
-        with v.lock:
-            v.decisions["round-robin"] += 1
-            v.predicted_blocks[spec.request_id] = blocks
+        v, replica = view(), replica_id.unique_id
+        v.record_routed(spec.request_id, spec.keys, replica, "round-robin",
+                        v.match(replica, spec.keys, time.monotonic()))
 
 
 ROUTERS = {"affinity": "ember.cluster.router:PrefixAffinityRouter",

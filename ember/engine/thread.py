@@ -164,6 +164,11 @@ class EngineThread:
         """Prepared requests that will not be submitted. Nothing to undo here: they hold
         no engine state until handed over (a replica set must stop them remotely)."""
 
+    def metric_lines(self) -> list[str]:
+        """Prometheus lines beyond the engine's metrics: none here (a replica set adds
+        its replicas' and its router's)."""
+        return []
+
     def abort_all(self) -> None:
         """Abort every request the thread delivers outputs for (thread-safe)."""
         with self._lock:

@@ -638,9 +638,10 @@ void matmul_int(const Weights& w, const Acts& a, const Dims& n, float* y) {
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     int64_t g = g0;
 #if defined(EMBER_VNNI512)
-    for (; g + 2 <= g1; g += 2) groups_all_rows<LAYOUT, Lanes16>(w, a, n, g, y);
+    constexpr int64_t pair = Lanes16::kGroups;
+    for (; g + pair <= g1; g += pair) groups_all_rows<LAYOUT, Lanes16>(w, a, n, g, y);
 #endif
-    for (; g < g1; ++g) groups_all_rows<LAYOUT, Lanes8>(w, a, n, g, y);
+    for (; g < g1; g += Lanes8::kGroups) groups_all_rows<LAYOUT, Lanes8>(w, a, n, g, y);
   });
 }
 

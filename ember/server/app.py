@@ -233,8 +233,7 @@ class Server:
         return self.thread.engine.metrics() if self.thread else {}
 
     def _extra_metrics(self) -> list[str]:
-        lines = getattr(self.thread, "metric_lines", None)
-        return lines() if lines is not None else []
+        return self.thread.metric_lines() if self.thread else []
 
     # ------------------------------------------------------------ auth
     def _bearer(self, request: Request) -> bytes:
