@@ -350,12 +350,13 @@ class ReplicaSet:
 
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
+        from ember.server.metrics import family as lines_of
+
         v = self.view
         lines: list[str] = []
 
         def family(name: str, kind: str, help: str, rows: list[tuple[str, Any]]) -> None:
-            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{labels} {value}" for labels, value in rows)
+            lines.extend(lines_of(name, kind, help, rows))
 
         stats = v.snapshot()
         replicas = sorted(stats)

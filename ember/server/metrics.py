@@ -9,11 +9,18 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 30.0, 60.0)
+
+
+def family(name: str, kind: str, help: str, rows: Iterable[tuple[str, Any]]) -> list[str]:
+    """One metric family in the text format: HELP, TYPE, then a sample per
+    ``(labels, value)`` row (labels already formatted, ``{k="v"}`` or empty)."""
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
+            *(f"{name}{labels} {value}" for labels, value in rows)]
 
 
 class Histogram:
@@ -105,9 +112,8 @@ class Metrics:
         s = self._engine_stats()
         lines: list[str] = []
 
-        def metric(name: str, kind: str, help: str, value: Any, labels: str = "") -> None:
-            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}",
-                          f"{name}{labels} {value}"])
+        def metric(name: str, kind: str, help: str, value: Any) -> None:
+            lines.extend(family(name, kind, help, [("", value)]))
 
         metric("ember_requests_running", "gauge", "Requests being decoded or prefilled.",
                s.get("requests_running", 0))
