@@ -221,6 +221,21 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
     b.add_argument("--out", type=Path, default=Path("bench-results/moe.json"))
     b.set_defaults(func=cmd_bench_moe)
+    b = bench.add_parser("synth", help="random-weight GGUFs with real models' shapes "
+                                       "and llama.cpp's tensor types, for speed runs")
+    b.add_argument("--shape", required=True,
+                   help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b")
+    b.add_argument("--quant", default="Q4_K_M",
+                   help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
+                        "Q8_0 (also Q4_1, Q5_0, Q5_1)")
+    b.add_argument("--out-dir", type=Path, default=None,
+                   help="default: $EMBER_HOME/synth; files are named SHAPE-QUANT.gguf")
+    b.add_argument("--tokenizer", type=Path, default=None, metavar="GGUF",
+                   help="borrow this GGUF's tokenizer (default: SmolLM2's), padded to the "
+                        "shape's vocabulary")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--force", action="store_true", help="write files that already exist")
+    b.set_defaults(func=cmd_bench_synth)
     b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
     b.add_argument("--weights", default="auto")
@@ -398,6 +413,19 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     if any(not 0 < b <= 100 for b in budgets) or args.tokens < 2:
         raise ValueError("--budgets must be percentages in (0, 100] and --tokens at least 2")
     bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out)
+    return 0
+
+
+def cmd_bench_synth(args: argparse.Namespace) -> int:
+    from ember.bench.synth import main as bench_main
+    from ember.models.registry import synth_dir
+
+    shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
+    quants = [q.strip() for q in args.quant.split(",") if q.strip()]
+    if not shapes or not quants:
+        raise ValueError("--shape and --quant must each name at least one")
+    bench_main(shapes, quants, args.out_dir or synth_dir(), args.tokenizer,
+               args.seed, args.force)
     return 0
 
 

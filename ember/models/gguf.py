@@ -1,4 +1,4 @@
-"""Read GGUF files: metadata, tensor directory, and memory-mapped tensor bytes.
+"""Read and write GGUF files: metadata, tensor directory, and tensor bytes.
 
 We parse the format ourselves instead of using ``gguf.GGUFReader``: that reader
 builds a numpy view per array element, which costs seconds for a 49k-token
@@ -8,6 +8,11 @@ tensor data is never copied until a weight format asks for it.
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count,
 u64 metadata count, the metadata key/values, the tensor infos (name, dims, type,
 offset), padding to ``general.alignment``, then the tensor data.
+
+``write_gguf`` writes that layout (v3) for generated models: it takes the tensor
+directory up front and each tensor's bytes as chunks when its turn comes, so a
+multi-gigabyte file is never held in memory. It writes what ``GGUFFile`` reads (and
+``gguf.GGUFReader``, the reference, in ``tests/test_bench_synth.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -260,6 +266,9 @@ class GGUFFile:
                 self.identity = file_identity(os.fstat(f.fileno()))
         except (OSError, ValueError) as e:  # ValueError: empty file cannot be mapped
             raise GGUFError(f"{self.path}: cannot map file ({e})") from None
+        first = np.frombuffer(self._mmap, dtype=np.uint8, count=1)
+        self._base = first.ctypes.data  # the mapping's address (release_view)
+        del first  # a live export would keep close() from unmapping
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
@@ -326,6 +335,21 @@ class GGUFFile:
         if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             self._mmap.madvise(mmap.MADV_DONTNEED)
 
+    def release_view(self, view: np.ndarray) -> None:
+        """Drop the whole pages under ``view`` (an array from ``tensor_bytes``/``span``)
+        from this process's resident set, once its bytes have been copied elsewhere (a
+        weight packed). Arrays that do not lie in this file's mapping are ignored."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = view.ctypes.data - self._base
+        end = start + view.nbytes
+        if start < 0 or end > len(self._mmap):
+            return
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     def drop_array_metadata(self) -> None:
         """Forget list-valued metadata (vocabulary, scores, merges) once the tokenizer
         and chat template have read it: the model keeps this file open for embedding
@@ -386,3 +410,137 @@ def _tensor_nbytes(name: str, n_elements: int, row_len: int, ggml_type: int) -> 
             f"{GGMLType(ggml_type).name} block size {block_elems}"
         )
     return n_elements // block_elems * block_bytes
+
+
+# ------------------------------------------------------------------------ writing
+
+# numpy dtype -> GGUF value type, for typed scalars (np.uint32(5)) and numeric arrays
+_DTYPE_VALUE_TYPES: dict[np.dtype, _ValueType] = {
+    np.dtype(dt): vt for vt, (_, dt) in _SCALAR_FORMATS.items()
+}
+
+
+@dataclass(frozen=True)
+class TensorToWrite:
+    """One tensor for ``write_gguf``: its directory entry, and ``chunks``, called once
+    when the tensor's turn comes, yielding its raw bytes in order (bytes or arrays)."""
+
+    name: str
+    shape: tuple[int, ...]  # PyTorch order, as in TensorInfo
+    ggml_type: int
+    chunks: Callable[[], Iterable[bytes | np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return _tensor_nbytes(self.name, n, self.shape[-1] if self.shape else 1, self.ggml_type)
+
+
+def write_gguf(out: BinaryIO, metadata: Mapping[str, Any],
+               tensors: Sequence[TensorToWrite]) -> int:
+    """Write a GGUF v3 file to ``out``; returns the number of bytes written.
+
+    Metadata values are typed by what they are: ``str``, ``bool``, ``float`` (FLOAT32),
+    ``int`` (UINT32 when it fits, else INT32 / UINT64 / INT64), a numpy scalar (its
+    dtype: ``np.int32(-1)``), a list of ``str`` (a string array), or a 1-D numpy array
+    (an array of its dtype). Each tensor starts at a multiple of ``general.alignment``
+    (default 32); its chunks must add up to exactly its size (else GGUFError), and are
+    written as they come, so only one chunk is in memory at a time.
+    """
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int | np.integer) \
+            or alignment <= 0:
+        raise GGUFError(f"invalid general.alignment {alignment!r}")
+    alignment = int(alignment)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise GGUFError(f"duplicate tensor names: {', '.join(dup)}")
+
+    header = bytearray(GGUF_MAGIC)
+    header += struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    for key, value in metadata.items():
+        header += _encode_string(key)
+        vtype = _value_type(key, value)
+        header += struct.pack("<I", vtype)
+        header += _encode_value(key, vtype, value)
+    offset = 0
+    for t in tensors:
+        header += _encode_string(t.name)
+        header += struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *reversed(t.shape))
+        header += struct.pack("<IQ", t.ggml_type, offset)
+        offset = _align(offset + t.nbytes, alignment)
+    header += bytes(_align(len(header), alignment) - len(header))
+    out.write(header)
+    written = len(header)
+
+    for t in tensors:
+        expected, n = t.nbytes, 0
+        for chunk in t.chunks():
+            if isinstance(chunk, np.ndarray):
+                chunk = np.ascontiguousarray(chunk)
+                n += chunk.nbytes
+            else:
+                n += len(chunk)
+            out.write(chunk)
+        if n != expected:
+            raise GGUFError(f"tensor {t.name!r}: {GGMLType(t.ggml_type).name} shape "
+                            f"{t.shape} needs {expected} bytes, its chunks gave {n}")
+        pad = _align(n, alignment) - n
+        out.write(bytes(pad))
+        written += n + pad
+    return written
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _encode_string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _value_type(key: str, value: Any) -> _ValueType:
+    if isinstance(value, bool | np.bool_):
+        return _ValueType.BOOL
+    if isinstance(value, str):
+        return _ValueType.STRING
+    if isinstance(value, np.generic):
+        vt = _DTYPE_VALUE_TYPES.get(value.dtype)
+    elif isinstance(value, int):
+        for vt, lo, hi in ((_ValueType.UINT32, 0, 1 << 32), (_ValueType.INT32, -(1 << 31), 0),
+                           (_ValueType.UINT64, 0, 1 << 64), (_ValueType.INT64, -(1 << 63), 0)):
+            if lo <= value < hi:
+                return vt
+        vt = None
+    elif isinstance(value, float):
+        return _ValueType.FLOAT32
+    elif isinstance(value, np.ndarray | list | tuple):
+        return _ValueType.ARRAY
+    else:
+        vt = None
+    if vt is None:
+        raise GGUFError(f"metadata {key!r}: cannot write {value!r} ({type(value).__name__})")
+    return vt
+
+
+def _encode_value(key: str, vtype: _ValueType, value: Any) -> bytes:
+    if vtype == _ValueType.STRING:
+        return _encode_string(value)
+    if vtype != _ValueType.ARRAY:
+        return struct.pack(_SCALAR_FORMATS[vtype][0], value)
+    if isinstance(value, np.ndarray):
+        item = _DTYPE_VALUE_TYPES.get(value.dtype.newbyteorder("="))
+        if item is None or value.ndim != 1:
+            raise GGUFError(f"metadata {key!r}: cannot write a {value.ndim}-D "
+                            f"{value.dtype} array (1-D numeric arrays only)")
+        le = value.astype(np.dtype(_SCALAR_FORMATS[item][1]).newbyteorder("<"), copy=False)
+        return struct.pack("<IQ", item, len(value)) + le.tobytes()
+    if not all(isinstance(v, str) for v in value):
+        raise GGUFError(f"metadata {key!r}: a list must hold strings; give numbers as a "
+                        "1-D numpy array (its dtype is the GGUF item type)")
+    return struct.pack("<IQ", _ValueType.STRING, len(value)) + b"".join(
+        _encode_string(v) for v in value)

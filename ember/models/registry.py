@@ -97,6 +97,11 @@ def models_dir() -> Path:
     return ember_home() / "models"
 
 
+def synth_dir() -> Path:
+    """Where ``ember bench synth`` writes its random-weight models by default."""
+    return ember_home() / "synth"
+
+
 def is_path_like(name: str) -> bool:
     return name.endswith(".gguf") or os.sep in name or name.startswith(".")
 
@@ -250,7 +255,8 @@ class ModelListing:
 
 
 def list_models() -> Iterator[ModelListing]:
-    """Registered models (installed or not), then any other .gguf in the models dir."""
+    """Registered models (installed or not), then any other .gguf in the models dir,
+    then the random-weight models ``ember bench synth`` wrote (named by path)."""
     known_files = set()
     for spec in MODELS.values():
         path = models_dir() / spec.filename
@@ -262,3 +268,7 @@ def list_models() -> Iterator[ModelListing]:
         for path in sorted(models_dir().glob("*.gguf")):
             if path.name not in known_files:
                 yield ModelListing(str(path), "local file", path, path.stat().st_size)
+    if synth_dir().is_dir():
+        for path in sorted(synth_dir().glob("*.gguf")):
+            yield ModelListing(str(path), "random weights (ember bench synth)", path,
+                               path.stat().st_size)

@@ -1,0 +1,450 @@
+"""Random-weight GGUFs with the real shapes of the models people run (``ember bench synth``).
+
+Decode speed depends on a model's shapes and tensor types, not on its weight values,
+and it has to be measured at the sizes people run (1-8B): a model that fits in the
+CPU's last-level cache measures the cache, not the engine. No such model ships on
+PyPI, so this writes them: ``SHAPES`` holds the exact hyper-parameters of Llama 3.2
+1B/3B, Llama 3.1 8B, Qwen3 4B and Gemma 3 1B, and ``write_synth`` writes one of them
+at a llama.cpp file type (``Q4_K_M``, ...) with the per-tensor types llama-quantize
+would choose (``tensor_type``), so ember and llama.cpp read the same bytes per token
+as they would from the real model's GGUF.
+
+Weights are random code bytes with each block's f16 scales set so that the
+dequantized weights have a standard deviation of about 1/sqrt(in_features): finite,
+and the model runs and samples through all its layers (the text is noise). The
+tokenizer is a real one (SmolLM2's by default) padded with unused placeholder tokens
+up to the shape's vocabulary, so the embedding and head keep their real sizes and
+text still tokenizes. Tensors are generated a few MB at a time and streamed to the
+file (``ember.models.gguf.write_gguf``): an 8B model needs no more memory than that.
+
+Not reproduced: Llama 3's ``rope_freqs.weight`` (its long-context RoPE factors: 64
+floats that ember does not read and that cost nothing per token).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.models.gguf import (
+    BLOCK_GEOMETRY,
+    GGMLType,
+    GGUFFile,
+    TensorToWrite,
+    write_gguf,
+)
+
+CHUNK_BYTES = 4 << 20  # bytes generated (and held) at a time
+UNUSED_TOKEN = 5  # GGUF token type of the placeholder tokens (llama.cpp's LLAMA_TOKEN_TYPE_UNUSED)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's hyper-parameters, as its GGUF states them."""
+
+    name: str
+    arch: str  # general.architecture: llama, qwen3 or gemma3
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool  # no output.weight: the head is the token embedding
+    rope_base: float
+    context: int
+    norm_eps: float
+    sliding_window: int = 0  # gemma3: window of its local layers (every 6th is global)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCH_EXTRAS:
+            raise ValueError(f"shape {self.name!r}: architecture {self.arch!r} is not one "
+                             f"synth writes ({', '.join(_ARCH_EXTRAS)})")
+        if (self.arch == "gemma3") != (self.sliding_window > 0):
+            raise ValueError(f"shape {self.name!r}: gemma3, and only gemma3, needs a "
+                             f"sliding_window (got {self.sliding_window})")
+
+
+# arch -> (per-head q/k RMSNorm, norms after each sublayer too)
+_ARCH_EXTRAS: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "qwen3": (True, False),
+    "gemma3": (True, True),
+}
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("llama-1b", "llama", hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+              head_dim=64, ffn=8192, vocab=128256, tied=True, rope_base=500000.0,
+              context=131072, norm_eps=1e-5, description="Llama 3.2 1B"),
+        Shape("llama-3b", "llama", hidden=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+              head_dim=128, ffn=8192, vocab=128256, tied=True, rope_base=500000.0,
+              context=131072, norm_eps=1e-5, description="Llama 3.2 3B"),
+        Shape("llama-8b", "llama", hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+              head_dim=128, ffn=14336, vocab=128256, tied=False, rope_base=500000.0,
+              context=131072, norm_eps=1e-5, description="Llama 3.1 8B"),
+        Shape("qwen3-4b", "qwen3", hidden=2560, n_layers=36, n_heads=32, n_kv_heads=8,
+              head_dim=128, ffn=9728, vocab=151936, tied=True, rope_base=1e6,
+              context=40960, norm_eps=1e-6, description="Qwen3 4B"),
+        # Local layers' RoPE base 10,000 and the pattern of 6 are what both ember
+        # (models/gemma3.py) and llama.cpp assume when the GGUF says nothing, as
+        # Google's own GGUFs do; so this writes neither key.
+        Shape("gemma3-1b", "gemma3", hidden=1152, n_layers=26, n_heads=4, n_kv_heads=1,
+              head_dim=256, ffn=6912, vocab=262144, tied=True, rope_base=1e6,
+              context=32768, norm_eps=1e-6, sliding_window=512, description="Gemma 3 1B"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class FileType:
+    """A llama.cpp file type: its ``general.file_type`` number (llama_ftype) and the
+    tensor type its matrices get unless the mixture rules say otherwise."""
+
+    name: str
+    ftype: int
+    default: GGMLType
+
+
+FILE_TYPES: dict[str, FileType] = {
+    f.name: f
+    for f in (
+        FileType("Q4_0", 2, GGMLType.Q4_0),
+        FileType("Q4_1", 3, GGMLType.Q4_1),
+        FileType("Q8_0", 7, GGMLType.Q8_0),
+        FileType("Q5_0", 8, GGMLType.Q5_0),
+        FileType("Q5_1", 9, GGMLType.Q5_1),
+        FileType("Q4_K_M", 15, GGMLType.Q4_K),
+        FileType("Q5_K_M", 17, GGMLType.Q5_K),
+        FileType("Q6_K", 18, GGMLType.Q6_K),
+    )
+}
+
+
+def file_type(name: str) -> FileType:
+    try:
+        return FILE_TYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown file type {name!r} (choose from "
+                         f"{', '.join(FILE_TYPES)})") from None
+
+
+def shape_named(name: str) -> Shape:
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise ValueError(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})") from None
+
+
+# ------------------------------------------------------------------ type policy
+
+_K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1,
+               GGMLType.Q6_K: GGMLType.Q8_0}
+
+
+def _block(t: GGMLType) -> int:
+    return BLOCK_GEOMETRY[t][0]
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], file_type_name: str, *, n_layers: int,
+                tied: bool) -> GGMLType:
+    """The type llama-quantize gives tensor ``name`` (torch ``shape``) in a file of
+    type ``file_type_name``, from an F32/F16 source without an importance matrix.
+
+    Mirrors llama.cpp's ``llama_tensor_get_type`` (src/llama-quant.cpp, as vendored in
+    llama-cpp-python 0.3.36): ``tensor_allows_quantization`` (1-D tensors and norms
+    stay as they are: F32 here), ``llama_tensor_get_type_impl`` for the branches these
+    file types reach in dense models below 70B without experts (the output head, or
+    the token embedding when tied, becomes Q6_K, or Q8_0 when its row length is not a
+    multiple of the default type's block; for Q4_K_M / Q5_K_M, attn_v and ffn_down
+    become Q6_K in the layers ``use_more_bits`` picks), then ``tensor_type_fallback``
+    (a K-quant whose row length is not a multiple of 256 becomes Q5_0 / Q5_1 / Q8_0,
+    and F16 if even that block does not fit). llama.cpp counts attn_v / ffn_down
+    tensors in file order; with one per layer, written in layer order, the count is
+    the layer index used here.
+    """
+    ft = file_type(file_type_name)
+    if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name:
+        return GGMLType.F32
+    new = ft.default
+    ncols = shape[-1]
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        if ncols % _block(new):
+            new = GGMLType.Q8_0
+        elif new != GGMLType.Q8_0:
+            new = GGMLType.Q6_K
+    elif "attn_v.weight" in name or "ffn_down" in name:
+        if ft.name in ("Q4_K_M", "Q5_K_M") and _use_more_bits(_layer_of(name), n_layers):
+            new = GGMLType.Q6_K
+    if ncols % _block(new):
+        new = _K_FALLBACK.get(new, new)
+        if ncols % _block(new):
+            new = GGMLType.F16
+    return new
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"tensor {name!r} is not in a block (blk.N.)")
+    return int(m.group(1))
+
+
+def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, torch shape) of every tensor of ``shape``: token_embd, each block in
+    layer order, output_norm, output (readers look tensors up by name; llama-quantize
+    itself writes them sorted by name within each block)."""
+    h, v, f, hd = shape.hidden, shape.vocab, shape.ffn, shape.head_dim
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    qk_norm, post_norms = _ARCH_EXTRAS[shape.arch]
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (v, h))]
+    for i in range(shape.n_layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q, h)),
+                (p + "attn_k.weight", (kv, h)), (p + "attn_v.weight", (kv, h))]
+        if qk_norm:
+            out += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+        out.append((p + "attn_output.weight", (h, q)))
+        if post_norms:
+            out.append((p + "post_attention_norm.weight", (h,)))
+        out += [(p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (f, h)),
+                (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
+        if post_norms:
+            out.append((p + "post_ffw_norm.weight", (h,)))
+    out.append(("output_norm.weight", (h,)))
+    if not shape.tied:
+        out.append(("output.weight", (v, h)))
+    return out
+
+
+# ------------------------------------------------------------------ random blocks
+
+
+def _uniform_moments(n: int, shift: float = 0.0) -> tuple[float, float]:
+    """Mean and mean square of ``k - shift`` for k uniform on 0..n-1."""
+    mean = (n - 1) / 2 - shift
+    return mean, (n * n - 1) / 12 + mean * mean
+
+
+def _affine_rms(code_levels: int, code_shift: float) -> float:
+    """RMS of ``q - shift`` (d = 1) for uniform codes: the 32-element formats."""
+    return _uniform_moments(code_levels, code_shift)[1] ** 0.5
+
+
+def _k_rms(code_levels: int) -> float:
+    """RMS of ``sc*q - c*mn`` for uniform 6-bit sc, mn and codes q, with the min's
+    super-scale set to c = (levels - 1) / 2 times d (so the mean is 0): Q4_K, Q5_K."""
+    c = (code_levels - 1) / 2
+    s1, s2 = _uniform_moments(64)
+    q1, q2 = _uniform_moments(code_levels)
+    return (s2 * q2 - 2 * c * s1 * q1 * s1 + c * c * s2) ** 0.5
+
+
+@dataclass(frozen=True)
+class _Fill:
+    """How a block type's random bytes become weights of a chosen spread: the f16
+    fields to set, as (byte offset, value / d), and the RMS of the dequantized values
+    of random codes (and random sub-scales) when d = 1."""
+
+    fields: tuple[tuple[int, float], ...]
+    unit_rms: float
+
+
+_FILLS: dict[GGMLType, _Fill] = {
+    # q8: int8 codes; q4_0 / q5_0: codes centred by -8 / -16
+    GGMLType.Q8_0: _Fill(((0, 1.0),), _affine_rms(256, 128)),
+    GGMLType.Q4_0: _Fill(((0, 1.0),), _affine_rms(16, 8)),
+    GGMLType.Q5_0: _Fill(((0, 1.0),), _affine_rms(32, 16)),
+    # "_1": value = q*d + m, m = -(levels-1)/2 * d centres the codes
+    GGMLType.Q4_1: _Fill(((0, 1.0), (2, -7.5)), _affine_rms(16, 7.5)),
+    GGMLType.Q5_1: _Fill(((0, 1.0), (2, -15.5)), _affine_rms(32, 15.5)),
+    # K-quants: value = d*sc*q - dmin*mn
+    GGMLType.Q4_K: _Fill(((0, 1.0), (2, 7.5)), _k_rms(16)),
+    GGMLType.Q5_K: _Fill(((0, 1.0), (2, 15.5)), _k_rms(32)),
+    # Q6_K: value = d * scale_i8 * (q - 32), d at byte 208
+    GGMLType.Q6_K: _Fill(((208, 1.0),), (_uniform_moments(256, 128)[1]
+                                         * _uniform_moments(64, 32)[1]) ** 0.5),
+}
+
+
+def _random_chunks(rng: np.random.Generator, shape: tuple[int, ...], t: GGMLType,
+                   name: str) -> Iterator[np.ndarray]:
+    """The raw bytes of a random tensor, a few MB of rows at a time."""
+    if len(shape) == 1:  # norm weights, around 1 (GGUF stores Gemma's as 1 + w too)
+        yield (1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+        return
+    rows, cols = shape[0], shape[-1]
+    for d in shape[1:-1]:
+        rows *= d
+    sigma = cols ** -0.5
+    block_elems, block_bytes = BLOCK_GEOMETRY[t]
+    row_bytes = cols // block_elems * block_bytes
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        if t in (GGMLType.F32, GGMLType.F16):
+            dtype = np.float32 if t == GGMLType.F32 else np.float16
+            yield (sigma * rng.standard_normal((n, cols), dtype=np.float32)).astype(dtype)
+            continue
+        fill = _FILLS.get(t)
+        if fill is None:
+            raise ValueError(f"tensor {name!r}: synth cannot write type {t.name}")
+        buf = np.frombuffer(bytearray(rng.bytes(n * row_bytes)), dtype=np.uint8)
+        blocks = buf.reshape(-1, block_bytes)
+        d = sigma / fill.unit_rms
+        for offset, times in fill.fields:
+            blocks[:, offset:offset + 2] = np.frombuffer(np.float16(d * times).tobytes(),
+                                                         dtype=np.uint8)
+        yield buf
+
+
+# ------------------------------------------------------------------ the file
+
+
+def tokenizer_metadata(src: GGUFFile, vocab: int) -> dict[str, Any]:
+    """Every ``tokenizer.*`` key of ``src``, with its per-token arrays padded to
+    ``vocab`` entries by ``<|reserved_N|>`` tokens of type UNUSED (score 0)."""
+    md = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    tokens = list(md.get("tokenizer.ggml.tokens", []))
+    n = len(tokens)
+    if not n:
+        raise ValueError(f"{src.path}: no tokenizer.ggml.tokens to borrow")
+    if n > vocab:
+        raise ValueError(f"{src.path.name} has {n} tokens, more than the shape's "
+                         f"vocabulary of {vocab}")
+    pad = [f"<|reserved_{i}|>" for i in range(vocab - n)]
+    clash = set(pad).intersection(tokens)
+    if clash:
+        raise ValueError(f"{src.path.name} already has placeholder token(s) "
+                         f"{sorted(clash)[:3]}")
+    md["tokenizer.ggml.tokens"] = tokens + pad
+    types = md.get("tokenizer.ggml.token_type")
+    types = np.ones(n, np.int32) if types is None else np.asarray(types, np.int32)
+    md["tokenizer.ggml.token_type"] = np.concatenate(
+        [types, np.full(vocab - n, UNUSED_TOKEN, np.int32)])
+    if "tokenizer.ggml.scores" in md:
+        md["tokenizer.ggml.scores"] = np.concatenate(
+            [np.asarray(md["tokenizer.ggml.scores"], np.float32), np.zeros(vocab - n, np.float32)])
+    return md
+
+
+def model_metadata(shape: Shape, quant: str) -> dict[str, Any]:
+    """The general.* and {arch}.* keys (uint32 integers, float32 floats, as the
+    converter writes them)."""
+    a = shape.arch
+    md: dict[str, Any] = {
+        "general.architecture": a,
+        "general.type": "model",
+        "general.name": f"synth {shape.name} {quant} (random weights)",
+        "general.alignment": 32,
+        f"{a}.vocab_size": shape.vocab,
+        f"{a}.context_length": shape.context,
+        f"{a}.embedding_length": shape.hidden,
+        f"{a}.block_count": shape.n_layers,
+        f"{a}.feed_forward_length": shape.ffn,
+        f"{a}.attention.head_count": shape.n_heads,
+        f"{a}.attention.head_count_kv": shape.n_kv_heads,
+        f"{a}.attention.key_length": shape.head_dim,
+        f"{a}.attention.value_length": shape.head_dim,
+        f"{a}.rope.dimension_count": shape.head_dim,
+        f"{a}.rope.freq_base": float(shape.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": float(shape.norm_eps),
+    }
+    if shape.sliding_window:
+        md[f"{a}.attention.sliding_window"] = shape.sliding_window
+    md["general.file_type"] = file_type(quant).ftype
+    md["general.quantization_version"] = 2
+    return md
+
+
+def write_synth(path: str | Path, shape: Shape | str, quant: str,
+                tokenizer_source: GGUFFile | str | Path | None = None,
+                seed: int = 0) -> dict[str, GGMLType]:
+    """Write ``shape`` (a Shape or a SHAPES name) at llama.cpp file type ``quant`` to
+    ``path``, with random weights and ``tokenizer_source``'s tokenizer (default
+    SmolLM2's). The file appears under ``path`` only once complete (it is written
+    to ``path.partial`` and renamed). Returns each tensor's type, in file order."""
+    shape = shape_named(shape) if isinstance(shape, str) else shape
+    file_type(quant)
+    path = Path(path)
+    if not isinstance(tokenizer_source, GGUFFile):
+        if tokenizer_source is None:
+            from ember.models.registry import DEFAULT_MODEL, ensure_model
+
+            tokenizer_source = ensure_model(DEFAULT_MODEL)
+        tokenizer_source = GGUFFile(tokenizer_source)
+    metadata = model_metadata(shape, quant)
+    metadata.update(tokenizer_metadata(tokenizer_source, shape.vocab))
+
+    types: dict[str, GGMLType] = {}
+    tensors = []
+    for index, (name, dims) in enumerate(synth_tensors(shape)):
+        t = tensor_type(name, dims, quant, n_layers=shape.n_layers, tied=shape.tied)
+        types[name] = t
+
+        def chunks(dims: tuple[int, ...] = dims, t: GGMLType = t, name: str = name,
+                   index: int = index) -> Iterator[np.ndarray]:
+            return _random_chunks(np.random.default_rng([seed, index]), dims, t, name)
+
+        tensors.append(TensorToWrite(name, dims, t, chunks))
+
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            write_gguf(f, metadata, tensors)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return types
+
+
+def type_histogram(types: Mapping[str, GGMLType]) -> str:
+    """"Q4_K: 96, Q6_K: 16+1, F32: 33": tensors per type, the token embedding and
+    output head (the largest tensors) counted after a "+"."""
+    layers: Counter[str] = Counter()
+    heads: Counter[str] = Counter()
+    for name, t in types.items():
+        (heads if name in ("token_embd.weight", "output.weight") else layers)[t.name] += 1
+    order = sorted(set(layers) | set(heads), key=lambda k: (k.startswith("F"), k))
+    return ", ".join(f"{k}: {layers[k]}" + (f"+{heads[k]}" if heads[k] else "")
+                     for k in order)
+
+
+def main(shapes: list[str], quants: list[str], out_dir: Path,
+         tokenizer: Path | None, seed: int, force: bool) -> list[Path]:
+    """``ember bench synth``: write each shape at each file type into ``out_dir`` as
+    ``{shape}-{quant}.gguf``, skipping files already there unless ``force``."""
+    todo = [(shape_named(s), file_type(q).name) for s in shapes for q in quants]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = GGUFFile(tokenizer) if tokenizer is not None else None
+    paths = []
+    for shape, quant in todo:
+        path = out_dir / f"{shape.name}-{quant}.gguf"
+        paths.append(path)
+        if path.exists() and not force:
+            print(f"{path}: exists ({path.stat().st_size / 1e9:.2f} GB), kept "
+                  "(--force writes it again)")
+            continue
+        start = time.perf_counter()
+        types = write_synth(path, shape, quant, source, seed)
+        print(f"{path}: {path.stat().st_size / 1e9:.2f} GB, {shape.description} "
+              f"{quant}, {time.perf_counter() - start:.0f} s\n  {type_histogram(types)}")
+        sys.stdout.flush()
+    return paths
