@@ -15,6 +15,10 @@ from pathlib import Path
 from ember.errors import EmberError
 from ember.models.registry import DEFAULT_MODEL
 
+# ember.kv.dtypes.KV_DTYPES' names, spelled out: importing it here would load torch for
+# every command, --help included (tests/test_cli.py checks they agree)
+KV_DTYPE_CHOICES = ("f32", "f16", "bf16", "q8_0")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
@@ -122,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help="drift of each weight format and KV dtype from f32")
     s.add_argument("--model", "-m", default=DEFAULT_MODEL)
     s.add_argument("--weights", default="f32,bf16,q4", help="comma-separated weight formats")
-    s.add_argument("--kv-dtype", default="f32,f16,bf16", help="comma-separated KV dtypes")
+    s.add_argument("--kv-dtype", default="f32,f16,bf16,q8_0", help="comma-separated KV dtypes")
     s.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
     s.add_argument("--decode-tokens", type=int, default=64,
                    help="tokens of the decode-speed run (0: skip it)")
@@ -258,7 +262,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
     b.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens per stream")
     b.add_argument("--stream-gen", type=int, default=32, help="tokens generated per stream")
-    b.add_argument("--kv-dtype", default="f32", choices=("f32", "f16", "bf16"),
+    b.add_argument("--kv-dtype", default="f32", choices=KV_DTYPE_CHOICES,
                    help="ember's KV pool dtype (llama.cpp uses its default, f16)")
     b.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
                    help="llama.cpp's extra CPU buffer types (repacked weights, AMX); off "
@@ -271,8 +275,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_kv_flags(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--kv-dtype", default="f32", choices=("f32", "f16", "bf16"),
-                   help="KV cache storage (f32 exact; f16/bf16 half the memory and disk)")
+    """The disk tier's flags (``--kv-dtype`` is one of every engine's: _model_args)."""
     s.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                    help="keep prefix-cache blocks on disk here: they outlive eviction "
                         "and restarts (docs/kv-cache.md)")
@@ -510,6 +513,10 @@ def _model_args(s: argparse.ArgumentParser) -> None:
                         "experts from the file through a cache (docs/models.md)")
     s.add_argument("--moe-cache-bytes", type=int, default=1024**3,
                    help="the streamed experts' cache: pinned hot set + per-layer LRU")
+    s.add_argument("--kv-dtype", default="f32", choices=KV_DTYPE_CHOICES,
+                   help="KV cache storage: f32 (exact), f16/bf16 (half the memory and disk), "
+                        "q8_0 (llama.cpp's 8-bit blocks: 0.53x of f16; head_dim a multiple "
+                        "of 32)")
 
 
 def _sampling_args(s: argparse.ArgumentParser) -> None:
@@ -544,7 +551,7 @@ def _llm(args: argparse.Namespace):
 
     llm = LLM(args.model, weights=args.weights, threads=args.threads, allow_drift=args.allow_drift,
               speculation=args.speculation, moe_stream=args.moe_stream,
-              moe_cache_bytes=args.moe_cache_bytes)
+              moe_cache_bytes=args.moe_cache_bytes, kv_dtype=args.kv_dtype)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)

@@ -41,7 +41,7 @@ class EngineConfig:
     spec_references: tuple[str, ...] = ()  # texts every request may draft from
     chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
     calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
-    kv_dtype: str = "f32"  # KV pool storage: f32 (exact), f16 or bf16 (half the memory)
+    kv_dtype: str = "f32"  # KV pool storage: f32 (exact), f16/bf16 (half), q8_0 (0.53x f16)
     kv_cache_dir: str | None = None  # a disk tier for the prefix cache (docs/kv-cache.md)
     kv_disk_bytes: int = 16 * 1024**3  # the disk tier's budget (LRU beyond it)
     kv_fsync: str = "batch"  # disk tier durability: always | batch | never

@@ -88,7 +88,6 @@ def measure(model_name: str, weights: list[str], kv_dtypes: list[str], window: i
             decode_tokens: int = 64, text: str | None = None,
             reference: Any = None) -> list[Drift]:
     """The drift rows; ``reference`` is ``model_name`` loaded as f32, if the caller has it."""
-    from ember.kv.blocks import KV_DTYPES
     from ember.models.loader import load_model
 
     reference = reference or load_model(model_name, "f32")
@@ -100,7 +99,7 @@ def measure(model_name: str, weights: list[str], kv_dtypes: list[str], window: i
         ref = reference.model.score(chunk)[:-1].float()
         targets = torch.tensor(chunk[1:])
         for w, d in pairs:
-            logits = loaded[w].model.score(chunk, kv_dtype=KV_DTYPES[d])[:-1].float()
+            logits = loaded[w].model.score(chunk, kv_dtype=d)[:-1].float()
             acc[(w, d)].add(logits, ref, targets)
     out = []
     for (w, d), a in acc.items():

@@ -16,11 +16,9 @@ import time
 
 import torch
 
-from ember.kv.blocks import BlockAllocator, BlockTable
+from ember.kv.blocks import KV_DTYPES, BlockAllocator, BlockTable
 from ember.models.attention import AttentionBatch, RowSpec
 from ember.models.loader import load_model
-
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main() -> None:
@@ -28,7 +26,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=562)
-    ap.add_argument("--kv-dtype", choices=DTYPES, default="f32")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--ab", action="store_true", help="also time the op-by-op path")
@@ -42,7 +40,7 @@ def main() -> None:
         raise SystemExit("no fused stack for this model here (q4 kernels unavailable?)")
     bs, ctx, n = 16, args.context, args.streams
     per_row = -(-(ctx + args.steps + 8) // bs)
-    kv = model.new_kv_storage(per_row * n, bs, DTYPES[args.kv_dtype])
+    kv = model.new_kv_storage(per_row * n, bs, args.kv_dtype)
     kv.pool.zero_()
     alloc, gen = BlockAllocator(per_row * n), torch.Generator().manual_seed(0)
     tables = []
@@ -87,10 +85,10 @@ def main() -> None:
         print(f"A/B decode: op-by-op {n / results['op-by-op']:.1f} tok/s, fused "
               f"{n / results['fused']:.1f} tok/s ({results['op-by-op'] / results['fused']:.2f}x)")
     if args.ab and args.prefill:
-        print(prefill_ab(model, args.prefill, DTYPES[args.kv_dtype], gen))
+        print(prefill_ab(model, args.prefill, args.kv_dtype, gen))
 
 
-def prefill_ab(model, n: int, kv_dtype: torch.dtype, gen: torch.Generator) -> str:
+def prefill_ab(model, n: int, kv_dtype: str, gen: torch.Generator) -> str:
     """One n-token prefill, fused vs op-by-op (PyTorch SDPA attention), best of 3 each."""
     bs, stack = 16, model.native
     kv = model.new_kv_storage(-(-n // bs), bs, kv_dtype)

@@ -116,10 +116,7 @@ def _load_q4(path: Path):
     return loaded
 
 
-@pytest.fixture
-def make_tiny_engine(request, tiny_loaded, tiny_gguf: Path):
-    """Build an LLMEngine over the shared tiny model with the given options
-    (``weights="q4"`` loads and shares the q4 copy on first use)."""
+def _engine_maker(request, gguf: Path, f32: str, q4: str):
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
@@ -127,8 +124,42 @@ def make_tiny_engine(request, tiny_loaded, tiny_gguf: Path):
         options.setdefault("num_kv_blocks", 256)  # small pool: cheap to allocate per test
         options.setdefault("threads", 1)  # tiny matrices: a second thread only adds sync cost
         options.setdefault("weights", "f32")
-        loaded = (request.getfixturevalue("tiny_loaded_q4") if options["weights"] == "q4"
-                  else tiny_loaded)
-        return LLMEngine(EngineConfig(model=str(tiny_gguf), **options), loaded=loaded)
+        loaded = request.getfixturevalue(q4 if options["weights"] == "q4" else f32)
+        return LLMEngine(EngineConfig(model=str(gguf), **options), loaded=loaded)
 
     return make
+
+
+@pytest.fixture
+def make_tiny_engine(request, tiny_gguf: Path):
+    """Build an LLMEngine over the shared tiny model with the given options
+    (``weights="q4"`` loads and shares the q4 copy on first use)."""
+    return _engine_maker(request, tiny_gguf, "tiny_loaded", "tiny_loaded_q4")
+
+
+# ---- the tiny model with head_dim 32: a head's row is one q8_0 block (kv_dtype="q8_0";
+# the tiny model's head_dim 16 is refused for it) ----
+@pytest.fixture(scope="session")
+def tiny32_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile) -> Path:
+    from tiny_model import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny32") / "tiny32-llama.gguf",
+                            smollm2_file, hidden=128, ffn=256)
+
+
+@pytest.fixture(scope="session")
+def tiny32_loaded(tiny32_gguf: Path):
+    from ember.models.loader import load_model
+
+    return load_model(str(tiny32_gguf), "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny32_loaded_q4(tiny32_gguf: Path):
+    return _load_q4(tiny32_gguf)
+
+
+@pytest.fixture
+def make_tiny32_engine(request, tiny32_gguf: Path):
+    """make_tiny_engine over the head_dim-32 tiny model."""
+    return _engine_maker(request, tiny32_gguf, "tiny32_loaded", "tiny32_loaded_q4")

@@ -58,16 +58,19 @@ def test_mixed_decode_verify_and_prefill_rows_match_dense_attention() -> None:
 
 
 # --------------------------------- the native kernel (the fused q4 stack's attention)
-def pool_case(seed: int, shapes: list[tuple[int, int]], dtype: torch.dtype, layers: int = 3):
-    """A block-major pool (as KVStorage lays it out) and rows of (start, q_len)."""
+def pool_case(seed: int, shapes: list[tuple[int, int]], dtype: torch.dtype | str,
+              layers: int = 3, head_dim: int = D):
+    """A block-major pool (as KVStorage lays it out, random K/V stored in ``dtype``)
+    and rows of (start, q_len)."""
     from ember.kv.blocks import KVStorage
 
     g = torch.Generator().manual_seed(seed)
     pool = 80
-    storage = KVStorage(layers, pool, BLOCK, HKV, D, dtype)
-    storage.pool.copy_(torch.randn(storage.pool.shape, generator=g))
+    storage = KVStorage(layers, pool, BLOCK, HKV, head_dim, dtype)
+    values = torch.randn(*storage.pool.shape[:-1], head_dim, generator=g)
+    storage.pool.copy_(storage.kv_dtype.encode(values))
     rows = scattered_rows(shapes, torch.randperm(pool, generator=g))
-    q = torch.randn(sum(n for _, n in shapes), H, D, generator=g)
+    q = torch.randn(sum(n for _, n in shapes), H, head_dim, generator=g)
     return storage, rows, q
 
 
@@ -83,28 +86,32 @@ def native_kernel():
 def native(mod, q, storage, layer: int, rows: list[RowSpec], window: int = 0) -> torch.Tensor:
     batch = AttentionBatch.build(rows, BLOCK)
     return mod.paged_attention(q, storage.pool, layer, batch.tables, batch.token_rows,
-                               batch.positions, D ** -0.5, window)
+                               batch.positions, q.shape[-1] ** -0.5, window)
 
 
 MIXED = [(9, 1), (2, 3), (13, 1), (0, 6), (5, 16), (7, 20), (30, 1), (0, 1), (3, 4)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "q8_0"])
 def test_native_attention_equals_the_pytorch_path(dtype):
-    """Decode, verify and prefill rows, partial and whole last blocks, every pool dtype."""
+    """Decode, verify and prefill rows, partial and whole last blocks, every pool dtype
+    (q8_0: the native kernel reads the blocks in place, the PyTorch path dequantizes
+    what it gathers; both attend over exactly code * scale)."""
     mod = native_kernel()
-    storage, rows, q = pool_case(1, MIXED, dtype)
+    storage, rows, q = pool_case(1, MIXED, dtype, head_dim=64 if dtype == "q8_0" else D)
     want = paged_attention(q, storage.k[1], storage.v[1], AttentionBatch.build(rows, BLOCK))
     got = native(mod, q, storage, 1, rows)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
     assert not torch.equal(got, native(mod, q, storage, 0, rows))  # the layer is honoured
 
 
-def test_native_attention_is_batch_and_chunk_invariant():
+@pytest.mark.parametrize("dtype", [torch.float32, "q8_0"])
+def test_native_attention_is_batch_and_chunk_invariant(dtype):
     """A query token's output is bitwise the same computed alone (as a decode row), in
     any chunk of its row's prefill, and beside any other rows, in any order."""
     mod = native_kernel()
-    storage, rows, q = pool_case(2, [(0, 37), (0, 9), (0, 1), (0, 20)], torch.float32)
+    storage, rows, q = pool_case(2, [(0, 37), (0, 9), (0, 1), (0, 20)], dtype,
+                                 head_dim=32 if dtype == "q8_0" else D)
     together = native(mod, q, storage, 2, rows)
     offsets = [0, 37, 46, 47]
     for (row, first) in zip(rows, offsets, strict=True):
@@ -120,12 +127,14 @@ def test_native_attention_is_batch_and_chunk_invariant():
     assert torch.equal(again, together[flat])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, "q8_0"])
 @pytest.mark.parametrize("window", [1, 5, 16, 21])
-def test_native_sliding_window_equals_the_pytorch_path(window: int):
+def test_native_sliding_window_equals_the_pytorch_path(window: int, dtype):
     """Windows shorter than, equal to and across block boundaries, on every row kind;
-    positions before the window are never read (NaN there changes nothing)."""
+    positions before the window are never read (NaN there changes nothing; in q8_0
+    bytes 0xFF: a NaN scale)."""
     mod = native_kernel()
-    storage, rows, q = pool_case(5, MIXED, torch.float32)
+    storage, rows, q = pool_case(5, MIXED, dtype, head_dim=32 if dtype == "q8_0" else D)
     batch = AttentionBatch.build(rows, BLOCK)
     want = paged_attention(q, storage.k[1], storage.v[1], batch, window=window)
     got = native(mod, q, storage, 1, rows, window)
@@ -138,7 +147,7 @@ def test_native_sliding_window_equals_the_pytorch_path(window: int):
     if cut > 0:
         for p in range(cut):
             block = row.blocks[p // BLOCK]
-            storage.pool[block, 1, :, p % BLOCK] = float("nan")
+            storage.pool[block, 1, :, p % BLOCK] = 255 if dtype == "q8_0" else float("nan")
         again = native(mod, q[last:last + 1], storage, 1, [RowSpec(row.blocks, 26, 1)], window)
         assert torch.equal(again, got[last:last + 1])
 
@@ -164,3 +173,47 @@ def test_native_attention_refuses_out_of_range_tables():
     with pytest.raises(RuntimeError, match="out of range"):
         mod.paged_attention(q, storage.pool, 0, batch.tables, batch.token_rows,
                             batch.positions + 100, 0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", ["-mavx2", "-mfma", "-mf16c"])])
+def test_other_simd_builds_read_and_write_q8_0_pools_alike(variant: str, flags: list[str],
+                                                            tiny32_loaded_q4):
+    """The portable build and the plain-AVX2 one attend over a q8_0 pool as the native
+    build does, and their fused stacks store the same q8_0 K/V bytes."""
+    from ember import kernels
+    from ember.kv.blocks import KV_DTYPES, BlockAllocator, BlockTable
+    from ember.models.decoder import native_decoder
+
+    ext = native_kernel()
+    name = f"ember_qmm_test_{variant}"  # tests/test_quant_matmul.py builds the same ones
+    try:
+        mod = kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
+    except Exception as e:  # e.g. a compiler without AVX2 support
+        pytest.skip(f"could not build the {variant} variant: {e}")
+    assert mod.simd() == variant
+    storage, rows, q = pool_case(6, MIXED, "q8_0", head_dim=64)
+    want = paged_attention(q, storage.k[2], storage.v[2], AttentionBatch.build(rows, BLOCK))
+    got = native(mod, q, storage, 2, rows)
+    torch.testing.assert_close(got, native(ext, q, storage, 2, rows), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    model = tiny32_loaded_q4.model
+    ids = list(range(100, 160))
+
+    def layer0(stack, dtype: str) -> torch.Tensor:
+        """Layer 0's K/V after a prefill of ``ids`` by ``stack``, in a pool of ``dtype``."""
+        table = BlockTable(BlockAllocator(4), 16)
+        table.reserve(len(ids))
+        kv = model.new_kv_storage(4, 16, dtype)
+        kv.zero_blocks(table.allocator.take_fresh())
+        saved, model.native = model.native, stack
+        try:
+            model.forward(torch.tensor(ids), AttentionBatch.build(
+                [RowSpec(table.block_ids(len(ids)), 0, len(ids))], 16), kv)
+        finally:
+            model.native = saved
+        return kv.pool[:, 0]  # its K/V do not depend on the pool dtype
+
+    # each build quantizes its own K/V to the bytes ember.kv.dtypes computes
+    stack = native_decoder(model.cfg, model.layers, ext=mod)
+    assert torch.equal(KV_DTYPES["q8_0"].encode(layer0(stack, "f32")), layer0(stack, "q8_0"))

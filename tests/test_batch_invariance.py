@@ -67,6 +67,32 @@ def test_tiny_q4_alone_equals_every_batch_size_and_budget(make_tiny_engine):
     assert again == alone[:8]
 
 
+def test_tiny_q4_with_q8_0_kv_alone_equals_batched_chunked_preempted_and_cached(
+        make_tiny32_engine):
+    """Batch invariance holds with a q8_0 pool as with f16: each token's K/V is quantized
+    on its own and attention reads the blocks where they lie."""
+    prompts = random_prompts(8, seed=7, lo=1, hi=120)
+    sps = [params(i) for i in range(8)]
+
+    def make(**options) -> LLMEngine:
+        return make_tiny32_engine(weights="q4", kv_dtype="q8_0",
+                                  **{"num_kv_blocks": 256, **options})
+
+    alone = [outcomes(make(), [p], [sp])[0] for p, sp in zip(prompts, sps, strict=True)]
+    assert outcomes(make(max_num_seqs=8), prompts, sps) == alone
+    for budget in (3, 64):
+        engine = make(max_num_batched_tokens=budget, max_num_seqs=min(budget, 8))
+        assert outcomes(engine, prompts, sps) == alone, f"budget {budget}"
+    tight = make(num_kv_blocks=12, block_size=16, enable_prefix_caching=False)
+    assert outcomes(tight, prompts, sps) == alone
+    assert tight.scheduler.num_preemptions > 0
+    cached = make(block_size=16)
+    outcomes(cached, prompts, sps)  # fills the prefix cache
+    assert outcomes(cached, prompts, sps) == alone
+    f32_kv = outcomes(make_tiny32_engine(weights="q4", num_kv_blocks=256), prompts[:1], sps[:1])
+    assert f32_kv != alone[:1]  # the logprobs do see the quantized K/V
+
+
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -192,6 +192,20 @@ def test_argparse_usage_errors_are_not_tracebacks(home: Path) -> None:
     assert "invalid float value: 'warm'" in proc.stderr
 
 
+def test_kv_dtype_choices_are_the_pools_dtypes() -> None:
+    from ember.cli import KV_DTYPE_CHOICES
+    from ember.kv.dtypes import KV_DTYPES
+
+    assert KV_DTYPE_CHOICES == tuple(KV_DTYPES)
+
+
+def test_generate_refuses_q8_0_kv_for_a_head_dim_it_cannot_block(tiny_gguf: Path,
+                                                                 home: Path) -> None:
+    proc = ember("generate", "--model", str(tiny_gguf), "--kv-dtype", "q8_0", "--max-tokens",
+                 "2", "--threads", "1", "hello", home=home)
+    assert_one_error_line(proc, "kv_dtype 'q8_0'", "head_dim 16")
+
+
 # ------------------------------------------------------------------ real runs
 @pytest.mark.slow
 def test_generate_tiny_model_raw(tiny_gguf: Path, home: Path) -> None:

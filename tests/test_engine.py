@@ -218,6 +218,12 @@ def test_bad_engine_options_fail_at_construction(make_tiny_engine, option):
         make_tiny_engine(**option)
 
 
+def test_q8_0_kv_is_refused_at_startup_where_head_dim_is_not_whole_blocks(make_tiny_engine):
+    """The tiny model's heads have 16 values; q8_0 stores rows in blocks of 32."""
+    with pytest.raises(InvalidConfig, match=r"kv_dtype 'q8_0'.*head_dim 16.*multiple of 32"):
+        make_tiny_engine(kv_dtype="q8_0")
+
+
 class _Explodes:
     def process(self, logits, history):
         raise RuntimeError("processor exploded")

@@ -30,8 +30,16 @@ def cached_blocks(engine: LLMEngine, tokens: list[int], tenant: str | None = Non
     return [hit.block for hit in engine.kv.prefix.lookup(salt, tokens, keys)]
 
 
+@pytest.mark.parametrize("tiny,kv_dtype", [("make_tiny_engine", "f32"),
+                                           ("make_tiny32_engine", "q8_0")])
 def test_restored_blocks_are_bytewise_the_computed_ones_and_serve_the_same_tokens(
-        make_tiny_engine, tmp_path):
+        request, tmp_path, tiny: str, kv_dtype: str):
+    """In every KV dtype, q8_0's blocks of scales and codes included."""
+    make = request.getfixturevalue(tiny)
+
+    def make_tiny_engine(**options) -> LLMEngine:
+        return make(kv_dtype=kv_dtype, **options)
+
     ps = prompts(4, seed=31, lo=40, hi=90)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     # no speculation: its gate learns step costs per engine, so two engines may verify
@@ -52,6 +60,8 @@ def test_restored_blocks_are_bytewise_the_computed_ones_and_serve_the_same_token
         assert len(new) == len(old) == n > 0
         for x, y in zip(old, new, strict=True):
             assert first.runner.kv.block_bytes(x) == restarted.runner.kv.block_bytes(y)
+    assert restarted.runner.kv.pool.dtype == restarted.runner.kv.kv_dtype.storage
+    assert restarted.runner.kv.kv_dtype.name == kv_dtype
     assert restarted.disk is not None and restarted.disk.stats.hits > 0
     assert restarted.disk.stats.corrupt == 0
     restarted.kv.check_no_leaks()

@@ -163,6 +163,13 @@ class LLMEngine:
         if config.chat_template is not None:  # a copy: a shared LoadedModel stays as it was
             self.loaded = dataclasses.replace(self.loaded, chat_template=_template(
                 config.chat_template, self.loaded))
+        cfg = self.loaded.config
+        kv_dtype = KV_DTYPES[config.kv_dtype]
+        if not kv_dtype.fits(cfg.head_dim):
+            raise InvalidConfig(
+                f"kv_dtype {config.kv_dtype!r} stores each head's row in blocks of "
+                f"{kv_dtype.block} values, but {self.loaded.path.name} has head_dim "
+                f"{cfg.head_dim}, not a multiple of {kv_dtype.block}: choose another kv_dtype")
         if not config.allow_drift:
             from ember.eval import check_drift, model_sha
 
@@ -171,10 +178,8 @@ class LLMEngine:
                 raise InvalidConfig(why)
         source = self.loaded.chat_template.source if self.loaded.chat_template else None
         self.thinking_tags = ThinkingTags.of_template(source)
-        cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
-        kv_dtype = KV_DTYPES[config.kv_dtype]
         block_bytes = KVStorage.bytes_per_block_of(
             cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)

@@ -334,7 +334,8 @@ class DecoderStack {
                     x.scalar_type() == at::kFloat,
                 "DecoderStack: x must be contiguous float32 [T, ", hidden_, "]");
     TORCH_CHECK(pool.dim() == 6 && pool.size(1) == num_layers() && pool.size(2) == 2 &&
-                    pool.size(4) == kv_heads_ && pool.size(5) == head_dim_,
+                    pool.size(4) == kv_heads_ && pool_head_dim(pool) == head_dim_ &&
+                    pool.size(5) == kv_row_width(kv_type_of(pool), head_dim_),
                 "DecoderStack: KV pool shape does not match the model");
     TORCH_CHECK(rope.is_contiguous() && rope.scalar_type() == at::kFloat &&
                     rope.numel() == T * rope_dim_,
@@ -368,7 +369,7 @@ class DecoderStack {
 
   // Per token: add the Q/K/V biases, norm each q and k head, rotate them by the
   // token's position (adjacent pairs, or NEOX pairs i, i + rope_dim/2), then store
-  // its k and v at its slot in the pool.
+  // its k and v at its slot in the pool (rounded or quantized to the pool's type).
   void rope_and_store(const LayerWeights& L, float* qkv, int64_t T, const float* rope,
                       const int64_t* slots, const PoolLayer& kv) const {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
@@ -396,7 +397,7 @@ class DecoderStack {
           }
         }
         const int64_t slot = slots[t];
-        const int64_t at = (slot / kv.bs) * kv.block_stride + (slot % kv.bs) * kv_dim;
+        const int64_t at = (slot / kv.bs) * kv.block_stride + (slot % kv.bs) * kv.hkv * kv.row;
         narrow_to(row + q_dim, kv_dim, kv.type, kbase, at);
         narrow_to(row + q_dim + kv_dim, kv_dim, kv.type, vbase, at);
       }

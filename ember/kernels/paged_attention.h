@@ -10,17 +10,34 @@
 // rows or one token of a prefill chunk of any length, and whatever else is in the
 // batch: the property the engine's batch-invariance tests assert.
 //
-// Pools may hold f32, f16 or bf16; rows are widened to f32 (exactly) as they are read.
+// Pools may hold f32, f16 or bf16, rows widened to f32 (exactly) as they are read, or
+// q8_0 (ember/kv/dtypes.py; llama.cpp's block_q8_0): a head's row of D values is D/32
+// blocks of 34 bytes, an f16 scale d then 32 int8 codes, read as code * d (exact in
+// f32) where they lie. The order of operations is the same for every type.
 
-enum class KVType : int { F32 = 0, F16 = 1, BF16 = 2 };
+enum class KVType : int { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3 };
 
-// One layer's K and V in the pool (blocks, layers, 2, bs, Hkv, D), in elements.
+constexpr int64_t kQ8Block = 32;       // values per q8_0 block
+constexpr int64_t kQ8BlockBytes = 34;  // an f16 scale and 32 int8 codes
+
+// The pool's element type (a q8_0 pool is bytes).
+template <KVType KT>
+using KVElem = std::conditional_t<KT == KVType::F32, float,
+                                  std::conditional_t<KT == KVType::Q8_0, uint8_t, uint16_t>>;
+
+// Elements of the pool's type holding one head's row of D values.
+inline int64_t kv_row_width(KVType type, int64_t d) {
+  return type == KVType::Q8_0 ? d / kQ8Block * kQ8BlockBytes : d;
+}
+
+// One layer's K and V in the pool (blocks, layers, 2, bs, Hkv, row), in elements.
 struct PoolLayer {
   const void* k;         // block 0's K of this layer
   const void* v;         // block 0's V of this layer
   int64_t block_stride;  // elements between consecutive blocks
   int64_t bs, hkv, d;
   KVType type;
+  int64_t row;  // elements holding one head's row of d values (kv_row_width)
 };
 
 inline float bf16_to_f32(uint16_t h) {
@@ -47,6 +64,17 @@ inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
+// The q8_0 block holding value i of a row, and its scale d as f32.
+inline const uint8_t* q8_block(const void* row, int64_t i) {
+  return static_cast<const uint8_t*>(row) + i / kQ8Block * kQ8BlockBytes;
+}
+
+inline float q8_scale(const uint8_t* block) {
+  uint16_t d;
+  std::memcpy(&d, block, 2);
+  return h2f(d);
+}
+
 // Element i of a K/V row in pool type KT, as f32 (exact).
 template <KVType KT>
 inline float load1(const void* row, int64_t i) {
@@ -54,21 +82,45 @@ inline float load1(const void* row, int64_t i) {
     return static_cast<const float*>(row)[i];
   } else if constexpr (KT == KVType::F16) {
     return h2f(static_cast<const uint16_t*>(row)[i]);
-  } else {
+  } else if constexpr (KT == KVType::BF16) {
     return bf16_to_f32(static_cast<const uint16_t*>(row)[i]);
+  } else {
+    const uint8_t* b = q8_block(row, i);
+    return static_cast<float>(static_cast<int8_t>(b[2 + i % kQ8Block])) * q8_scale(b);
   }
 }
 
-// f32 in -> n elements of pool type `type` at dst (element index `at`).
+// n values (a multiple of 32) as q8_0 blocks at out, as ember/kv/dtypes.py and
+// llama.cpp's x86 path compute them: d = amax / 127, codes x * (127 / amax) rounded
+// to nearest even (the default rounding mode), d rounded to f16.
+inline void quantize_q8_0(const float* in, int64_t n, uint8_t* out) {
+  for (int64_t b = 0; b < n / kQ8Block; ++b, in += kQ8Block, out += kQ8BlockBytes) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(in[j]));
+    const float d = amax / 127.0f;
+    const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const uint16_t h = f32_to_f16(d);
+    std::memcpy(out, &h, 2);
+    int8_t* codes = reinterpret_cast<int8_t*>(out + 2);
+    for (int64_t j = 0; j < kQ8Block; ++j) {
+      codes[j] = static_cast<int8_t>(std::nearbyint(in[j] * inv));
+    }
+  }
+}
+
+// f32 in -> n values in pool type `type` at dst (element index `at`; q8_0: n a
+// multiple of 32, `at` in bytes).
 inline void narrow_to(const float* in, int64_t n, KVType type, void* dst, int64_t at) {
   if (type == KVType::F32) {
     std::memcpy(static_cast<float*>(dst) + at, in, sizeof(float) * n);
   } else if (type == KVType::F16) {
     uint16_t* p = static_cast<uint16_t*>(dst) + at;
     for (int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(in[i]);
-  } else {
+  } else if (type == KVType::BF16) {
     uint16_t* p = static_cast<uint16_t*>(dst) + at;
     for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(in[i]);
+  } else {
+    quantize_q8_0(in, n, static_cast<uint8_t*>(dst) + at);
   }
 }
 
@@ -94,11 +146,16 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-// Elements i..i+7 of a K/V row in pool type KT, as f32 (exact).
+// Elements i..i+7 of a K/V row in pool type KT, as f32 (exact; i a multiple of 8).
 template <KVType KT>
 inline __m256 load8(const void* row, int64_t i) {
   if constexpr (KT == KVType::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  } else if constexpr (KT == KVType::Q8_0) {
+    const uint8_t* b = q8_block(row, i);
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Block));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+                         _mm256_set1_ps(q8_scale(b)));
   } else {
     const __m128i h =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
@@ -223,8 +280,8 @@ template <KVType KT>
 void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
                   const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
                   const int64_t* pos, float scale, int64_t window) {
-  using Elem = std::conditional_t<KT == KVType::F32, float, uint16_t>;
-  const int64_t D = kv.d, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * D;
+  using Elem = KVElem<KT>;
+  const int64_t D = kv.d, W = kv.row, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * W;
   const int64_t padded = (bs + 7) / 8 * 8;
   const Elem* kbase = static_cast<const Elem*>(kv.k);
   const Elem* vbase = static_cast<const Elem*>(kv.v);
@@ -235,7 +292,7 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
     // rows' addresses, scores and softmax weights
     std::vector<float> acc(heads_per_task * D), mx(heads_per_task), sum(heads_per_task);
     std::vector<float> scores(padded), weights(padded);
-    std::vector<Elem> zero(D, Elem{});
+    std::vector<Elem> zero(W, Elem{});  // reads as D zeros in every type
     std::vector<const void*> krow(padded), vrow(bs);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t t = per_token ? task : task / H;
@@ -257,12 +314,12 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
           // at page boundaries, does not see the next one coming: ask for it.
           const int64_t next = table[start / bs + 1] * kv.block_stride;
           prefetch_rows(kbase, vbase, next, std::min(bs, len - start - bs), row_stride,
-                        hk_lo * D, (hk_hi + 1) * D);
+                        hk_lo * W, (hk_hi + 1) * W);
         }
         for (int64_t i = 0; i < heads_per_task; ++i) {
           const int64_t h = h0 + i, hk = h / G;
           if (i == 0 || hk != (h - 1) / G) {  // the rows of this head's KV head
-            const int64_t base = block + hk * D;
+            const int64_t base = block + hk * W;
             for (int64_t j = 0; j < n; ++j) {
               krow[j] = kbase + base + j * row_stride;
               vrow[j] = vbase + base + j * row_stride;
@@ -309,6 +366,10 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
       attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
                                  window);
       break;
+    case KVType::Q8_0:
+      attend_typed<KVType::Q8_0>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
+                                 window);
+      break;
   }
 }
 
@@ -317,13 +378,24 @@ KVType kv_type_of(const at::Tensor& pool) {
     case at::kFloat: return KVType::F32;
     case at::kHalf: return KVType::F16;
     case at::kBFloat16: return KVType::BF16;
-    default: TORCH_CHECK(false, "KV pool must be float32, float16 or bfloat16, got ",
-                         pool.scalar_type());
+    case at::kByte: return KVType::Q8_0;
+    default: TORCH_CHECK(false, "KV pool must be float32, float16, bfloat16 or uint8 (q8_0), "
+                         "got ", pool.scalar_type());
   }
   return KVType::F32;
 }
 
-// Layer `layer` of a contiguous pool (blocks, layers, 2, bs, Hkv, D).
+// The values per head row of a pool (blocks, layers, 2, bs, Hkv, row): row, or for
+// q8_0 (bytes) row / 34 * 32, refusing a row that is not whole blocks.
+int64_t pool_head_dim(const at::Tensor& pool) {
+  const int64_t row = pool.size(5);
+  if (kv_type_of(pool) != KVType::Q8_0) return row;
+  TORCH_CHECK(row % kQ8BlockBytes == 0, "q8_0 KV pool rows must be whole 34-byte blocks, got ",
+              row, " bytes");
+  return row / kQ8BlockBytes * kQ8Block;
+}
+
+// Layer `layer` of a contiguous pool (blocks, layers, 2, bs, Hkv, row).
 PoolLayer pool_layer(const at::Tensor& pool, int64_t layer) {
   TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 6 && pool.is_contiguous() &&
                   pool.size(2) == 2 && pool.size(4) > 0 && pool.size(5) > 0,
@@ -335,5 +407,5 @@ PoolLayer pool_layer(const at::Tensor& pool, int64_t layer) {
   const int64_t esize = pool.element_size();
   const char* base = static_cast<const char*>(pool.data_ptr()) + layer * 2 * per_kv * esize;
   return {base, base + per_kv * esize, pool.stride(0), pool.size(3), pool.size(4),
-          pool.size(5), type};
+          pool_head_dim(pool), type, pool.size(5)};
 }

@@ -1054,7 +1054,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
 }
 
 // Causal attention of q [T, H, D] (f32) over layer `layer` of the KV pool (blocks,
-// layers, 2, bs, Hkv, D; f32/f16/bf16), read in place: token t of row rows[t] at
+// layers, 2, bs, Hkv, D; f32/f16/bf16, or q8_0 rows of D / 32 * 34 bytes), read in place: token t of row rows[t] at
 // position positions[t] attends to its row's positions 0..positions[t] (block ids in
 // tables[rows[t]]). The K/V of every attended position must already be in the pool.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& pool, int64_t layer,

@@ -18,21 +18,23 @@ import numpy as np
 import torch
 
 from ember.errors import EmberError
+from ember.kv.dtypes import KV_DTYPES, KVDtype, kv_dtype
+
+__all__ = ["KV_DTYPES", "BlockAllocator", "BlockTable", "KVStorage", "OutOfBlocks"]
 
 
 class OutOfBlocks(EmberError):
     """The pool has no free block left; the scheduler preempts or waits."""
 
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-
-
 class KVStorage:
-    """The pool: one tensor of shape (blocks, layers, 2, block_size, n_kv_heads, head_dim).
+    """The pool: one tensor of shape (blocks, layers, 2, block_size, n_kv_heads, width),
+    where ``width`` holds one head's row of ``head_dim`` values in the KV dtype's storage
+    (``head_dim`` floats; q8_0: ``head_dim / 32 * 34`` bytes, see ember/kv/dtypes.py).
 
     A block — every layer's keys and values — is one contiguous unit, so it is copied
     out (to disk), in (a restore) or to another block with one operation. ``k[i]`` and
-    ``v[i]`` are layer ``i``'s views of shape (blocks, block_size, n_kv_heads, head_dim).
+    ``v[i]`` are layer ``i``'s views of shape (blocks, block_size, n_kv_heads, width).
     The dtype is the storage's only: attention computes in the model's dtype.
     """
 
@@ -43,18 +45,20 @@ class KVStorage:
         block_size: int,
         n_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype | KVDtype = "f32",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
+        self.kv_dtype = kv_dtype(dtype)
+        self.head_dim = head_dim
         # Uninitialized on purpose: pages are only touched once used, so a large pool
         # costs nothing up front. Attention reads whole blocks, whose unwritten tail it
         # masks out; a masked value still multiplies a zero weight, and 0 × NaN is NaN,
         # so each block is zeroed the first time it is handed out (``zero_blocks`` with
         # ``BlockAllocator.take_fresh``).
-        self.pool = torch.empty((num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim),
-                                dtype=dtype)
+        width = self.kv_dtype.row_width(head_dim)
+        self.pool = torch.empty((num_blocks, n_layers, 2, block_size, n_kv_heads, width),
+                                dtype=self.kv_dtype.storage)
         self.k = [self.pool[:, i, 0] for i in range(n_layers)]
         self.v = [self.pool[:, i, 1] for i in range(n_layers)]
 
@@ -72,9 +76,10 @@ class KVStorage:
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store layer ``layer``'s K and V (T, n_kv_heads, head_dim) of T positions."""
-        self.k[layer][blocks, offsets] = k.to(self.dtype)
-        self.v[layer][blocks, offsets] = v.to(self.dtype)
+        """Store layer ``layer``'s K and V (T, n_kv_heads, head_dim) of T positions
+        (rounded or quantized to the KV dtype)."""
+        self.k[layer][blocks, offsets] = self.kv_dtype.encode(k)
+        self.v[layer][blocks, offsets] = self.kv_dtype.encode(v)
 
     def block_bytes(self, block: int) -> bytes:
         """Block ``block``'s keys and values, all layers, as bytes (one copy)."""
@@ -86,10 +91,10 @@ class KVStorage:
 
     @staticmethod
     def bytes_per_block_of(
-        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
+        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int,
+        dtype: str | torch.dtype | KVDtype,
     ) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * block_size * n_kv_heads * head_dim * elem
+        return 2 * n_layers * block_size * n_kv_heads * kv_dtype(dtype).row_bytes(head_dim)
 
 
 class BlockAllocator:

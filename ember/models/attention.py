@@ -24,6 +24,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from ember.kv.dtypes import kv_dtype
+
 
 @dataclass(frozen=True)
 class RowSpec:
@@ -173,9 +175,10 @@ def _short_rows(short: list[tuple[int, RowSpec]], block_size: int) -> _ShortRows
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K or V of ``blocks`` (any shape of block ids) as (*blocks.shape[:-1], L, H, D) in
-    ``dtype``; ``cache`` is one layer's (num_blocks, block_size, H, D) view of the pool."""
-    out = torch.index_select(cache, 0, blocks.reshape(-1)).to(dtype)
-    return out.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+    ``dtype``; ``cache`` is one layer's (num_blocks, block_size, H, width) view of the
+    pool, its rows stored in the KV dtype its element type names (q8_0: dequantized)."""
+    out = kv_dtype(cache.dtype).decode(torch.index_select(cache, 0, blocks.reshape(-1)), dtype)
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *out.shape[2:])
 
 
 def paged_attention(
@@ -185,7 +188,8 @@ def paged_attention(
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
     ``k_cache`` and ``v_cache`` are one layer's (num_blocks, block_size, n_kv_heads,
-    head_dim) views of the KV pool, in any dtype. The batch's new K/V must already be
+    width) views of the KV pool, in any KV dtype (ember/kv/dtypes.py; q8_0 rows are
+    dequantized as they are gathered). The batch's new K/V must already be
     written to them. ``window``: a sliding-window layer's span (a query at position p
     sees positions p - window + 1 .. p); ``scale``: of q·k (default 1/sqrt(head_dim)).
     Returns (T, n_heads, head_dim) in ``q``'s dtype.

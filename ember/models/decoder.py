@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.kv.blocks import KVStorage
+from ember.kv.dtypes import KVDtype
 from ember.models.attention import AttentionBatch, paged_attention
 from ember.models.config import LayerAttention, ModelConfig
 from ember.models.gguf import GGUFFile
@@ -269,15 +270,16 @@ class DecoderModel:
         return self.native is not None and isinstance(self.output, QuantLinear)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
-                       dtype: torch.dtype = torch.float32) -> KVStorage:
+                       dtype: str | torch.dtype | KVDtype = "f32") -> KVStorage:
         c = self.cfg
         return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
 
     def score(self, token_ids: list[int], block_size: int = 16,
-              kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              kv_dtype: str | torch.dtype | KVDtype = "f32") -> torch.Tensor:
         """Logits at every position of one sequence (teacher forcing), shape (T, vocab).
 
-        Uses a private KV pool (of ``kv_dtype``); meant for evaluation and tests.
+        Uses a private KV pool (of ``kv_dtype``: a name in ember.kv.dtypes.KV_DTYPES or
+        a float format's torch dtype); meant for evaluation and tests.
         """
         from ember.kv.blocks import BlockAllocator, BlockTable
         from ember.models.attention import RowSpec
