@@ -1,40 +1,65 @@
 """``ember bench compare``: ember vs llama.cpp on the same GGUF file, same thread count.
 
-Both engines run as worker processes of this command, fed the same token ids over a
-JSON-lines protocol: ember in ``python -m ember.bench.compare --worker`` (one process
-per weight format, so each has its own peak RSS), llama.cpp in
-``ember/bench/llamacpp_driver.py`` under ``--llama-python`` (which need not have
-ember; ember's environment need not have llama_cpp). Each repetition runs every
-side once, in an order rotated from one repetition to the next; after one untimed
-warm-up run per side. Medians over the repetitions are reported.
+Sides, each fed the same sizes (and, where it takes them, the same token ids):
 
-What is timed (``time.perf_counter`` inside the worker; greedy decoding everywhere):
+- ember: ``python -m ember.bench.compare --worker``, one process per weight format
+  (so each has its own peak RSS), over a JSON-lines protocol;
+- llama.cpp native (``--llama-bench PATH``): llama.cpp's own ``llama-bench`` and
+  ``llama-batched-bench`` binaries, one run of each per repetition
+  (``ember/bench/llamacpp_native.py`` has the command lines and what they time).
+  When present this is the anchor: every ratio printed is a side ÷ this one;
+- llama.cpp through its Python binding (``--llama-python``; without
+  ``--llama-bench``, also the interpreter running this): ``llamacpp_driver.py``,
+  which need not have ember (ember's environment need not have llama_cpp). The
+  anchor when the binaries are not given.
+
+Each repetition runs every side once, in an order rotated from one repetition to the
+next, after one untimed warm-up run per side. Medians over the repetitions are reported.
+
+Kernel figures (``time.perf_counter`` inside the worker; greedy decoding; ember's
+engine built with ``speculation="off"``, so a prompt whose greedy continuation falls
+into a loop cannot be sped up by drafting the loop; with it on, that once made ember
+look 3.4x as fast as llama.cpp):
 
 1. prefill: the prompt (P tokens) in one chunk/batch, up to and including sampling
    the first token. ember: one request, ``max_tokens=1``, ``max_num_batched_tokens``
    >= P, prefix cache off, timed from ``add_request`` until the engine is idle (=
-   time to first token). llama.cpp: one ``llama_decode`` of the P tokens (logits for
-   the last) on an emptied KV cache + greedy sampling. Figure: P / seconds.
+   time to first token). Binding: one ``llama_decode`` of the P tokens (logits for
+   the last) on an emptied KV cache + greedy sampling. Native: llama-bench ``pp<P>``.
+   Figure: P / seconds.
 2. single-stream decode: after the first token, the remaining ``n - 1`` tokens.
-   ember: time from the request's first token until it finishes; llama.cpp:
-   ``n - 1`` iterations of a one-token ``llama_decode`` + greedy sampling.
+   ember: time from the request's first token until it finishes; binding: ``n - 1``
+   iterations of a one-token ``llama_decode`` + greedy sampling; native: llama-bench
+   ``tg<n-1>``.
 3. aggregate decode at S streams, decode phase only: S requests (distinct prompts)
    are prefilled untimed; the clock starts once *every* stream has its first token
    and stops when all have ``gen`` tokens; figure = tokens generated in that window
-   / its length (S * (gen - 1) for llama.cpp; the same for ember, whose prompts all
-   fit one prefill step). llama.cpp: one sequence id per stream, each step one
-   ``llama_decode`` of S tokens (what llama-batched-bench times as "TG").
+   / its length (S * (gen - 1)). Binding: one sequence id per stream, each step one
+   ``llama_decode`` of S tokens; native: llama-batched-bench's S_TG with
+   ``-ntg gen-1``.
 4. weight bytes per decode step, and bytes/s achieved by single-stream decode
-   (= bytes per step x tok/s) against a bandwidth ceiling measured in this run: a
-   ``torch.sum`` over a 1 GiB float32 tensor with the same thread count (bytes read /
-   s, best of 5, measured before the runs and after each repetition; the best of
-   those is the ceiling). ember's bytes per step are the
-   sizes of the tensors its Linear objects and norm vectors hold (the packed codes and
-   scales for q4, 4 B/weight for f32; the embedding table is excluded, a step reads
-   one row of it). llama.cpp's are the GGUF tensor sizes of every tensor a step reads
-   (all but ``token_embd`` unless it doubles as the output head).
-5. peak RSS of each worker process (``VmHWM``; ``getrusage``'s ``ru_maxrss`` would
-   include this launcher's peak on Linux, as it survives fork + exec).
+   (= bytes per step x tok/s) against a read-bandwidth ceiling measured in this run
+   (``measure_bandwidth``: ``torch.sum`` over a 1 GiB float32 tensor with the same
+   thread count, 5 passes before the runs and after each repetition; the ceiling is
+   the median of all passes, printed with their min and max, and checked against
+   ``torch.amax`` over the same tensor). ember's bytes per step are the sizes of the
+   tensors its Linear objects and norm vectors hold (the packed codes and scales for
+   q4, 4 B/weight for f32; the embedding table is excluded, a step reads one row of
+   it). llama.cpp's (both sides) are the GGUF tensor sizes of every tensor a step
+   reads (all but ``token_embd`` unless it doubles as the output head).
+5. peak RSS of each process: the workers' own ``VmHWM`` at exit; the native
+   binaries' ``VmHWM`` polled from /proc while they run (``getrusage``'s
+   ``ru_maxrss`` would include this launcher's peak on Linux, as it survives fork +
+   exec). With native binaries, ember's KV pool holds as many token slots as the
+   largest context llama.cpp allocates (llama-batched-bench's); both are reported.
+
+Speculation, in rows of its own (``SPEC_TASKS``): "decode 1 stream, spec on" is the
+grounded-QA and code-edit tasks of ``ember bench spec`` (``tasks(1)``, chat template
+applied, greedy, their max_tokens), decode phase only, in a separate ember worker
+whose engines are built for those tasks alone — one with speculation on, one off, so
+the speedup itself shows. Their ratios are against the anchor's plain single-stream
+decode. Skipped for a model without a chat template or one written by ``ember bench
+synth`` (random weights write noise: nothing to draft from, or a loop that would be).
 
 Figures are printed as a table and written as JSON; nothing here asserts a timing.
 """
@@ -54,16 +79,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember.bench import llamacpp_native as native
 from ember.bench.llamacpp_driver import cpu_seconds  # stdlib-only helpers
 from ember.bench.llamacpp_driver import serve as serve_protocol
 from ember.bench.throughput import PARAGRAPH
 from ember.errors import EmberError
 
 DRIVER = Path(__file__).with_name("llamacpp_driver.py")
+NATIVE = "llama.cpp"  # side names: llama.cpp's binaries, and its Python binding
+BINDING = "llama.cpp-py"
+SPEC_TASKS = ("qa", "code")  # of ember.bench.spec.tasks: answers that quote their prompt
+SYNTH_NAME_MARK = "(random weights)"  # ends general.name in ember.bench.synth's files
 HOW_TO_GET_LLAMA = (
     "to compare against llama.cpp, install it with `pip install 'ember[llamacpp]'` "
     "(llama-cpp-python; it builds llama.cpp from source, ~10 min on 2 cores), or pass "
-    "--llama-python /path/to/python of an environment where `import llama_cpp` works"
+    "--llama-python /path/to/python of an environment where `import llama_cpp` works; "
+    "or pass --llama-bench with the directory of llama.cpp's llama-bench binary"
 )
 BANDWIDTH_BYTES = 1 << 30
 
@@ -152,9 +183,10 @@ def ember_run(engine: Any, spec: dict) -> dict:
     return out
 
 
-def engine_options(spec: dict) -> dict:
+def engine_options(spec: dict, kv_tokens: int = 0) -> dict:
     """EngineConfig options that let ``spec`` run as described: one prefill chunk, every
-    stream admitted at once, enough KV blocks, prefix cache off."""
+    stream admitted at once, enough KV blocks (at least ``kv_tokens`` slots: llama.cpp's
+    context, where one is matched), prefix cache off, speculation off."""
     block = 16
     prefill = [len(p) for p in spec.get("prefill", [])]
     d = spec.get("decode") or {}
@@ -166,8 +198,9 @@ def engine_options(spec: dict) -> dict:
                       + [sum(-(-(len(p) + int(b["gen"]) + 1) // block) for p in b["prompts"])
                          for b in batched])
     return {"max_num_seqs": max([1, *(len(b["prompts"]) for b in batched)]),
-            "max_num_batched_tokens": need_tokens, "num_kv_blocks": need_blocks + 8,
-            "block_size": block, "enable_prefix_caching": False}
+            "max_num_batched_tokens": need_tokens,
+            "num_kv_blocks": max(need_blocks + 8, -(-kv_tokens // block)),
+            "block_size": block, "enable_prefix_caching": False, "speculation": "off"}
 
 
 class _EmberBackend:
@@ -187,9 +220,12 @@ class _EmberBackend:
     def info(self) -> dict:
         import torch
 
+        config = self.engine.config
         return {"weights": self.weights, "load_s": self.loaded.load_seconds,
                 "weight_bytes": ember_weight_bytes(self.loaded.model),
-                "threads": torch.get_num_threads(), "torch": torch.__version__}
+                "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "speculation": config.speculation, "kv_dtype": config.kv_dtype,
+                "kv_pool_tokens": self.engine.kv.num_blocks * config.block_size}
 
     def run(self, msg: dict) -> dict:
         return ember_run(self.engine, msg)
@@ -198,9 +234,115 @@ class _EmberBackend:
         pass
 
 
+# ---------------------------------------------------------------- spec rows
+def spec_refusal(gguf: Any) -> str | None:
+    """Why the speculation rows would mislead for this model file, or None.
+
+    A synth model (``ember bench synth``: random weights) writes noise: drafts copied
+    from the prompt are rejected, and if greedy decoding falls into a loop, drafts
+    of the loop are accepted — either way the figure says nothing about real text.
+    A model without a chat template cannot be given the tasks as ``ember bench spec``
+    gives them.
+    """
+    from ember.models.architectures import ARCHITECTURES
+
+    name = str(gguf.metadata.get("general.name", ""))
+    if name.startswith("synth ") and name.endswith(SYNTH_NAME_MARK):
+        return (f"{name!r} is an `ember bench synth` model: random weights write noise, so "
+                "speculation on it measures nothing real")
+    family = ARCHITECTURES.get(str(gguf.metadata.get("general.architecture")))
+    if "tokenizer.chat_template" not in gguf.metadata and (
+            family is None or family.chat_template is None):
+        return "the model has no chat template (the spec tasks are chat prompts)"
+    return None
+
+
+def loops(ids: list[int], min_len: int = 16) -> bool:
+    """Whether the second half of a greedy output is one short cycle repeated (a period
+    of at most a quarter of that half): the output speculation accelerates trivially."""
+    tail = ids[len(ids) // 2:]
+    if len(tail) < min_len:
+        return False
+    return any(all(tail[i] == tail[i - p] for i in range(p, len(tail)))
+               for p in range(1, len(tail) // 4 + 1))
+
+
+def spec_decode(engine: Any, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy request, decode phase only: seconds from its first token to its last,
+    the tokens after the first, its ids, and what speculation drafted and accepted."""
+    from ember.sampling.params import SamplingParams
+
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while req.first_token_time is None and engine.has_unfinished():
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    stats = req.speculator.stats if req.speculator is not None else None
+    return {"tokens": req.num_output - 1, "seconds": time.perf_counter() - start,
+            "ids": req.output_ids, "drafted": stats.drafted if stats else 0,
+            "accepted": stats.accepted if stats else 0}
+
+
+class _EmberSpecBackend:
+    """The speculation rows: ``SPEC_TASKS`` of ``ember bench spec`` at one stream, on
+    two engines over one loaded model — speculation on (the engine default, gated) and
+    off — and nothing else (the kernel figures come from an engine that cannot
+    speculate). Order alternates with the repetition; ``max_tokens`` caps a warm-up."""
+
+    def __init__(self, msg: dict) -> None:
+        from ember.bench.spec import tasks
+        from ember.config import EngineConfig
+        from ember.engine.engine import LLMEngine
+        from ember.models.loader import load_model
+
+        self.weights = msg["weights"]
+        self.loaded = load_model(msg["model"], self.weights)
+        self.tasks = {t.name: t for t in tasks(1) if t.name in msg["tasks"]}
+        self.prompts = {n: self.loaded.encode_chat(t.messages[0]) for n, t in self.tasks.items()}
+        need = max(len(p) + t.max_tokens for p, t in zip(self.prompts.values(),
+                                                           self.tasks.values(), strict=True))
+        base = dict(model=str(self.loaded.path), weights=self.weights, threads=msg["threads"],
+                    max_num_seqs=1, max_num_batched_tokens=max(512, need),
+                    num_kv_blocks=-(-need // 16) + 8, block_size=16,
+                    enable_prefix_caching=False, kv_dtype=msg.get("kv_dtype", "f32"))
+        self.engines = {"on": LLMEngine(EngineConfig(**base), loaded=self.loaded),
+                        "off": LLMEngine(EngineConfig(**base, speculation="off"),
+                                         loaded=self.loaded)}
+
+    def info(self) -> dict:
+        return {"weights": self.weights, "role": "spec",
+                "speculation": {k: e.config.speculation for k, e in self.engines.items()},
+                "tasks": {n: {"prompt_tokens": len(self.prompts[n]), "max_tokens": t.max_tokens}
+                          for n, t in self.tasks.items()}}
+
+    def run(self, msg: dict) -> dict:
+        order = ["on", "off"] if int(msg.get("rep", 0)) % 2 == 0 else ["off", "on"]
+        wall0, cpu0 = time.perf_counter(), cpu_seconds()
+        out: dict = {"spec": []}
+        for name, task in self.tasks.items():
+            row: dict = {"task": name, "prompt_tokens": len(self.prompts[name])}
+            for label in order:
+                row[label] = spec_decode(self.engines[label], self.prompts[name],
+                                         min(task.max_tokens, msg.get("max_tokens") or
+                                             task.max_tokens))
+            out["spec"].append(row)
+        out["wall_s"] = time.perf_counter() - wall0
+        out["cpu_s"] = cpu_seconds() - cpu0
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _backend(msg: dict) -> Any:
+    return _EmberSpecBackend(msg) if msg.get("role") == "spec" else _EmberBackend(msg)
+
+
 def worker_main() -> int:
-    """The ember worker: the driver's JSON-lines protocol, served by an LLMEngine."""
-    return serve_protocol(_EmberBackend)
+    """The ember worker: the driver's JSON-lines protocol, served by an LLMEngine
+    (``"role": "spec"`` in ``init``: the speculation rows' two engines)."""
+    return serve_protocol(_backend)
 
 
 # ---------------------------------------------------------------- worker processes
@@ -247,6 +389,12 @@ class Worker:
             raise WorkerError(f"{self.name} worker answered {line[:200]!r}, not JSON") from None
         if not reply.get("ok"):
             raise WorkerError(f"{self.name}: {reply.get('error', 'failed')}")
+        return reply
+
+    def run(self, msg: dict) -> dict:
+        """One repetition (the ``run`` message without its ``cmd``); the reply sans ``ok``."""
+        reply = self.call({"cmd": "run", **msg})
+        reply.pop("ok", None)
         return reply
 
     def close(self) -> dict:
@@ -302,8 +450,9 @@ def probe_llama(python: str | None) -> dict:
 
 # ---------------------------------------------------------------- measurements
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, reps: int = 5) -> dict:
-    """Read bandwidth: ``torch.sum`` over an ``nbytes`` float32 tensor with ``threads``
-    threads, bytes / s of each repetition (GB = 1e9 B); the best is the ceiling."""
+    """Read bandwidth with ``threads`` threads over an ``nbytes`` float32 tensor, bytes / s
+    of each pass (GB = 1e9 B): ``reps`` passes of ``torch.sum``, then as many of
+    ``torch.amax`` (another reduction kernel over the same bytes: the check)."""
     import torch
 
     old = torch.get_num_threads()
@@ -311,16 +460,39 @@ def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, reps: int = 5
     try:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()  # fault the pages in, warm the threads
-        gbs = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            x.sum()
-            gbs.append(x.nbytes / (time.perf_counter() - start) / 1e9)
+        x.amax()
+        passes: dict[str, list[float]] = {"sum": [], "amax": []}
+        for name, fn in (("sum", torch.sum), ("amax", torch.amax)):
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn(x)
+                passes[name].append(x.nbytes / (time.perf_counter() - start) / 1e9)
         del x
     finally:
         torch.set_num_threads(old)
     return {"method": f"torch.sum over {nbytes / 2**30:.2f} GiB float32, {threads} threads",
-            "gb_s": gbs, "best_gb_s": max(gbs), "median_gb_s": statistics.median(gbs)}
+            "gb_s": passes["sum"], "median_gb_s": statistics.median(passes["sum"]),
+            "check_method": "torch.amax over the same tensor", "check_gb_s": passes["amax"]}
+
+
+CHECK_TOLERANCE = 0.25  # the two methods' medians further apart than this: say so
+
+
+def bandwidth_ceiling(measurements: list[dict]) -> dict:
+    """The ceiling: the median over every ``torch.sum`` pass of every measurement (one
+    pass that reads a cache or a lucky interval cannot move it; a best-of did, once
+    79.9 GB/s on a machine whose steady value is 46-50), with the min and max beside it,
+    and the median of the ``torch.amax`` passes as a check."""
+    passes = [g for m in measurements for g in m["gb_s"]]
+    check = [g for m in measurements for g in m.get("check_gb_s", [])]
+    median = statistics.median(passes)
+    out = {"gb_s": median, "min_gb_s": min(passes), "max_gb_s": max(passes),
+           "passes": len(passes), "method": measurements[0]["method"]}
+    if check:
+        out["check_gb_s"] = statistics.median(check)
+        out["check_ratio"] = out["check_gb_s"] / median
+        out["check_agrees"] = abs(out["check_ratio"] - 1) <= CHECK_TOLERANCE
+    return out
 
 
 def build_spec(tokens: list[int], prefill: list[int], decode_prompt: int, decode_tokens: int,
@@ -360,6 +532,58 @@ def summarize(runs: list[dict]) -> dict:
         for b in r["batched"]:
             per.setdefault(f"decode_{b['streams']}", []).append(b["tokens"] / b["seconds"])
     return {"per_rep_tok_s": per, "median_tok_s": {k: statistics.median(v) for k, v in per.items()}}
+
+
+def summarize_spec(runs: list[dict]) -> dict:
+    """The speculation rows from the spec worker's run replies: per task, tok/s of the
+    decode phase with speculation on and off (per repetition and median), the speedup
+    (median on / median off), whether both wrote the same tokens (they must: greedy
+    speculation is lossless), and whether the output loops (``loops``)."""
+    per: dict[str, list[float]] = {}
+    tasks: dict[str, dict] = {}
+    for r in runs:
+        for row in r["spec"]:
+            name = row["task"]
+            for label in ("on", "off"):
+                x = row[label]
+                if x["tokens"] > 0 and x["seconds"] > 0:
+                    per.setdefault(f"spec_{label}_{name}", []).append(x["tokens"] / x["seconds"])
+            t = tasks.setdefault(name, {"prompt_tokens": row["prompt_tokens"],
+                                        "tokens": row["on"]["tokens"], "same_output": True,
+                                        "looping": False, "drafted": 0, "accepted": 0})
+            t["same_output"] &= row["on"]["ids"] == row["off"]["ids"]
+            t["looping"] |= loops(row["on"]["ids"])
+            t["drafted"] += row["on"]["drafted"]
+            t["accepted"] += row["on"]["accepted"]
+    medians = {k: statistics.median(v) for k, v in per.items()}
+    for name, t in tasks.items():
+        on, off = medians.get(f"spec_on_{name}"), medians.get(f"spec_off_{name}")
+        t["speedup"] = on / off if on and off else None
+    return {"per_rep_tok_s": per, "median_tok_s": medians, "tasks": tasks}
+
+
+def anchor_of(sides: list[str]) -> str | None:
+    """The side every ratio is against: llama.cpp's binaries, else its binding."""
+    return next((s for s in (NATIVE, BINDING) if s in sides), None)
+
+
+def ratios_against(medians: dict[str, dict[str, float]], anchor: str | None
+                   ) -> dict[str, dict[str, float]]:
+    """Each side's median tok/s ÷ the anchor's for the same figure; a speculation row
+    (``spec_*``) ÷ the anchor's plain single-stream decode (``decode_1``)."""
+    if anchor is None or anchor not in medians:
+        return {}
+    ref = medians[anchor]
+    out: dict[str, dict[str, float]] = {}
+    for side, figures in medians.items():
+        if side == anchor:
+            continue
+        out[side] = {}
+        for key, value in figures.items():
+            base = ref.get("decode_1" if key.startswith("spec_") else key)
+            if base:
+                out[side][key] = value / base
+    return out
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -418,7 +642,14 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
          stream_prompt: int, stream_gen: int, decode_prompt: int = 32,
          command: str | None = None, bandwidth_bytes: int = BANDWIDTH_BYTES,
          llama_flash_attn: str = "auto", kv_dtype: str = "f32",
-         llama_extra_bufts: bool = True) -> dict:
+         llama_extra_bufts: bool = True, llama_bench: str | None = None,
+         spec_rows: bool = True) -> dict:
+    """Run the comparison (module docstring), print the table, write ``out`` as JSON.
+
+    ``llama_bench``: llama.cpp's binaries (the anchor). ``llama_python``: an interpreter
+    with the binding; when ``llama_bench`` is given the binding runs only if this is
+    too, else it defaults to this interpreter. ``spec_rows``: measure the speculation
+    rows (where the model allows: ``spec_refusal``)."""
     from ember.models.gguf import GGUFFile
     from ember.models.loader import physical_cores
     from ember.models.registry import ensure_model
@@ -435,98 +666,145 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
                       stream_gen)
     bandwidth = [measure_bandwidth(threads, bandwidth_bytes)]
 
-    llama = probe_llama(llama_python)
-    if not llama["available"]:
-        print(f"llama.cpp unavailable: {llama['reason']}\n  {HOW_TO_GET_LLAMA}; "
-              "reporting ember's figures only.")
-    workers: dict[str, Worker] = {}
+    sides: dict[str, Any] = {}  # name -> Worker | NativeSide, in rotation order
     info: dict[str, dict] = {}
+    llama_native: dict = {"available": False, "reason": "not asked for (--llama-bench)"}
+    contexts: dict[str, int] = {}
+    binaries: native.NativeSide | None = None
+    if llama_bench:
+        try:
+            binaries = native.NativeSide(native.locate(llama_bench), str(path), threads,
+                                         llama_flash_attn, llama_extra_bufts)
+        except native.NativeError as e:
+            llama_native = {"available": False, "reason": str(e)}
+            print(f"llama.cpp binaries unavailable: {e}; leaving them out.")
+        else:
+            contexts = native.Sizes.of(spec).contexts()
+            llama_native = {"available": True, **binaries.info(), "contexts": contexts,
+                            "commands": {k: shlex.join(v)
+                                         for k, v in binaries.argvs(spec).items()}}
+            if streams and binaries.bins.batched is None:
+                print(f"note: no {native.BATCHED} beside {binaries.bins.bench}: no native "
+                      "multi-stream figures")
+    if llama_python is not None or not llama_bench:
+        llama = probe_llama(llama_python)
+        if not llama["available"]:
+            print(f"llama.cpp's Python binding unavailable: {llama['reason']}\n  "
+                  f"{HOW_TO_GET_LLAMA}; leaving it out.")
+    else:
+        llama = {"available": False, "reason": "not asked for (--llama-python)"}
+    refusal = spec_refusal(gguf) if spec_rows else "not asked for (--no-spec)"
+    kv_tokens = max(contexts.values(), default=0)
+    spec_of: dict[str, str] = {}  # spec worker -> the ember side its rows belong to
+
+    def start_ember(name: str, weights: str, msg: dict) -> None:
+        sides[name] = Worker(name, [sys.executable, "-m", "ember.bench.compare", "--worker"])
+        try:
+            info[name] = sides[name].call({"cmd": "init", "model": str(path),
+                                           "weights": weights, "threads": threads, **msg})
+        except WorkerError as e:
+            raise EmberError(str(e)) from None
+
     try:
         for w in weights:
-            workers[f"ember-{w}"] = Worker(f"ember {w}", [sys.executable, "-m",
-                                                         "ember.bench.compare", "--worker"])
+            start_ember(f"ember-{w}", w, {"engine": {**engine_options(spec, kv_tokens),
+                                                     "kv_dtype": kv_dtype}})
+            if refusal is None:
+                spec_of[f"ember-{w} spec"] = f"ember-{w}"
+                start_ember(f"ember-{w} spec", w, {"role": "spec", "kv_dtype": kv_dtype,
+                                                   "tasks": list(SPEC_TASKS)})
+        if binaries is not None:
+            sides[NATIVE] = binaries
+            info[NATIVE] = binaries.info()
         if llama["available"]:
-            workers["llama.cpp"] = Worker("llama.cpp", [llama["python"], str(DRIVER)])
-        for name, worker in list(workers.items()):
-            if name == "llama.cpp":
-                msg = {"cmd": "init", "model": str(path), "threads": threads,
-                       "prefill_ctx": max([*prefill, decode_prompt + decode_tokens, 1]) + 16,
-                       "streams": streams, "stream_ctx": stream_prompt + stream_gen + 16,
-                       "flash_attn": llama_flash_attn, "extra_bufts": llama_extra_bufts}
-            else:
-                msg = {"cmd": "init", "model": str(path), "weights": name[len("ember-"):],
-                       "threads": threads,
-                       "engine": {**engine_options(spec), "kv_dtype": kv_dtype}}
+            sides[BINDING] = Worker(BINDING, [llama["python"], str(DRIVER)])
             try:
-                info[name] = worker.call(msg)
+                info[BINDING] = sides[BINDING].call(
+                    {"cmd": "init", "model": str(path), "threads": threads,
+                     "prefill_ctx": max([*prefill, decode_prompt + decode_tokens, 1]) + 16,
+                     "streams": streams, "stream_ctx": stream_prompt + stream_gen + 16,
+                     "flash_attn": llama_flash_attn, "extra_bufts": llama_extra_bufts})
             except WorkerError as e:
-                if name != "llama.cpp":
-                    raise EmberError(str(e)) from None
                 llama = {**llama, "available": False, "reason": str(e)}
-                print(f"llama.cpp failed to start: {e}; reporting ember's figures only.")
-                worker.close()
-                del workers[name]
-        sides = list(workers)
+                print(f"llama.cpp's Python binding failed to start: {e}; leaving it out.")
+                sides.pop(BINDING).close()
+
+        def message(name: str, rep: int, warm: bool = False) -> dict:
+            if name in spec_of:
+                return {"rep": rep, "max_tokens": 8 if warm else None}
+            return warmup_spec(spec) if warm else spec
+
         runs: dict[str, list[dict]] = {s: [] for s in sides}
         print(f"model {path.name}, {threads} threads, {reps} reps, ember KV {kv_dtype}; "
-              f"load average "
-              f"{' '.join(map(str, load_start))}; sides: {', '.join(sides)}", flush=True)
-        for s in sides:  # warm-up, untimed
-            workers[s].call({"cmd": "run", **warmup_spec(spec)})
+              f"load average {' '.join(map(str, load_start))}; sides: "
+              f"{', '.join(s for s in sides if s not in spec_of)}"
+              + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else ""), flush=True)
+        for s in list(sides):  # warm-up, untimed
+            _run_side(sides, runs, info, s, message(s, 0, warm=True), None)
         for rep in range(reps):
-            order = sides[rep % len(sides):] + sides[: rep % len(sides)]
+            order = list(sides)
+            order = order[rep % len(order):] + order[: rep % len(order)]
             for s in order:
-                load = _load()
-                try:
-                    reply = workers[s].call({"cmd": "run", **spec})
-                except WorkerError as e:
-                    if s != "llama.cpp":
-                        raise EmberError(str(e)) from None
-                    print(f"llama.cpp failed: {e}; reporting ember's figures only.")
-                    llama = {**llama, "available": False, "reason": str(e)}
-                    sides.remove(s)
-                    runs.pop(s)
-                    workers.pop(s).kill()
-                    continue
-                reply.pop("ok", None)
-                runs[s].append({"rep": rep, "load_avg_before": load, **reply})
+                if s in sides:
+                    _run_side(sides, runs, info, s, message(s, rep), rep)
             bandwidth.append(measure_bandwidth(threads, bandwidth_bytes))
             print(f"  rep {rep + 1}/{reps} done ({time.perf_counter() - started:.0f} s, "
                   f"load {' '.join(map(str, _load()))}, read BW "
-                  f"{bandwidth[-1]['best_gb_s']:.1f} GB/s)", flush=True)
-        for s, worker in workers.items():
-            info.setdefault(s, {})["peak_rss_bytes"] = worker.close().get("peak_rss_bytes")
+                  f"{bandwidth[-1]['median_gb_s']:.1f} GB/s)", flush=True)
+        for s, x in sides.items():
+            info.setdefault(s, {}).update(x.close())
     finally:
-        for worker in workers.values():
-            worker.kill()
-    ceiling = max(b["best_gb_s"] for b in bandwidth)
+        for x in sides.values():
+            x.kill()
+    if NATIVE not in sides and llama_native["available"]:
+        llama_native = {**llama_native, "available": False, "reason": info[NATIVE]["failed"]}
+    if BINDING not in sides and llama["available"]:
+        llama = {**llama, "available": False, "reason": info[BINDING]["failed"]}
+    ceiling = bandwidth_ceiling(bandwidth)
 
+    columns = [s for s in sides if s not in spec_of]
     results: dict[str, dict] = {}
-    for s in sides:
+    for s in columns:
         summary = summarize(runs[s])
-        step_bytes = llama_bytes if s == "llama.cpp" else info[s]["weight_bytes"]
+        step_bytes = llama_bytes if s in (NATIVE, BINDING) else info[s]["weight_bytes"]
         dec = summary["median_tok_s"].get("decode_1")
         achieved = step_bytes * dec / 1e9 if dec else None
         results[s] = {
-            **summary, "runs": runs[s], "init": {k: v for k, v in info[s].items()},
+            **summary, "runs": runs[s], "init": info[s],
             "weight_bytes_per_step": step_bytes,
             "decode_1_weight_gb_s": achieved,
-            "decode_1_fraction_of_ceiling": achieved / ceiling if achieved else None,
+            "decode_1_fraction_of_ceiling": achieved / ceiling["gb_s"] if achieved else None,
             "peak_rss_bytes": info[s].get("peak_rss_bytes"),
         }
-    ratios: dict[str, dict[str, float]] = {}
-    if "llama.cpp" in results:
-        ref = results["llama.cpp"]["median_tok_s"]
-        for s in sides:
-            if s != "llama.cpp":
-                ratios[s] = {k: v / ref[k] for k, v in results[s]["median_tok_s"].items()
-                             if ref.get(k)}
-        for s in sides:
-            if s != "llama.cpp" and "decode" in runs[s][0] and runs["llama.cpp"]:
+        if s.startswith("ember-"):
+            worker = next((k for k, v in spec_of.items() if v == s), None)
+            if worker in sides:
+                rows = summarize_spec(runs[worker])
+                results[s]["per_rep_tok_s"].update(rows.pop("per_rep_tok_s"))
+                results[s]["median_tok_s"].update(rows.pop("median_tok_s"))
+                results[s]["spec"] = {**rows, "runs": runs[worker], "init": info[worker],
+                                      "peak_rss_bytes": info[worker].get("peak_rss_bytes")}
+            else:
+                results[s]["spec"] = {"skipped": refusal}
+    anchor = anchor_of(columns)
+    ratios = ratios_against({s: results[s]["median_tok_s"] for s in columns}, anchor)
+    if BINDING in results and runs[BINDING] and "decode" in runs[BINDING][0]:
+        for s in columns:
+            if s.startswith("ember-") and "decode" in runs[s][0]:
                 results[s]["greedy_agreement_tokens"] = agreement(
-                    runs[s][0]["decode"]["ids"], runs["llama.cpp"][0]["decode"]["ids"])
+                    runs[s][0]["decode"]["ids"], runs[BINDING][0]["decode"]["ids"])
+    kv_context = {"ember_pool_tokens": {s: info[s].get("kv_pool_tokens") for s in columns
+                                        if s.startswith("ember-")},
+                  "ember_kv_dtype": kv_dtype}
+    if NATIVE in results:
+        kv_context["llama.cpp"] = {"predicted": contexts, "type_k": _native_meta(
+            runs[NATIVE], native.BENCH, "type_k"), "llama-batched-bench n_kv_max": sorted(
+            {r["n_kv_max"] for r in runs[NATIVE] if "n_kv_max" in r})}
+    if BINDING in results:
+        kv_context["llama.cpp-py"] = info[BINDING].get("contexts")
     load_end = _load()
-    _print_table(results, ratios, sides, ceiling, bandwidth)
+    _print_table(results, ratios, columns, anchor, ceiling, refusal)
+    _print_context(kv_context, results)
     print(f"load average: start {' '.join(map(str, load_start))}, "
           f"end {' '.join(map(str, load_end))}; {time.perf_counter() - started:.0f} s total")
     result = {
@@ -538,24 +816,37 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
         "sizes": {"prefill": prefill, "decode_prompt": decode_prompt,
                   "decode_tokens": decode_tokens, "streams": streams,
                   "stream_prompt": stream_prompt, "stream_gen": stream_gen},
-        "ember_kv_dtype": kv_dtype,
+        "ember_kv_dtype": kv_dtype, "kv_context": kv_context,
         "method": {
+            "speculation": "kernel figures (prefill, decode_1, decode_S): ember's engine has "
+                           "speculation off; spec_on_<task>/spec_off_<task>: the tasks "
+                           f"{', '.join(SPEC_TASKS)} of `ember bench spec` (tasks(1), chat "
+                           "template, greedy, their max_tokens), decode phase, on two engines "
+                           "of their own (speculation on / off); ratios against the anchor's "
+                           "decode_1",
             "prefill": "prompt in one chunk/batch through sampling the first token; tok/s = "
-                       "prompt tokens / seconds",
-            "decode_1": "one stream, time from first token to last; tok/s = (n-1) / seconds",
+                       "prompt tokens / seconds (native: llama-bench pp<P>)",
+            "decode_1": "one stream, time from first token to last; tok/s = (n-1) / seconds "
+                        "(native: llama-bench tg<n-1>)",
             "decode_S": "S streams, decode phase only: from when every stream has its first "
-                        "token until all finish; tok/s = tokens in that window / seconds",
+                        "token until all finish; tok/s = tokens in that window / seconds "
+                        "(native: llama-batched-bench S_TG with -ntg gen-1)",
             "weight_bytes": "ember: bytes of the tensors held by its Linear objects + norm "
                             "vectors (embedding rows excluded); llama.cpp: GGUF sizes of the "
                             "tensors a step reads (token_embd only when tied as output head)",
-            "bandwidth": bandwidth[0]["method"] + ", best of 5, before the runs and after "
-                         "each repetition; the ceiling is the best of all",
-            "peak_rss": "VmHWM of each worker process from /proc/self/status (getrusage "
-                        "ru_maxrss is inherited from the launcher across fork+exec on Linux)",
+            "bandwidth": f"{ceiling['method']}, 5 passes before the runs and after each "
+                         "repetition; the ceiling is the median of all passes (min/max "
+                         "beside it); check: torch.amax over the same tensor",
+            "peak_rss": "VmHWM: the workers' own from /proc/self/status at exit; the native "
+                        "binaries' polled from /proc/PID/status every 10 ms while they run "
+                        "(getrusage ru_maxrss is inherited from the launcher across "
+                        "fork+exec on Linux)",
         },
         "load_avg": {"start": load_start, "end": load_end},
-        "bandwidth": bandwidth, "bandwidth_ceiling_gb_s": ceiling,
-        "llama": llama, "results": results, "ratios_vs_llama": ratios,
+        "bandwidth": bandwidth, "bandwidth_ceiling": ceiling,
+        "bandwidth_ceiling_gb_s": ceiling["gb_s"],
+        "llama": llama, "llama_native": llama_native, "anchor": anchor,
+        "results": results, "ratios_vs_llama": ratios,
     }
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -564,33 +855,77 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
     return result
 
 
-def _print_table(results: dict, ratios: dict, sides: list[str], ceiling: float,
-                 bandwidth: list[dict]) -> None:
+def _run_side(sides: dict, runs: dict, info: dict, name: str, msg: dict,
+              rep: int | None) -> None:
+    """One run of side ``name`` (``rep`` None: the warm-up, not kept). A llama.cpp side
+    that fails is dropped with a note; an ember side that fails ends the benchmark."""
+    load = _load()
+    try:
+        reply = sides[name].run(msg)
+    except (WorkerError, native.NativeError) as e:
+        if name not in (NATIVE, BINDING):
+            raise EmberError(str(e)) from None
+        print(f"{name} failed: {e}; leaving it out.")
+        info.setdefault(name, {})["failed"] = str(e)
+        sides.pop(name).kill()
+        runs.pop(name)
+        return
+    if rep is not None:
+        runs[name].append({"rep": rep, "load_avg_before": load, **reply})
+
+
+def _native_meta(runs: list[dict], binary: str, key: str) -> Any:
+    for r in runs:
+        meta = r.get("processes", {}).get(binary, {}).get("meta") or {}
+        if key in meta:
+            return meta[key]
+    return None
+
+
+def _label(key: str) -> str:
+    parts = key.split("_")
+    if parts[0] == "spec":
+        return f"decode 1, spec {parts[1]}: {'_'.join(parts[2:])}"
+    if parts[0] == "prefill":
+        return f"prefill {parts[1]} tok/s"
+    n = parts[1]
+    return f"decode {n} stream{'s' if n != '1' else ''} tok/s"
+
+
+def _print_table(results: dict, ratios: dict, columns: list[str], anchor: str | None,
+                 ceiling: dict, refusal: str | None) -> None:
     keys: list[str] = []
-    for s in sides:
+    for s in columns:
         keys += [k for k in results[s]["median_tok_s"] if k not in keys]
+    kernel = [k for k in keys if not k.startswith("spec_")]
+    spec_keys = [f"spec_{x}_{t}" for t in SPEC_TASKS for x in ("on", "off")
+                 if f"spec_{x}_{t}" in keys]
     cols: list[tuple[str, str, str | None]] = []  # (header, side, ratio-of side)
-    for s in sides:
+    for s in columns:
         cols.append((s, s, None))
         if s in ratios:
-            cols.append(("/llama", s, s))
-
-    def label(k: str) -> str:
-        kind, n = k.split("_")
-        if kind == "prefill":
-            return f"prefill {n} tok/s"
-        return f"decode {n} stream{'s' if n != '1' else ''} tok/s"
+            cols.append((f"/{anchor}", s, s))
 
     def row(name: str, cells: list[str]) -> str:
-        return f"{name:<24}" + "".join(f"{c:>11}" for c in cells)
+        return f"{name:<28}" + "".join(f"{c:>13}" for c in cells)
 
+    if anchor:
+        what = ("llama.cpp's own binaries (llama-bench, llama-batched-bench)" if anchor == NATIVE
+                else "llama.cpp through its Python binding")
+        print(f"ratio columns (/{anchor}): the side to their left ÷ {what}; speculation rows "
+              f"÷ its plain single-stream decode")
+    print("kernel figures: speculation off on every side")
     print(row("median of reps", [h for h, _, _ in cols]))
-    for k in keys:
+
+    def figure(k: str) -> None:
         cells = []
         for _, s, r in cols:
             v = ratios[r].get(k) if r else results[s]["median_tok_s"].get(k)
             cells.append("-" if v is None else f"{v:.2f}" if r else f"{v:.1f}")
-        print(row(label(k), cells))
+        print(row(_label(k), cells))
+
+    for k in kernel:
+        figure(k)
 
     def extra(name: str, fn: Any, fmt: str) -> None:
         cells = []
@@ -604,16 +939,71 @@ def _print_table(results: dict, ratios: dict, sides: list[str], ceiling: float,
     extra("% of read BW ceiling", lambda x: x["decode_1_fraction_of_ceiling"] and
           100 * x["decode_1_fraction_of_ceiling"], ".0f")
     extra("peak RSS MB", lambda x: x["peak_rss_bytes"] and x["peak_rss_bytes"] / 1e6, ".0f")
-    extra("greedy agree (tokens)", lambda x: x.get("greedy_agreement_tokens"), "d")
-    bests = [b["best_gb_s"] for b in bandwidth]
-    print(f"read bandwidth ceiling {ceiling:.1f} GB/s ({bandwidth[0]['method']}, best of 5; "
-          f"before the runs and after each rep: {', '.join(f'{x:.1f}' for x in bests)})")
+    if any("greedy_agreement_tokens" in results[s] for s in columns):
+        extra(f"greedy agree w/ {BINDING}", lambda x: x.get("greedy_agreement_tokens"), "d")
+    if refusal:
+        print(f"decode 1 stream, spec on: not measured: {refusal}")
+    elif spec_keys:
+        print("decode 1 stream on real text (speculation on, then off; tok/s of the decode "
+              "phase):")
+        for k in spec_keys:
+            figure(k)
+        for s in columns:
+            for task, t in results[s].get("spec", {}).get("tasks", {}).items():
+                speedup = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
+                flags = ("" if t["same_output"] else "  OUTPUT DIFFERS (on vs off)") + (
+                    "  OUTPUT LOOPS: not a real-text figure" if t["looping"] else "")
+                print(f"  {s} {task}: speedup {speedup}, {t['accepted']}/{t['drafted']} "
+                      f"drafted tokens accepted, {t['tokens']} tokens after a "
+                      f"{t['prompt_tokens']}-token prompt{flags}")
+    line = (f"read bandwidth ceiling {ceiling['gb_s']:.1f} GB/s: median of {ceiling['passes']} "
+            f"passes of {ceiling['method']} before the runs and after each rep (min "
+            f"{ceiling['min_gb_s']:.1f}, max {ceiling['max_gb_s']:.1f})")
+    if "check_gb_s" in ceiling:
+        line += (f"; check, torch.amax: {ceiling['check_gb_s']:.1f} GB/s"
+                 + ("" if ceiling["check_agrees"] else
+                    f" — the two differ by more than {CHECK_TOLERANCE:.0%}: a noisy machine?"))
+    print(line)
     llc = last_level_cache_bytes()
-    step = max(results[s]["weight_bytes_per_step"] for s in sides)
+    step = max(results[s]["weight_bytes_per_step"] for s in columns)
     if llc and step <= llc:
         print(f"note: every side's weights per step ({step / 1e6:.0f} MB) fit in this CPU's "
               f"last-level cache ({llc / 2**20:.0f} MiB): decode can exceed the DRAM ceiling "
               "here, and a CPU with a smaller cache will see lower single-stream figures")
+
+
+def _print_context(kv: dict, results: dict) -> None:
+    """The KV sizes each side ran with, and where the native peak RSS comes from."""
+    pools = ", ".join(f"{s} {n}" for s, n in kv["ember_pool_tokens"].items())
+    line = f"KV token slots: ember pool ({kv['ember_kv_dtype']}) {pools}"
+    if "llama.cpp" in kv:
+        c = kv["llama.cpp"]
+        line += (f"; llama.cpp ({c['type_k'] or 'f16'}) per test "
+                 + ", ".join(f"{k} {v}" for k, v in c["predicted"].items()))
+        reported = c["llama-batched-bench n_kv_max"]
+        predicted = c["predicted"].get(native.BATCHED)
+        if reported and predicted is not None and reported != [predicted]:
+            line += f" (llama-batched-bench reported n_kv_max {reported})"
+    if kv.get("llama.cpp-py"):
+        line += "; llama.cpp-py " + ", ".join(f"{k} {v['n_ctx']}"
+                                              for k, v in kv["llama.cpp-py"].items())
+    print(line)
+    if NATIVE in results:
+        procs: dict[str, list[dict]] = {}
+        for r in results[NATIVE]["runs"]:
+            for name, p in r.get("processes", {}).items():
+                procs.setdefault(name, []).append(p)
+        parts = []
+        for name, ps in procs.items():
+            peak = max(p["peak_rss_bytes"] or 0 for p in ps)
+            ru = max(p["ru_maxrss_bytes"] for p in ps)
+            parts.append(f"{name} {peak / 1e6:.0f} MB (wait4 ru_maxrss {ru / 1e6:.0f} MB)")
+        launcher = max(p["launcher_hwm_bytes"] or 0 for ps in procs.values() for p in ps)
+        print(f"llama.cpp peak RSS, VmHWM polled every {native.POLL_S * 1000:.0f} ms: "
+              f"{', '.join(parts)}; ru_maxrss includes this launcher's own peak "
+              f"({launcher / 1e6:.0f} MB), carried across fork + exec")
+        for name, ps in procs.items():
+            print(f"  {name}: {ps[0]['command']}")
 
 
 if __name__ == "__main__":
