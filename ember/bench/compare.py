@@ -84,6 +84,7 @@ from ember.bench.llamacpp_driver import cpu_seconds  # stdlib-only helpers
 from ember.bench.llamacpp_driver import serve as serve_protocol
 from ember.bench.throughput import PARAGRAPH
 from ember.errors import EmberError
+from ember.models.footprint import step_weight_bytes as ember_weight_bytes
 
 DRIVER = Path(__file__).with_name("llamacpp_driver.py")
 NATIVE = "llama.cpp"  # side names: llama.cpp's binaries, and its Python binding
@@ -110,18 +111,6 @@ def step_tensor_names(gguf: Any) -> list[str]:
 def gguf_step_bytes(gguf: Any) -> int:
     """Weight bytes per decode step for an engine that reads the GGUF tensors as stored."""
     return sum(gguf.tensor(n).nbytes for n in step_tensor_names(gguf))
-
-
-def ember_weight_bytes(model: Any) -> int:
-    """Weight bytes an ember decode step reads: every layer's linears and norm vectors,
-    the final norm and the output head (embedding lookups read one row: excluded)."""
-    from ember.models.linear import linear_nbytes
-
-    total = model.output_norm.nbytes + linear_nbytes(model.output)
-    for layer in model.layers:
-        total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
-        total += sum(linear_nbytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    return total
 
 
 # ---------------------------------------------------------------- ember side

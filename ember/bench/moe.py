@@ -125,21 +125,12 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _sizes(model: str, weights: str) -> tuple[int, int]:
     """(all experts' built bytes, the dense weights' built bytes) in ``weights``."""
-    from ember.models.linear import linear_nbytes
+    from ember.models.footprint import weight_bytes
     from ember.models.loader import load_model
 
     m = load_model(model, weights).model
     assert m.experts is not None, f"{model} is not a mixture-of-experts model"
-    dense = linear_nbytes(m.output) + m.output_norm.nbytes
-    dense += getattr(getattr(m.embed, "weight", None), "nbytes", 0)  # 0: read from the file
-    for layer in m.layers:
-        dense += sum(linear_nbytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     if x is not None)
-        dense += sum(t.nbytes for t in (layer.attn_norm, layer.ffn_norm, layer.q_norm,
-                                        layer.k_norm, layer.qkv_bias) if t is not None)
-        if layer.moe is not None:
-            dense += layer.moe.router.nbytes
-    return m.experts.cached_bytes, dense
+    return m.experts.cached_bytes, weight_bytes(m) - m.experts.cached_bytes
 
 
 def main(model: str | None, weights: str, threads: int | None, budgets: list[int],

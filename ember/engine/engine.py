@@ -45,6 +45,7 @@ from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import extend_keys, tenant_salt
 from ember.kv.tier import DiskTier, restore_chain
+from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.moe import MoEOptions
 from ember.sampling.constraints import GrammarCompiler, GrammarError
@@ -188,6 +189,8 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
                  num_blocks, config.block_size, config.kv_dtype,
                  block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
+        log.info("%s", memory_summary(self.loaded.model, num_blocks * block_bytes,
+                                      block_bytes // config.block_size, config.kv_dtype))
         self.runner = ModelRunner(self.loaded.model, storage)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
