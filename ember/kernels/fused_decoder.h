@@ -2,7 +2,7 @@
 //
 // Part of the quant_matmul.cpp translation unit (included inside its namespace).
 //
-// Per layer: RMSNorm -> QKV (packed 4/8-bit weights) [+ Q/K/V biases] [-> per-head
+// Per layer: RMSNorm -> QKV (packed weights, quant_kernels.h) [+ Q/K/V biases] [-> per-head
 // RMSNorm of q and k] -> RoPE on q and k (adjacent pairs, or NEOX's half-a-head-apart
 // pairs) -> K/V into the paged pool -> attention over the pool in place
 // (paged_attention.h) -> output projection -> residual -> RMSNorm -> gate/up ->
@@ -16,36 +16,6 @@
 // arithmetic, RoPE, the pool write and SiLU are elementwise, and attention is per
 // token (see paged_attention.h). So a token's output is bitwise independent of the
 // batch, of prefill chunking and of whether its prefix came from the cache.
-
-// A packed quantized linear layer (ember.models.linear.QuantLinear's tensors).
-// layout: 4 (qs, d, m), 8 (qs, d) or 16, k8 (qs, s, m; m may be empty).
-struct QLinear {
-  int64_t layout = 0, n = 0, k = 0;
-  at::Tensor qs, d, m;
-
-  Weights weights() const {
-    if (layout == kK8) {
-      return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr,
-              d.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr};
-    }
-    return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), half_ptr(d),
-            layout == kQ4 ? half_ptr(m) : nullptr};
-  }
-};
-
-// y[M, n] = x[M, k] @ W^T with int8 activations, as the *_matmul entry points do.
-void qlinear(const QLinear& L, const float* x, int64_t M, float* y) {
-  const QuantX xq = quantize_rows(x, M, L.k);
-  const Acts a = acts_of(xq);
-  const Dims dims{M, L.n, L.k, L.k / QK};
-  if (L.layout == kQ4) {
-    matmul_int<kQ4>(L.weights(), a, dims, y);
-  } else if (L.layout == kQ8) {
-    matmul_int<kQ8>(L.weights(), a, dims, y);
-  } else {
-    matmul_int<kK8>(L.weights(), a, dims, y);
-  }
-}
 
 inline void rms_norm_row(const float* x, const float* w, int64_t K, double eps, float* y) {
   double ss = 0.0;
@@ -123,14 +93,12 @@ class Clock {
 
 struct LayerWeights {
   at::Tensor attn_norm, ffn_norm;
-  QLinear qkv, o, gate_up, down;
+  PackedLinear qkv, o, gate_up, down;
   at::Tensor qkv_bias, q_norm, k_norm;  // undefined where the family has none
   at::Tensor post_attn_norm, post_ffn_norm;  // Gemma's norms of each sublayer's output
   int64_t window = 0;  // sliding-window span; 0: attends to everything
   int64_t rope = 0;  // which of forward's RoPE tables (Gemma: local or global base)
 };
-
-using PackedLinear = std::tuple<int64_t, int64_t, std::vector<at::Tensor>>;  // layout, rows, tensors
 
 class DecoderStack {
  public:
@@ -236,7 +204,7 @@ class DecoderStack {
       const PoolLayer kv = pool_layer(pool, i);
       rms_norm_rows(xp, L.attn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
       clock.lap(kNorms);
-      qlinear(L.qkv, hp, T, qkvp);
+      L.qkv.matmul_into(hp, T, qkvp);
       clock.lap(kProjections);
       rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
                      kv);
@@ -244,7 +212,7 @@ class DecoderStack {
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
              rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window);
       clock.lap(kAttention);
-      qlinear(L.o, attp, T, yp);
+      L.o.matmul_into(attp, T, yp);
       clock.lap(kProjections);
       if (L.post_attn_norm.defined()) {
         rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
@@ -252,7 +220,7 @@ class DecoderStack {
       add_rows(xp, yp, T * hidden_);
       rms_norm_rows(xp, L.ffn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
       clock.lap(kNorms);
-      qlinear(L.gate_up, hp, T, gup);
+      L.gate_up.matmul_into(hp, T, gup);
       clock.lap(kProjections);
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -265,7 +233,7 @@ class DecoderStack {
         }
       });
       clock.lap(kActivation);
-      qlinear(L.down, hp, T, yp);
+      L.down.matmul_into(hp, T, yp);
       clock.lap(kProjections);
       if (L.post_ffn_norm.defined()) {
         rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
@@ -300,27 +268,10 @@ class DecoderStack {
     return w.contiguous();
   }
 
-  static QLinear linear(const PackedLinear& p, int64_t k, int64_t n) {
-    const auto& [layout, rows, t] = p;
-    TORCH_CHECK((layout == kQ4 && t.size() == 3) || (layout == kQ8 && t.size() == 2) ||
-                    (layout == kK8 && t.size() == 3),
-                "DecoderStack: a linear is (4, rows, [qs, d, m]), (8, rows, [qs, d]) or "
-                "(16, rows, [qs, s, m])");
-    TORCH_CHECK(rows == n, "DecoderStack: linear has ", rows, " rows, expected ", n);
-    if (layout == kK8) {
-      check_k8(probe(t[0], k), t[0], t[1], t[2], n);
-    } else {
-      check(probe(t[0], k), t[0], t[1], layout == kQ4 ? &t[2] : nullptr, n,
-            layout == kQ4 ? B4 : B8);
-    }
-    QLinear L;
-    L.layout = layout;
-    L.n = n;
-    L.k = k;
-    L.qs = t[0];
-    L.d = t[1];
-    if (layout != kQ8) L.m = t[2];
-    return L;
+  static const PackedLinear& linear(const PackedLinear& p, int64_t k, int64_t n) {
+    TORCH_CHECK(p.in_features() == k && p.out_features() == n, "DecoderStack: a linear is [",
+                p.out_features(), ", ", p.in_features(), "], expected [", n, ", ", k, "]");
+    return p;
   }
 
   void check_step(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& rope,

@@ -146,7 +146,10 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
                              cfg.activation == "gelu_tanh", cfg.softmax_scale)
     ropes = rope_keys(cfg)
     for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
-        stack.add_layer(layer.attn_norm, layer.ffn_norm, *(p.packed_form() for p in parts))
+        # the stack's own handles on the packed bytes (shared, not copied): ``ext`` may
+        # be another build of the kernels than the one that packed them
+        stack.add_layer(layer.attn_norm, layer.ffn_norm,
+                        *(ext.PackedLinear(p.in_features, p.packed.segments) for p in parts))
         kind = cfg.layer_attention(i)
         stack.set_attention(kind.window or 0, ropes.index(_rope_key(kind)))
         if layer.post_attn_norm is not None and layer.post_ffn_norm is not None:
@@ -246,7 +249,7 @@ class DecoderModel:
             # the layer is in its own tensors now: its file pages need not stay resident
             # (loading then never holds the whole file and every packed copy at once)
             gguf.release_pages()
-        embed = fmt.embedding(gguf, "token_embd.weight")
+        embed = fmt.embedding(gguf, "token_embd.weight", tied=cfg.tied_embeddings)
         tied = embed.tied_linear() if cfg.tied_embeddings else None
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         output = tied or fmt.linear(gguf, [head_name])  # a tied dense head shares storage
@@ -256,10 +259,11 @@ class DecoderModel:
         model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
                     freq_factors, fmt.rms_norm, experts)
         if fmt.name == "q4" and not model.batch_invariant:
-            log.warning("%s: not every projection and the output head are packed 4/8-bit "
-                        "here (K-quant tensors stay dense f32; routed experts run op by "
-                        "op), so q4 runs (partly) op by op and a request's logits may "
-                        "differ slightly with the batch (tokens only at near-ties)",
+            log.warning("%s: not every projection and the output head have a packed "
+                        "layout here (tensors of other types stay dense f32; routed "
+                        "experts run op by op), so q4 runs (partly) op by op and a "
+                        "request's logits may differ slightly with the batch (tokens "
+                        "only at near-ties)",
                         gguf.path.name)
         return model
 

@@ -1,0 +1,416 @@
+// y = x @ W^T for a packed weight (quant_layouts.h), with int8 activations.
+//
+// Part of the quant_matmul.cpp translation unit (included inside its namespace).
+//
+// Activations. Each row of x is quantized per 32 elements to int8 (llama.cpp's Q8
+// activations: d = max|x| / 127, round half to even), keeping per block the exact float
+// sum s, the rounding error c = s - d sum(q), and the code sums (all 32, first 16).
+//
+// Dots. Per block of 32 weights and activation row, the kernel takes exact integer
+// dots of the weight codes with the int8 activations, one for elements 0-15 and one for
+// 16-31, and then applies the block's scales in float:
+//
+//   symmetric codes (Q4_0, Q5_0, Q8_0, Q6_K): the centre is subtracted exactly in
+//     integers, sum (q - z) x_q = sum q x_q - z sum x_q, then scaled by d d_x.
+//   codes with an offset (Q4_1, Q5_1, Q4_K, Q5_K): sum (q a + b) x = a sum (q - z) x
+//     + (a z + b) sum x, with the exact float block sum for the second term, so only the
+//     centred codes meet the activation rounding error (half the error of raw codes):
+//     a (d_x sum q x_q + z c) + b s.
+//
+// Each (row, 16 weight rows) is one fixed sequence of operations whatever the number of
+// rows, the tile and the thread split, so results are batch-invariant.
+//
+// Threads: the output rows' groups are split over the threads in contiguous ranges of
+// equal bytes (one stream of weights per thread); large batches are walked in chunks
+// of rows whose quantized activations stay in cache.
+
+// Quantized activations; the arrays live in a per-thread scratch buffer reused across
+// calls (no allocation on the decode path), valid until the next call on that thread.
+struct QuantX {
+  int8_t* q;      // [M, K] codes
+  float* d;       // [M, nb] scales
+  float* s;       // [M, nb] exact float block sums
+  float* c;       // [M, nb] s - d * sum(q): the block's rounding error
+  int32_t* qsum;  // [M, nb] sum(q)
+  int32_t* qlo;   // [M, nb] sum of the first 16 of q
+};
+
+using Acts = QuantX;
+
+// One row of K floats.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, float* c,
+                  int32_t* qsum, int32_t* qlo) {
+  const int64_t nb = K / QK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+    int8_t* qb = q + b * QK;
+#if defined(EMBER_AVX2)
+    const __m256 v0 = _mm256_loadu_ps(xb);
+    const __m256 v1 = _mm256_loadu_ps(xb + 8);
+    const __m256 v2 = _mm256_loadu_ps(xb + 16);
+    const __m256 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_andnot_ps(sign, v0);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v1));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v2));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v3));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    d[b] = mx / 127.f;
+    const __m256 id = _mm256_set1_ps(mx != 0.0f ? 127.f / mx : 0.0f);
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+    __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    s[b] = _mm_cvtss_f32(s4);
+    // round to nearest even (the default MXCSR mode), like nearbyint below
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i is4 = _mm_add_epi32(_mm256_extracti128_si256(isum, 1), _mm256_castsi256_si128(isum));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+    qsum[b] = _mm_cvtsi128_si32(is4);
+    const __m256i lo = _mm256_add_epi32(i0, i1);
+    __m128i lo4 = _mm_add_epi32(_mm256_extracti128_si256(lo, 1), _mm256_castsi256_si128(lo));
+    lo4 = _mm_add_epi32(lo4, _mm_shuffle_epi32(lo4, 0x4E));
+    lo4 = _mm_add_epi32(lo4, _mm_shuffle_epi32(lo4, 0xB1));
+    qlo[b] = _mm_cvtsi128_si32(lo4);
+    i0 = _mm256_packs_epi32(i0, i1);
+    i2 = _mm256_packs_epi32(i2, i3);
+    i0 = _mm256_packs_epi16(i0, i2);
+    i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), i0);
+#else
+    float mx = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < QK; ++j) {
+      mx = std::max(mx, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    d[b] = mx / 127.f;
+    s[b] = sum;
+    const float id = mx != 0.0f ? 127.f / mx : 0.0f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < QK; ++j) {
+      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+      total += qb[j];
+      if (j == QK / 2 - 1) qlo[b] = total;
+    }
+    qsum[b] = total;
+#endif
+    c[b] = s[b] - d[b] * static_cast<float>(qsum[b]);
+  }
+}
+
+// M rows of K floats at xp (row-major).
+QuantX quantize_rows(const float* xp, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  // layout: 5 float-sized arrays of M*nb, then the M*K codes
+  static thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(5 * M * nb + (M * K + 3) / 4);
+  if (scratch.size() < need) scratch.resize(need);
+  float* base = scratch.data();
+  QuantX r{reinterpret_cast<int8_t*>(base + 5 * M * nb), base, base + M * nb, base + 2 * M * nb,
+           reinterpret_cast<int32_t*>(base + 3 * M * nb),
+           reinterpret_cast<int32_t*>(base + 4 * M * nb)};
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(xp + m * K, K, r.q + m * K, r.d + m * nb, r.s + m * nb, r.c + m * nb,
+                   r.qsum + m * nb, r.qlo + m * nb);
+    }
+  });
+  return r;
+}
+
+// ---------------------------------------------------------------------- the kernels
+
+// Where a tile writes: W outputs of each activation row, rows n0 .. n0 + W of the output.
+struct Out {
+  float* y;      // [M, ldy]
+  int64_t ldy;   // row stride of y
+  int64_t n0;    // first output column of the W lanes
+  int64_t valid; // how many of the W lanes are real rows (the rest are padding)
+};
+
+inline void store_lanes(Lanes::F v, const Out& o, int64_t m) {
+  float* dst = o.y + m * o.ldy + o.n0;
+  if (o.valid == Lanes::W) {
+    Lanes::store(v, dst);
+  } else {
+    alignas(64) float tmp[Lanes::W];
+    Lanes::store(v, tmp);
+    std::memcpy(dst, tmp, sizeof(float) * o.valid);
+  }
+}
+
+// Q4_K/Q5_K: a super-block's 16 rows x 12 bytes of six-bit scales and mins (byte b of row
+// r at 16 b + r) as bytes sc[16 j + r], mn[16 j + r] of sub-block j. Eight-byte words do
+// 8 rows at once; each byte's shifted-in neighbour bits are masked off.
+inline void decode_kscales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  constexpr uint64_t k3F = 0x3F3F3F3F3F3F3F3FULL, k0F = 0x0F0F0F0F0F0F0F0FULL;
+  constexpr uint64_t k30 = 0x3030303030303030ULL;
+  for (int w = 0; w < 8; ++w) {
+    uint64_t a, b, c;
+    std::memcpy(&a, s + 8 * w, 8);        // bytes 0-3: scales 0-3 (+ top bits of 4-7)
+    std::memcpy(&b, s + 64 + 8 * w, 8);   // bytes 4-7: mins 0-3 (+ top bits of 4-7)
+    std::memcpy(&c, s + 128 + 8 * w, 8);  // bytes 8-11: low 4 bits of scales/mins 4-7
+    const uint64_t sc0 = a & k3F, mn0 = b & k3F;
+    const uint64_t sc1 = (c & k0F) | ((a >> 2) & k30);
+    const uint64_t mn1 = ((c >> 4) & k0F) | ((b >> 2) & k30);
+    std::memcpy(sc + 8 * w, &sc0, 8);
+    std::memcpy(mn + 8 * w, &mn0, 8);
+    std::memcpy(sc + 64 + 8 * w, &sc1, 8);
+    std::memcpy(mn + 64 + 8 * w, &mn1, 8);
+  }
+}
+
+template <int T>
+struct Kind {
+  static constexpr bool kHi1 = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
+  static constexpr bool kHi2 = T == kQ6_K;
+  static constexpr bool kKQuant = T == kQ4_K || T == kQ5_K || T == kQ6_K;
+  static constexpr bool kOffset = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
+  static constexpr int kSub = kKQuant ? 8 : 1;  // 32-element blocks per super-block
+  // the code a centred code is measured from (integers: exact; floats: see above)
+  static constexpr int32_t kCentre =
+      (T == kQ4_0 || T == kQ4_1 || T == kQ4_K) ? 8 : T == kQ6_K ? 32 : 16;
+};
+
+// Activation rows [m0, m0 + MT) times half h (rows W h .. W h + W) of one group of a
+// nibble-coded weight (every type but Q8_0).
+template <int T, int MT>
+inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a,
+                         int64_t K, int64_t m0, const Out& out) {
+  using L = Lanes;
+  using B = L::B;
+  using I = L::I;
+  using F = L::F;
+  using KT = Kind<T>;
+  const int64_t nb = K / QK;
+  const int64_t lane_bytes = 4 * L::W * h;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  alignas(64) uint8_t scb[128], mnb[128];
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* cb = grp + g.off[kCodes] + sb * g.size[kCodes] + lane_bytes;
+    const uint8_t* hb = grp + g.off[kHi] + sb * g.size[kHi];
+    const uint16_t* hv =
+        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + sb * g.size[kScales]) +
+        L::W * h;
+    const uint8_t* xb = grp + g.off[kExtra] + sb * g.size[kExtra];
+    const F dv = L::halves(hv);
+    F mv = L::zerof();
+    if constexpr (KT::kOffset) mv = L::halves(hv + RG);  // m, or dmin
+    if constexpr (T == kQ4_K || T == kQ5_K) decode_kscales(xb, scb, mnb);
+    for (int j = 0; j < KT::kSub; ++j) {
+      const uint8_t* cj = cb + 256 * j;
+      const int64_t blk = sb * KT::kSub + j;
+      I plo[MT], phi[MT];
+      for (int m = 0; m < MT; ++m) plo[m] = phi[m] = L::zero();
+      for (int u = 0; u < 4; u += 2) {
+        const B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
+        B lo0 = L::and_(r0, L::set8(0x0F)), hi0 = L::template shr<4>(r0, 0x0F);
+        B lo1 = L::and_(r1, L::set8(0x0F)), hi1 = L::template shr<4>(r1, 0x0F);
+        if constexpr (KT::kHi1) {
+          const uint8_t* mb = hb + 64 * j + L::W / 2 * h;
+          lo0 = L::or_bits(lo0, mb + 8 * (2 * u), 0x10);
+          hi0 = L::or_bits(hi0, mb + 8 * (2 * u + 1), 0x10);
+          lo1 = L::or_bits(lo1, mb + 8 * (2 * u + 2), 0x10);
+          hi1 = L::or_bits(hi1, mb + 8 * (2 * u + 3), 0x10);
+        }
+        if constexpr (KT::kHi2) {
+          const B hv2 = L::load(hb + 128 * j + SUBV * (u / 2) + lane_bytes);
+          lo0 = L::or_(lo0, L::template shl<4>(hv2, 0x30));
+          hi0 = L::or_(hi0, L::template shl<2>(hv2, 0x30));
+          lo1 = L::or_(lo1, L::and_(hv2, L::set8(0x30)));
+          hi1 = L::or_(hi1, L::template shr<2>(hv2, 0x30));
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + blk * QK + 4 * u;
+          plo[m] = L::dot2(plo[m], lo0, x, lo1, x + 4);
+          phi[m] = L::dot2(phi[m], hi0, x + 16, hi1, x + 20);
+        }
+      }
+      F sa = dv, sb2 = mv;  // per-lane scales of this block (K-quants: of its sub-block)
+      if constexpr (T == kQ4_K || T == kQ5_K) {
+        sa = L::mul(L::u8f(scb + 16 * j + L::W * h), dv);
+        sb2 = L::mul(L::u8f(mnb + 16 * j + L::W * h), mv);
+      } else if constexpr (T == kQ6_K) {
+        sa = L::mul(L::i8f(reinterpret_cast<const int8_t*>(xb) + 16 * (2 * j) + L::W * h), dv);
+        sb2 = L::mul(L::i8f(reinterpret_cast<const int8_t*>(xb) + 16 * (2 * j + 1) + L::W * h),
+                     dv);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int64_t xi = (m0 + m) * nb + blk;
+        const F dx = L::set1(a.d[xi]);
+        if constexpr (T == kQ6_K) {
+          const I lo = L::sub(plo[m], L::seti(KT::kCentre * a.qlo[xi]));
+          const I hi = L::sub(phi[m], L::seti(KT::kCentre * (a.qsum[xi] - a.qlo[xi])));
+          const F t = L::fma(L::cvt(hi), sb2, L::mul(L::cvt(lo), sa));
+          acc[m] = L::fma(t, dx, acc[m]);
+        } else if constexpr (KT::kOffset) {
+          const F t = L::fma(L::cvt(L::add(plo[m], phi[m])), dx,
+                             L::set1(static_cast<float>(KT::kCentre) * a.c[xi]));
+          acc[m] = L::fma(sa, t, acc[m]);
+          if constexpr (KT::kKQuant) {
+            acc[m] = L::fnma(sb2, L::set1(a.s[xi]), acc[m]);  // minus dmin mn sum(x)
+          } else {
+            acc[m] = L::fma(sb2, L::set1(a.s[xi]), acc[m]);   // plus m sum(x)
+          }
+        } else {
+          const I isum = L::sub(L::add(plo[m], phi[m]), L::seti(KT::kCentre * a.qsum[xi]));
+          acc[m] = L::fma(sa, L::mul(L::cvt(isum), dx), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
+
+// The same for Q8_0's int8 codes.
+template <int T, int MT>
+inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_t K,
+                    int64_t m0, const Out& out) {
+  using L = Lanes;
+  using I = L::I;
+  using F = L::F;
+  const int64_t nb = K / QK;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  for (int64_t b = 0; b < g.nsb; ++b) {
+    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
+    const F dv = L::halves(
+        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) + L::W * h);
+    I plo[MT], phi[MT];
+    for (int m = 0; m < MT; ++m) plo[m] = phi[m] = L::zero();
+    for (int t = 0; t < 8; ++t) {
+      const L::B w = L::s8_prep(L::load(cb + SUBV * t));
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = a.q + (m0 + m) * K + b * QK + 4 * t;
+        if (t < 4) {
+          plo[m] = L::dot_s8(plo[m], w, x);
+        } else {
+          phi[m] = L::dot_s8(phi[m], w, x);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xi = (m0 + m) * nb + b;
+      const I isum = L::sub(L::add(plo[m], phi[m]), L::seti(L::kS8Bias * a.qsum[xi]));
+      acc[m] = L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
+
+template <int T, int MT>
+inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_t K,
+                 int64_t m0, const Out& out) {
+  if constexpr (T == kQ8_0) {
+    tile_q8<T, MT>(g, grp, h, a, K, m0, out);
+  } else {
+    tile_nibbles<T, MT>(g, grp, h, a, K, m0, out);
+  }
+}
+
+// A packed matrix as the kernels see it: its rows are output columns col0 .. col0 + rows.
+struct SegView {
+  Geom g;
+  int64_t rows = 0, col0 = 0;
+  const uint8_t* data = nullptr;
+};
+
+// Groups [g0, g1) of segment s times activation rows [m0, m1).
+template <int T>
+void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t g1,
+                int64_t m0, int64_t m1, float* y, int64_t ldy) {
+  constexpr int MT = Lanes::kMaxTile;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const uint8_t* grp = s.data + gi * s.g.stride;
+    for (int h = 0; h < Lanes::H; ++h) {
+      const int64_t r0 = gi * RG + h * Lanes::W;
+      if (r0 >= s.rows) break;
+      const Out out{y, ldy, s.col0 + r0, std::min<int64_t>(Lanes::W, s.rows - r0)};
+      int64_t m = m0;
+      for (; m + MT <= m1; m += MT) tile<T, MT>(s.g, grp, h, a, K, m, out);
+      switch (m1 - m) {
+        case 3: if constexpr (MT > 3) tile<T, 3>(s.g, grp, h, a, K, m, out); break;
+        case 2: if constexpr (MT > 2) tile<T, 2>(s.g, grp, h, a, K, m, out); break;
+        case 1: if constexpr (MT > 1) tile<T, 1>(s.g, grp, h, a, K, m, out); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void run_segment_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t g1,
+                        int64_t m0, int64_t m1, float* y, int64_t ldy) {
+  switch (s.g.type) {
+    case kQ4_0: run_groups<kQ4_0>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ4_1: run_groups<kQ4_1>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ5_0: run_groups<kQ5_0>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ5_1: run_groups<kQ5_1>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ8_0: run_groups<kQ8_0>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ4_K: run_groups<kQ4_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ5_K: run_groups<kQ5_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ6_K: run_groups<kQ6_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    default: TORCH_CHECK(false, "no packed layout for ggml type ", s.g.type);
+  }
+}
+
+// Activation rows per pass over the weights: enough that the weights are re-read from
+// memory rarely, few enough that their int8 codes stay in the core's L2 (~256 KB).
+inline int64_t rows_per_pass(int64_t K) {
+  return std::max<int64_t>(Lanes::kMaxTile, (int64_t{1} << 18) / std::max<int64_t>(K, 1)
+                                                / Lanes::kMaxTile * Lanes::kMaxTile);
+}
+
+// y[M, ldy] (columns of each segment) = x @ W^T with quantized activations a.
+// Threads take contiguous ranges of groups (across segments) holding equal bytes.
+void matmul_segments(const std::vector<SegView>& segs, const Acts& a, int64_t M, int64_t K,
+                     float* y, int64_t ldy) {
+  std::vector<int64_t> first{0};  // global index of each segment's first group
+  int64_t bytes = 0;
+  for (const SegView& s : segs) {
+    first.push_back(first.back() + groups_of(s.rows));
+    bytes += groups_of(s.rows) * s.g.stride;
+  }
+  const int64_t total = first.back();
+  if (total == 0 || M == 0) return;
+  // ~32k multiply-adds per thread at least, so a tiny matmul stays on one thread
+  const int64_t work = total * RG * K * M;
+  const int64_t nthreads = std::max<int64_t>(
+      1, std::min<int64_t>({at::get_num_threads(), total, work / (int64_t{1} << 15) + 1}));
+  // boundaries[t] .. boundaries[t + 1]: thread t's groups, cut where the bytes so far
+  // reach t / nthreads of all
+  std::vector<int64_t> bounds(nthreads + 1, total);
+  bounds[0] = 0;
+  {
+    int64_t t = 1, acc = 0;
+    for (size_t si = 0; si < segs.size() && t < nthreads; ++si) {
+      const int64_t stride = segs[si].g.stride;
+      for (int64_t gi = first[si]; gi < first[si + 1] && t < nthreads; ++gi) {
+        acc += stride;
+        while (t < nthreads && acc * nthreads >= bytes * t) bounds[t++] = gi + 1;
+      }
+    }
+  }
+  const int64_t pass = rows_per_pass(K);
+  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t m1 = std::min(M, m0 + pass);
+        for (size_t si = 0; si < segs.size(); ++si) {
+          const int64_t g0 = std::max(bounds[t], first[si]) - first[si];
+          const int64_t g1 = std::min(bounds[t + 1], first[si + 1]) - first[si];
+          if (g0 < g1) run_segment_groups(segs[si], a, K, g0, g1, m0, m1, y, ldy);
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,333 @@
+// Packed weight layouts: GGUF's block quantization at its own bit width, rearranged so
+// the integer kernels (quant_kernels.h) can read 16 output rows per instruction.
+//
+// Part of the quant_matmul.cpp translation unit (included inside its namespace).
+//
+// Packing moves bits, never values: a packed weight dequantizes to exactly the floats
+// ember.models.quant.dequantize (and gguf-py) computes from the GGUF bytes, and it
+// holds exactly the GGUF's bytes (the 16 rows of a group are padded to a whole
+// multiple of 64 bytes: at most 63 bytes per 16 rows).
+//
+// Rows are taken 16 at a time (a group; padding rows are zero codes with zero scales).
+// A group's data is one contiguous stretch of `stride` bytes, laid out section by
+// section: each section holds one kind of field for every super-block of the row
+// (32 elements for the legacy types, 256 for K-quants), so a kernel walking a group
+// reads a few sequential streams. Sections, per super-block and 16 rows:
+//
+//   codes4  per 32 elements, 4 vectors u of 64 bytes; byte 4r + p of vector u holds
+//           row r's code 4u + p in its low nibble and code 16 + 4u + p in its high
+//           nibble (GGUF's own Q4_0 order; K-quants are re-paired into it).
+//           The low nibbles of the 4 vectors are elements 0-15, the high 16-31.
+//   codes8  per 32 elements, 8 vectors t of 64 bytes; byte 4r + p: row r's int8
+//           code 4t + p (Q8_0).
+//   hi1     per 32 elements, 8 bit masks of 8 bytes, mask 2u + k: bit 4r + p is bit 4
+//           of the code in byte 4r + p's low (k = 0) or high (k = 1) nibble of codes4
+//           vector u (Q5_0, Q5_1, Q5_K).
+//   hi2     per 32 elements, 2 vectors of 64 bytes; vector k, byte 4r + p: bits 4-5 of
+//           the codes of vectors u = 2k (low nibble: bits 0-1, high: 2-3) and 2k + 1
+//           (low: 4-5, high: 6-7) in byte 4r + p (Q6_K).
+//   f16     16 halves, one per row (Q4_0/Q5_0/Q8_0 d, Q4_1/Q5_1 d and m, Q6_K d).
+//   kscale  Q4_K/Q5_K: the 12 bytes of six-bit scales and mins of every row, byte b of
+//           row r at 16 b + r (decoded by the kernel per super-block).
+//   dmin    Q4_K/Q5_K: 16 halves d, then 16 halves dmin.
+//   scale8  Q6_K: 16 int8 scales (one per 16 elements) of every row, scale k of row
+//           r at 16 k + r.
+//
+// Values (as gguf-py computes them, with f32 arithmetic and one rounding per step):
+//   Q4_0 (q - 8) d    Q4_1 q d + m    Q5_0 (q - 16) d    Q5_1 q d + m    Q8_0 q d
+//   Q4_K / Q5_K  q (d sc_j) - (dmin mn_j)   (sub-block j of 32)
+//   Q6_K  (q - 32) (d sc_k)                 (sub-block k of 16)
+
+// ggml type numbers (ember.models.gguf.GGMLType) of the packed layouts.
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+constexpr int64_t RG = 16;   // rows per group
+constexpr int64_t QK = 32;   // elements per activation block (and per legacy block)
+constexpr int64_t SUBV = 64; // bytes per code vector (4 bytes x 16 rows)
+
+enum Section { kCodes, kHi, kScales, kExtra, kSections };
+
+// Where a type's fields live inside a group.
+struct Geom {
+  int type = 0;
+  int64_t sb = QK;                 // elements per super-block
+  int64_t nsb = 0;                 // super-blocks per row
+  int64_t gguf_block = 0;          // GGUF bytes per block (per row and super-block)
+  int64_t size[kSections] = {};    // bytes per super-block of each section (16 rows)
+  int64_t off[kSections] = {};     // section offsets within a group
+  int64_t stride = 0;              // bytes per group, a multiple of 64
+};
+
+inline bool packable(int type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
+    case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+inline Geom geom_of(int type, int64_t K) {
+  Geom g;
+  g.type = type;
+  switch (type) {
+    case kQ4_0: g.gguf_block = 18; g.size[kCodes] = 256; g.size[kScales] = 32; break;
+    case kQ4_1: g.gguf_block = 20; g.size[kCodes] = 256; g.size[kScales] = 64; break;
+    case kQ5_0:
+      g.gguf_block = 22; g.size[kCodes] = 256; g.size[kHi] = 64; g.size[kScales] = 32; break;
+    case kQ5_1:
+      g.gguf_block = 24; g.size[kCodes] = 256; g.size[kHi] = 64; g.size[kScales] = 64; break;
+    case kQ8_0: g.gguf_block = 34; g.size[kCodes] = 512; g.size[kScales] = 32; break;
+    case kQ4_K:
+      g.sb = 256; g.gguf_block = 144;
+      g.size[kCodes] = 2048; g.size[kScales] = 64; g.size[kExtra] = 192; break;
+    case kQ5_K:
+      g.sb = 256; g.gguf_block = 176;
+      g.size[kCodes] = 2048; g.size[kHi] = 512; g.size[kScales] = 64; g.size[kExtra] = 192;
+      break;
+    case kQ6_K:
+      g.sb = 256; g.gguf_block = 210;
+      g.size[kCodes] = 2048; g.size[kHi] = 1024; g.size[kScales] = 32; g.size[kExtra] = 256;
+      break;
+    default: TORCH_CHECK(false, "no packed layout for ggml type ", type);
+  }
+  TORCH_CHECK(K > 0 && K % g.sb == 0, "ggml type ", type, ": row length ", K,
+              " is not a multiple of its block size ", g.sb);
+  g.nsb = K / g.sb;
+  int64_t at = 0;
+  for (int s = 0; s < kSections; ++s) {
+    g.off[s] = at;
+    at += g.nsb * g.size[s];
+  }
+  g.stride = (at + 63) / 64 * 64;
+  return g;
+}
+
+inline int64_t groups_of(int64_t rows) { return (rows + RG - 1) / RG; }
+
+inline uint16_t rd16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t rd32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ------------------------------------------------------------------ GGUF blocks -> codes
+
+// The codes of one GGUF block as stored (unsigned: 4, 5 or 6 bits; Q8_0's int8 bits),
+// in element order, and where the block's f16 fields sit.
+inline void gguf_codes(int type, const uint8_t* blk, uint8_t* codes) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: {
+      const uint8_t* qs = blk + (type == kQ4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) {
+        codes[j] = qs[j] & 0x0F;
+        codes[j + 16] = qs[j] >> 4;
+      }
+      break;
+    }
+    case kQ5_0: case kQ5_1: {
+      const int at = type == kQ5_0 ? 2 : 4;
+      const uint32_t qh = rd32(blk + at);
+      const uint8_t* qs = blk + at + 4;
+      for (int j = 0; j < 16; ++j) {
+        codes[j] = static_cast<uint8_t>((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        codes[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+      }
+      break;
+    }
+    case kQ8_0: std::memcpy(codes, blk + 2, 32); break;
+    case kQ4_K: case kQ5_K: {
+      // 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles 2c + 1
+      const uint8_t* qs = blk + (type == kQ4_K ? 16 : 48);
+      const uint8_t* qh = blk + 16;
+      for (int c = 0; c < 4; ++c) {
+        for (int l = 0; l < 32; ++l) {
+          uint8_t lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+          if (type == kQ5_K) {
+            lo |= static_cast<uint8_t>(((qh[l] >> (2 * c)) & 1) << 4);
+            hi |= static_cast<uint8_t>(((qh[l] >> (2 * c + 1)) & 1) << 4);
+          }
+          codes[64 * c + l] = lo;
+          codes[64 * c + 32 + l] = hi;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      // two halves of 128: ql low nibbles are elements 0-63 of the half, high nibbles
+      // 64-127; qh[l] holds bits 4-5 of elements l, l + 32, l + 64, l + 96
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* ql = blk + 64 * n;
+        const uint8_t* qh = blk + 128 + 32 * n;
+        uint8_t* c = codes + 128 * n;
+        for (int l = 0; l < 32; ++l) {
+          c[l] = static_cast<uint8_t>((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
+          c[l + 32] = static_cast<uint8_t>((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
+          c[l + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+          c[l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+        }
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "no packed layout for ggml type ", type);
+  }
+}
+
+// ------------------------------------------------------------------------- packing
+
+// Row r (0..15) of a group: the 32 codes of one block into the code (and high-bit)
+// sections at cb (and hb).
+inline void put_codes4(const uint8_t* c, int r, uint8_t* cb) {
+  for (int u = 0; u < 4; ++u) {
+    for (int p = 0; p < 4; ++p) {
+      cb[SUBV * u + 4 * r + p] = static_cast<uint8_t>((c[4 * u + p] & 0x0F) |
+                                                      ((c[16 + 4 * u + p] & 0x0F) << 4));
+    }
+  }
+}
+
+inline void put_hi1(const uint8_t* c, int r, uint8_t* hb) {
+  for (int u = 0; u < 4; ++u) {
+    for (int k = 0; k < 2; ++k) {
+      for (int p = 0; p < 4; ++p) {
+        const int bit = 4 * r + p;
+        if ((c[16 * k + 4 * u + p] >> 4) & 1) hb[8 * (2 * u + k) + bit / 8] |= 1 << (bit % 8);
+      }
+    }
+  }
+}
+
+inline void put_hi2(const uint8_t* c, int r, uint8_t* hb) {
+  for (int k = 0; k < 2; ++k) {
+    for (int p = 0; p < 4; ++p) {
+      const int u0 = 2 * k, u1 = 2 * k + 1;
+      hb[SUBV * k + 4 * r + p] = static_cast<uint8_t>(
+          (c[4 * u0 + p] >> 4) | ((c[16 + 4 * u0 + p] >> 4) << 2) |
+          ((c[4 * u1 + p] >> 4) << 4) | ((c[16 + 4 * u1 + p] >> 4) << 6));
+    }
+  }
+}
+
+inline void put_codes8(const uint8_t* c, int r, uint8_t* cb) {
+  for (int t = 0; t < 8; ++t) std::memcpy(cb + SUBV * t + 4 * r, c + 4 * t, 4);
+}
+
+// One group from the GGUF rows at src[r] (nullptr: a padding row, left zero). The
+// group's bytes at dst must be zeroed.
+void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
+  uint8_t codes[256];
+  const int64_t nsub = g.sb / QK;
+  for (int64_t b = 0; b < g.nsb; ++b) {
+    uint8_t* cb = dst + g.off[kCodes] + b * g.size[kCodes];
+    uint8_t* hb = dst + g.off[kHi] + b * g.size[kHi];
+    uint8_t* sb = dst + g.off[kScales] + b * g.size[kScales];
+    uint8_t* xb = dst + g.off[kExtra] + b * g.size[kExtra];
+    for (int r = 0; r < RG; ++r) {
+      if (src[r] == nullptr) continue;
+      const uint8_t* blk = src[r] + b * g.gguf_block;
+      gguf_codes(g.type, blk, codes);
+      for (int64_t j = 0; j < nsub; ++j) {
+        const uint8_t* c = codes + QK * j;
+        if (g.type == kQ8_0) {
+          put_codes8(c, r, cb);
+          continue;
+        }
+        put_codes4(c, r, cb + 256 * j);
+        if (g.type == kQ5_0 || g.type == kQ5_1 || g.type == kQ5_K) put_hi1(c, r, hb + 64 * j);
+        if (g.type == kQ6_K) put_hi2(c, r, hb + 128 * j);
+      }
+      uint16_t* halves = reinterpret_cast<uint16_t*>(sb);
+      switch (g.type) {
+        case kQ4_0: case kQ5_0: case kQ8_0: halves[r] = rd16(blk); break;
+        case kQ4_1: case kQ5_1: halves[r] = rd16(blk); halves[16 + r] = rd16(blk + 2); break;
+        case kQ4_K: case kQ5_K:
+          halves[r] = rd16(blk);
+          halves[16 + r] = rd16(blk + 2);
+          for (int i = 0; i < 12; ++i) xb[16 * i + r] = blk[4 + i];
+          break;
+        case kQ6_K:
+          halves[r] = rd16(blk + 208);
+          for (int i = 0; i < 16; ++i) xb[16 * i + r] = blk[192 + i];
+          break;
+        default: break;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ dequantization
+
+// Q4_K/Q5_K six-bit scale and min j (0..7) from a row's 12 GGUF scale bytes s.
+inline void kscale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Row r (0..15) of a packed group back to K floats, bit-identical to gguf-py's values.
+void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
+  const int64_t nsub = g.sb / QK;
+  for (int64_t b = 0; b < g.nsb; ++b) {
+    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes];
+    const uint8_t* hb = grp + g.off[kHi] + b * g.size[kHi];
+    const uint16_t* halves =
+        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]);
+    const uint8_t* xb = grp + g.off[kExtra] + b * g.size[kExtra];
+    uint8_t s12[12];
+    for (int i = 0; i < 12 && g.size[kExtra] == 192; ++i) s12[i] = xb[16 * i + r];
+    for (int64_t j = 0; j < nsub; ++j) {
+      float* o = out + b * g.sb + QK * j;
+      for (int e = 0; e < QK; ++e) {
+        int q;
+        if (g.type == kQ8_0) {
+          q = static_cast<int8_t>(cb[SUBV * (e / 4) + 4 * r + e % 4]);
+        } else {
+          const int u = (e % 16) / 4, p = e % 4, k = e / 16;
+          const uint8_t byte = cb[256 * j + SUBV * u + 4 * r + p];
+          q = k ? byte >> 4 : byte & 0x0F;
+          if (g.type == kQ5_0 || g.type == kQ5_1 || g.type == kQ5_K) {
+            const int bit = 4 * r + p;
+            q |= ((hb[64 * j + 8 * (2 * u + k) + bit / 8] >> (bit % 8)) & 1) << 4;
+          } else if (g.type == kQ6_K) {
+            const uint8_t h = hb[128 * j + SUBV * (u / 2) + 4 * r + p];
+            q |= ((h >> (4 * (u % 2) + 2 * k)) & 3) << 4;
+          }
+        }
+        float v;
+        switch (g.type) {
+          case kQ4_0: v = static_cast<float>(q - 8) * h2f(halves[r]); break;
+          case kQ5_0: v = static_cast<float>(q - 16) * h2f(halves[r]); break;
+          case kQ8_0: v = static_cast<float>(q) * h2f(halves[r]); break;
+          case kQ4_1: case kQ5_1:
+            v = static_cast<float>(q) * h2f(halves[r]) + h2f(halves[16 + r]);
+            break;
+          case kQ4_K: case kQ5_K: {
+            int sc, mn;
+            kscale_min(s12, static_cast<int>(j), &sc, &mn);
+            const float scale = h2f(halves[r]) * static_cast<float>(sc);
+            const float minimum = h2f(halves[16 + r]) * static_cast<float>(mn);
+            v = static_cast<float>(q) * scale - minimum;
+            break;
+          }
+          default: {  // Q6_K
+            const int8_t sc = static_cast<int8_t>(xb[16 * (2 * j + e / 16) + r]);
+            v = static_cast<float>(q - 32) * (h2f(halves[r]) * static_cast<float>(sc));
+            break;
+          }
+        }
+        o[e] = v;
+      }
+    }
+  }
+}
