@@ -100,13 +100,15 @@ def test_narrow_pools_hold_the_rounded_or_quantized_kv(models, kv_dtype):
         kv = q4.new_kv_storage(-(-n // bs), bs, dt)
         kv.zero_blocks(table.allocator.take_fresh())  # the last block's tail: zeros in both
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], bs)
-        outs.append(q4.forward(torch.tensor(ids), batch, kv))
+        outs.append(q4.forward(torch.tensor(ids), batch, kv, torch.arange(n)))
         pools.append(kv.pool[:, 0])  # layer 0's K and V of every position
     # layer 0's K/V do not depend on the pool dtype (later layers read rounded values)
     assert torch.equal(KV_DTYPES[kv_dtype].encode(pools[0]), pools[1])
-    rel = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
-    # rounded K/V: a small, nonzero change of the last token's logits (q8_0: 0.026)
-    assert 0 < rel < (0.05 if kv_dtype == "q8_0" else 0.02), rel
+    # rounded K/V: a small, nonzero change of the logits, position by position (measured
+    # mean 0.04 for each dtype: q4's int8 activations turn any rounding into about this;
+    # a single position's ranges from 0.02 to 0.15)
+    rel = ((outs[1] - outs[0]).norm(dim=-1) / outs[0].norm(dim=-1)).mean().item()
+    assert 0 < rel < 0.08, rel
 
 
 def test_the_stack_refuses_a_mismatched_pool(models):

@@ -146,16 +146,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-// Elements i..i+7 of a K/V row in pool type KT, as f32 (exact; i a multiple of 8).
+// Elements i..i+7 of a K/V row in float pool type KT, as f32 (exact). (q8_0 rows are
+// read a block at a time: dots8, weighted_values.)
 template <KVType KT>
 inline __m256 load8(const void* row, int64_t i) {
+  static_assert(KT != KVType::Q8_0, "q8_0 rows are read by block");
   if constexpr (KT == KVType::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(row) + i);
-  } else if constexpr (KT == KVType::Q8_0) {
-    const uint8_t* b = q8_block(row, i);
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Block));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
-                         _mm256_set1_ps(q8_scale(b)));
   } else {
     const __m128i h =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
@@ -167,16 +164,38 @@ inline __m256 load8(const void* row, int64_t i) {
   }
 }
 
+// 8 int8 codes at p as f32.
+inline __m256 codes8(const uint8_t* p) {
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+}
+
 // The dots of q with 8 rows k[0..7] (D a multiple of 8): per row, 8 lanes summed
 // over D in order, then the lanes in a fixed tree — the same for a row whatever
-// the other seven are.
+// the other seven are. q8_0 rows: per 32-value block, q times the codes, then times
+// the block's scale (one scale per block rather than per 8 values).
 template <KVType KT>
 inline __m256 dots8(const float* q, const void* const* k, int64_t D) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8<KT>(k[j], c), a[j]);
+  if constexpr (KT == KVType::Q8_0) {
+    for (int64_t c = 0; c < D; c += kQ8Block) {
+      const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8);
+      const __m256 q2 = _mm256_loadu_ps(q + c + 16), q3 = _mm256_loadu_ps(q + c + 24);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* b = q8_block(k[j], c);
+        __m256 t = _mm256_mul_ps(q0, codes8(b + 2));
+        t = _mm256_fmadd_ps(q1, codes8(b + 10), t);
+        t = _mm256_fmadd_ps(q2, codes8(b + 18), t);
+        t = _mm256_fmadd_ps(q3, codes8(b + 26), t);
+        a[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(q8_scale(b)), a[j]);
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8<KT>(k[j], c), a[j]);
+    }
   }
   const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -184,7 +203,8 @@ inline __m256 dots8(const float* q, const void* const* k, int64_t D) {
 }
 
 // acc[0 .. 8 NV) = acc * r + sum_j w[j] v[j][0 .. 8 NV), positions j in order, with
-// the accumulators in registers.
+// the accumulators in registers. q8_0 rows (c0 a multiple of 32): w[j] times the
+// block's scale, once per block, times the codes.
 template <KVType KT, int NV>
 inline void weighted_values(float* acc, float r, const float* w, const void* const* v,
                             int64_t n, int64_t c0) {
@@ -192,8 +212,18 @@ inline void weighted_values(float* acc, float r, const float* w, const void* con
   const __m256 rv = _mm256_set1_ps(r);
   for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), rv);
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 wj = _mm256_set1_ps(w[j]);
-    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(wj, load8<KT>(v[j], c0 + 8 * u), a[u]);
+    if constexpr (KT == KVType::Q8_0) {
+      const uint8_t* base = q8_block(v[j], c0);
+      __m256 wd = _mm256_setzero_ps();
+      for (int u = 0; u < NV; ++u) {
+        const uint8_t* b = base + (u / 4) * kQ8BlockBytes;
+        if (u % 4 == 0) wd = _mm256_set1_ps(w[j] * q8_scale(b));
+        a[u] = _mm256_fmadd_ps(wd, codes8(b + 2 + (u % 4) * 8), a[u]);
+      }
+    } else {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(wj, load8<KT>(v[j], c0 + 8 * u), a[u]);
+    }
   }
   for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
