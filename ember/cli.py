@@ -266,7 +266,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
     b.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens per stream")
     b.add_argument("--stream-gen", type=int, default=32, help="tokens generated per stream")
-    b.add_argument("--kv-dtype", default="f32", choices=KV_DTYPE_CHOICES,
+    b.add_argument("--kv-dtype", default="f16", choices=KV_DTYPE_CHOICES,
                    help="ember's KV pool dtype (llama.cpp uses its default, f16)")
     b.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
                    help="llama.cpp's extra CPU buffer types (repacked weights, AMX); off "
@@ -521,10 +521,10 @@ def _model_args(s: argparse.ArgumentParser) -> None:
                         "experts from the file through a cache (docs/models.md)")
     s.add_argument("--moe-cache-bytes", type=int, default=1024**3,
                    help="the streamed experts' cache: pinned hot set + per-layer LRU")
-    s.add_argument("--kv-dtype", default="f32", choices=KV_DTYPE_CHOICES,
-                   help="KV cache storage: f32 (exact), f16/bf16 (half the memory and disk), "
-                        "q8_0 (llama.cpp's 8-bit blocks: 0.53x of f16; head_dim a multiple "
-                        "of 32)")
+    s.add_argument("--kv-dtype", default="f16", choices=KV_DTYPE_CHOICES,
+                   help="KV cache storage: f16 (default; half of f32, drift within noise), "
+                        "f32 (exact), bf16, q8_0 (llama.cpp's 8-bit blocks: 0.53x of f16; "
+                        "head_dim a multiple of 32)")
 
 
 def _sampling_args(s: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=562)
-    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--ab", action="store_true", help="also time the op-by-op path")

@@ -30,12 +30,13 @@ def smollm2_file(smollm2_gguf: Path) -> GGUFFile:
 def smollm2_llm(smollm2_gguf: Path):
     """One ``ember.LLM`` over the real SmolLM2-135M, shared by every test that needs it.
 
-    f32, the exact oracle (the Python API defaults to q4): the tests that use it compare
-    streams across batch shapes, which q4's int8 activations do not keep bit-identical.
+    f32 weights and KV, the exact oracle (the Python API defaults to q4 and f16 KV): the
+    tests that use it compare streams across batch shapes, which q4's int8 activations do
+    not keep bit-identical, and against transformers and llama.cpp.
     """
     import ember
 
-    return ember.LLM("smollm2-135m", weights="f32")
+    return ember.LLM("smollm2-135m", weights="f32", kv_dtype="f32")
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +57,11 @@ def gemma3_file() -> GGUFFile:
 
 @pytest.fixture(scope="session")
 def gemma3_llm(gemma3_file: GGUFFile):
-    """One f32 ``ember.LLM`` over the real Gemma 3 270M, shared by the tests that need it."""
+    """One f32 ``ember.LLM`` (f32 KV: the exact oracle) over the real Gemma 3 270M, shared
+    by the tests that need it."""
     import ember
 
-    return ember.LLM("gemma3-270m", weights="f32")
+    return ember.LLM("gemma3-270m", weights="f32", kv_dtype="f32")
 
 
 # ---- tiny random-weight model: fast engine tests ----

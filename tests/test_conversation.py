@@ -94,11 +94,11 @@ def test_save_and_load_prefix_warm_a_new_process_exactly(tiny_gguf, tmp_path):
 
     prompt = list(range(100, 190))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    first = LLM(str(tiny_gguf), weights="f32", num_kv_blocks=64, threads=1)
+    first = LLM(str(tiny_gguf), weights="f32", kv_dtype="f32", num_kv_blocks=64, threads=1)
     saved = first.save_prefix(prompt, tmp_path / "p")
     assert saved == 80  # five full blocks of 16
     ram = first.generate(prompt, greedy)[0]  # a RAM hit: what a warm start must equal
-    second = LLM(str(tiny_gguf), weights="f32", num_kv_blocks=64, threads=1)
+    second = LLM(str(tiny_gguf), weights="f32", kv_dtype="f32", num_kv_blocks=64, threads=1)
     assert second.load_prefix(tmp_path / "p", tenant="b") == []  # another tenant's salt
     assert second.load_prefix(tmp_path / "p") == prompt[:80]
     warm = second.generate(prompt, greedy)[0]

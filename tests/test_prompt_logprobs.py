@@ -13,8 +13,9 @@ from test_engine import prompts, run
 from ember.sampling.params import InvalidSamplingParams, SamplingParams
 
 
-def teacher_forced(model, prompt: list[int], n_top: int) -> list[tuple[float, list]]:
-    logprobs = torch.log_softmax(model.score(prompt).float(), dim=-1)
+def teacher_forced(model, prompt: list[int], n_top: int, kv_dtype: str
+                   ) -> list[tuple[float, list]]:
+    logprobs = torch.log_softmax(model.score(prompt, kv_dtype=kv_dtype).float(), dim=-1)
     out = []
     for i in range(1, len(prompt)):
         top = logprobs[i - 1].topk(n_top) if n_top else None
@@ -23,9 +24,10 @@ def teacher_forced(model, prompt: list[int], n_top: int) -> list[tuple[float, li
     return out
 
 
-def check(model, prompt: list[int], got, n_top: int) -> None:
+def check(model, prompt: list[int], got, n_top: int, kv_dtype: str) -> None:
+    """``got`` against teacher forcing with the engine's KV dtype."""
     assert got[0] is None and len(got) == len(prompt)
-    want = teacher_forced(model, prompt, n_top)
+    want = teacher_forced(model, prompt, n_top, kv_dtype)
     for i, (lp, (value, top)) in enumerate(zip(got[1:], want, strict=True), start=1):
         assert lp.token == prompt[i]
         assert lp.logprob == pytest.approx(value, abs=1e-4), i
@@ -43,7 +45,7 @@ def test_prompt_logprobs_equal_teacher_forcing_chunked_batched_and_preempted(
     outs = run(engine, list(zip(ps, params, strict=True)))
     assert engine.scheduler.num_preemptions > 0
     for p, sp, out in zip(ps, params, outs, strict=True):
-        check(tiny_loaded.model, p, out.prompt_logprobs, sp.prompt_logprobs)
+        check(tiny_loaded.model, p, out.prompt_logprobs, sp.prompt_logprobs, engine.config.kv_dtype)
         assert len(out.token_ids) == 4
     engine.kv.check_no_leaks()
 
@@ -54,7 +56,7 @@ def test_a_cached_prefix_is_recomputed_for_its_logprobs(make_tiny_engine, tiny_l
     run(engine, [(prompt, SamplingParams(max_tokens=1))])  # caches the prompt's blocks
     out = run(engine, [(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))])[0]
     assert out.cached_tokens == 0
-    check(tiny_loaded.model, prompt, out.prompt_logprobs, 1)
+    check(tiny_loaded.model, prompt, out.prompt_logprobs, 1, engine.config.kv_dtype)
     again = run(engine, [(prompt, SamplingParams(max_tokens=1))])[0]
     assert again.cached_tokens > 0  # without prompt logprobs the cache still serves
 
@@ -65,7 +67,7 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_tiny_engin
     engine = make_tiny_engine()
     out = run(engine, [(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))])[0]
     assert out.token_ids == [] and out.finish_reason == "length"
-    check(tiny_loaded.model, prompt, out.prompt_logprobs, 0)
+    check(tiny_loaded.model, prompt, out.prompt_logprobs, 0, engine.config.kv_dtype)
     engine.kv.check_no_leaks()
 
 
@@ -79,7 +81,7 @@ def test_n_siblings_share_the_prompt_logprobs(make_tiny_engine, tiny_loaded):
         engine.step()
     outs = [engine.output(r) for r in group]
     for out in outs:
-        check(tiny_loaded.model, prompt, out.prompt_logprobs, 2)
+        check(tiny_loaded.model, prompt, out.prompt_logprobs, 2, engine.config.kv_dtype)
 
 
 def test_prompt_logprobs_must_be_0_to_20():

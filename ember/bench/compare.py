@@ -294,7 +294,7 @@ class _EmberSpecBackend:
         base = dict(model=str(self.loaded.path), weights=self.weights, threads=msg["threads"],
                     max_num_seqs=1, max_num_batched_tokens=max(512, need),
                     num_kv_blocks=-(-need // 16) + 8, block_size=16,
-                    enable_prefix_caching=False, kv_dtype=msg.get("kv_dtype", "f32"))
+                    enable_prefix_caching=False, kv_dtype=msg.get("kv_dtype", "f16"))
         self.engines = {"on": LLMEngine(EngineConfig(**base), loaded=self.loaded),
                         "off": LLMEngine(EngineConfig(**base, speculation="off"),
                                          loaded=self.loaded)}
@@ -630,7 +630,7 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
          llama_python: str | None, prefill: list[int], decode_tokens: int, streams: list[int],
          stream_prompt: int, stream_gen: int, decode_prompt: int = 32,
          command: str | None = None, bandwidth_bytes: int = BANDWIDTH_BYTES,
-         llama_flash_attn: str = "auto", kv_dtype: str = "f32",
+         llama_flash_attn: str = "auto", kv_dtype: str = "f16",
          llama_extra_bufts: bool = True, llama_bench: str | None = None,
          spec_rows: bool = True) -> dict:
     """Run the comparison (module docstring), print the table, write ``out`` as JSON.
