@@ -30,6 +30,9 @@ def make_engine(smollm2_llm):
 
     def make(**options) -> LLMEngine:
         options.setdefault("num_kv_blocks", 512)
+        # the fixture's f32 KV: rounding K/V to f16 would turn the verify rows' last-bit
+        # differences into f16 steps, and near-ties into flips, more often
+        options.setdefault("kv_dtype", smollm2_llm.engine.config.kv_dtype)
         engine = LLMEngine(EngineConfig(model=str(loaded.path), **options), loaded=loaded)
         # steps priced so that every draft pays: as many verified drafts as can be
         engine.scheduler.costs = StepCostModel(Coefficients(0.01, 1e-5, 0.0, 0.0, 0.0),

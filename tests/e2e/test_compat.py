@@ -176,7 +176,9 @@ def test_echo_logprobs_are_the_teacher_forced_logprobs_of_the_model(smol_server,
 
     text = "The capital of France is Paris, and the capital of Italy is Rome."
     ids = smol_reference.encode(text)
-    logprobs = torch.log_softmax(smol_reference.engine.loaded.model.score(ids).float(), -1)
+    kv_dtype = smol_reference.engine.config.kv_dtype  # the server's too: both the default
+    logprobs = torch.log_softmax(
+        smol_reference.engine.loaded.model.score(ids, kv_dtype=kv_dtype).float(), -1)
     want = [None] + [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
     for max_tokens in (0, 3):
         r = httpx.post(f"{smol_server.url}/v1/completions", headers=_auth(), timeout=60,
