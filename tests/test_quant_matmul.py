@@ -379,6 +379,39 @@ def test_a_tied_head_serves_the_embedding_rows_exactly(ext, smollm2_file: GGUFFi
     assert torch.equal(untied(ids), emb(ids))
 
 
+def test_a_bound_format_packs_the_weights_back_to_back_in_one_arena(
+        ext, smollm2_file: GGUFFile) -> None:
+    """QuantFormat.bind(gguf): one huge-page reservation for the model's weights, blobs
+    carved in order (64-byte aligned, never overlapping), the same bytes as unbound."""
+    fmt = QuantFormat().bind(smollm2_file)
+    arena = fmt._arena._buf
+    names = [["blk.0.attn_q.weight", "blk.0.attn_k.weight"], ["blk.0.ffn_down.weight"],
+             ["blk.1.attn_output.weight"]]
+    spans = []
+    for group in names:
+        lin = fmt.linear(smollm2_file, group)
+        alone = QuantFormat().linear(smollm2_file, group)
+        for (_, _, blob), (_, _, ref) in zip(lin.packed.segments, alone.packed.segments,
+                                             strict=True):
+            assert blob.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+            assert torch.equal(blob, ref)
+            start = blob.data_ptr() - arena.data_ptr()
+            assert start % 64 == 0
+            spans.append((start, start + blob.numel()))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # in order
+    emb = fmt.embedding(smollm2_file, "token_embd.weight", tied=True)
+    (_, _, head), = emb.tied_linear().packed.segments
+    assert head.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+
+
+def test_an_arena_that_is_full_hands_out_ordinary_memory(ext) -> None:
+    arena = linear_mod.WeightArena(100)
+    first, second = arena(64), arena(64)  # the second would end at byte 128
+    assert first.untyped_storage().data_ptr() == arena._buf.untyped_storage().data_ptr()
+    assert second.untyped_storage().data_ptr() != arena._buf.untyped_storage().data_ptr()
+    assert first.numel() == second.numel() == 64
+
+
 def test_float_matrices_stay_dense() -> None:
     w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float16)
     lin = QuantFormat().linear_from_raw([(w.view(np.uint8).reshape(-1), GGMLType.F16, (8, 64))],

@@ -149,23 +149,19 @@ inline void store_lanes(Lanes::F v, const Out& o, int64_t m) {
 }
 
 // Q4_K/Q5_K: a super-block's 16 rows x 12 bytes of six-bit scales and mins (byte b of row
-// r at 16 b + r) as bytes sc[16 j + r], mn[16 j + r] of sub-block j. Eight-byte words do
-// 8 rows at once; each byte's shifted-in neighbour bits are masked off.
+// r at 16 b + r) as bytes sc[16 j + r], mn[16 j + r] of sub-block j. Bytes 0-3 of the
+// rows hold scales 0-3 (and the top bits of 4-7), bytes 4-7 mins 0-3 (and top bits),
+// bytes 8-11 the low nibbles of scales and mins 4-7; whole vectors of them at a time
+// (the 16-bit shifts' bits from the neighbouring byte are masked off).
 inline void decode_kscales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  constexpr uint64_t k3F = 0x3F3F3F3F3F3F3F3FULL, k0F = 0x0F0F0F0F0F0F0F0FULL;
-  constexpr uint64_t k30 = 0x3030303030303030ULL;
-  for (int w = 0; w < 8; ++w) {
-    uint64_t a, b, c;
-    std::memcpy(&a, s + 8 * w, 8);        // bytes 0-3: scales 0-3 (+ top bits of 4-7)
-    std::memcpy(&b, s + 64 + 8 * w, 8);   // bytes 4-7: mins 0-3 (+ top bits of 4-7)
-    std::memcpy(&c, s + 128 + 8 * w, 8);  // bytes 8-11: low 4 bits of scales/mins 4-7
-    const uint64_t sc0 = a & k3F, mn0 = b & k3F;
-    const uint64_t sc1 = (c & k0F) | ((a >> 2) & k30);
-    const uint64_t mn1 = ((c >> 4) & k0F) | ((b >> 2) & k30);
-    std::memcpy(sc + 8 * w, &sc0, 8);
-    std::memcpy(mn + 8 * w, &mn0, 8);
-    std::memcpy(sc + 64 + 8 * w, &sc1, 8);
-    std::memcpy(mn + 64 + 8 * w, &mn1, 8);
+  using L = Lanes;
+  constexpr int V = static_cast<int>(sizeof(L::B));
+  for (int o = 0; o < 64; o += V) {
+    const L::B a = L::load(s + o), b = L::load(s + 64 + o), c = L::load(s + 128 + o);
+    L::store_b(L::and_(a, L::set8(0x3F)), sc + o);
+    L::store_b(L::and_(b, L::set8(0x3F)), mn + o);
+    L::store_b(L::or_(L::and_(c, L::set8(0x0F)), L::template shr<2>(a, 0x30)), sc + 64 + o);
+    L::store_b(L::or_(L::template shr<4>(c, 0x0F), L::template shr<2>(b, 0x30)), mn + 64 + o);
   }
 }
 
@@ -176,6 +172,10 @@ struct Kind {
   static constexpr bool kKQuant = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   static constexpr bool kOffset = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
   static constexpr int kSub = kKQuant ? 8 : 1;  // 32-element blocks per super-block
+  // two integer partial sums per row (Q6_K's scales are per 16) or one: what fits the
+  // registers decides the activation rows per tile
+  static constexpr bool kHalves = T == kQ6_K;
+  static constexpr int kTile = kHalves ? Lanes::kMaxTileHalves : Lanes::kMaxTile;
   // the code a centred code is measured from (integers: exact; floats: see above)
   static constexpr int32_t kCentre =
       (T == kQ4_0 || T == kQ4_1 || T == kQ4_K) ? 8 : T == kQ6_K ? 32 : 16;
@@ -210,8 +210,16 @@ inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a
     for (int j = 0; j < KT::kSub; ++j) {
       const uint8_t* cj = cb + 256 * j;
       const int64_t blk = sb * KT::kSub + j;
-      I plo[MT], phi[MT];
-      for (int m = 0; m < MT; ++m) plo[m] = phi[m] = L::zero();
+      // integer partial sums per row: dot call c (u = 0 low, u = 0 high, u = 2 low,
+      // u = 2 high nibbles) adds into part[c % P]; with few rows several partials keep
+      // the dot-product chains short, so the core overlaps more blocks (and keeps more
+      // weight bytes in flight from memory). Q6_K's low and high halves (even / odd c)
+      // stay apart: their scales differ.
+      constexpr int P = KT::kHalves ? (MT == 1 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
+      I part[MT][P];
+      for (int m = 0; m < MT; ++m) {
+        for (int p = 0; p < P; ++p) part[m][p] = L::zero();
+      }
       for (int u = 0; u < 4; u += 2) {
         const B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
         B lo0 = L::and_(r0, L::set8(0x0F)), hi0 = L::template shr<4>(r0, 0x0F);
@@ -230,10 +238,26 @@ inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a
           lo1 = L::or_(lo1, L::and_(hv2, L::set8(0x30)));
           hi1 = L::or_(hi1, L::template shr<2>(hv2, 0x30));
         }
+        const int c = u;  // calls c (low) and c + 1 (high) of this pair of vectors
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a.q + (m0 + m) * K + blk * QK + 4 * u;
-          plo[m] = L::dot2(plo[m], lo0, x, lo1, x + 4);
-          phi[m] = L::dot2(phi[m], hi0, x + 16, hi1, x + 20);
+          part[m][c % P] = L::dot2(part[m][c % P], lo0, x, lo1, x + 4);
+          part[m][(c + 1) % P] = L::dot2(part[m][(c + 1) % P], hi0, x + 16, hi1, x + 20);
+        }
+      }
+      I plo[MT], phi[MT];  // elements 0-15 and 16-31 (kHalves), else all of them in plo
+      for (int m = 0; m < MT; ++m) {
+        plo[m] = part[m][0];
+        phi[m] = L::zero();
+        if constexpr (KT::kHalves) {
+          phi[m] = part[m][1];
+          if constexpr (P == 4) {
+            plo[m] = L::add(plo[m], part[m][2]);
+            phi[m] = L::add(phi[m], part[m][3]);
+          }
+        } else {
+          if constexpr (P >= 2) plo[m] = L::add(plo[m], part[m][1]);
+          if constexpr (P == 4) plo[m] = L::add(plo[m], L::add(part[m][2], part[m][3]));
         }
       }
       F sa = dv, sb2 = mv;  // per-lane scales of this block (K-quants: of its sub-block)
@@ -254,7 +278,7 @@ inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a
           const F t = L::fma(L::cvt(hi), sb2, L::mul(L::cvt(lo), sa));
           acc[m] = L::fma(t, dx, acc[m]);
         } else if constexpr (KT::kOffset) {
-          const F t = L::fma(L::cvt(L::add(plo[m], phi[m])), dx,
+          const F t = L::fma(L::cvt(plo[m]), dx,
                              L::set1(static_cast<float>(KT::kCentre) * a.c[xi]));
           acc[m] = L::fma(sa, t, acc[m]);
           if constexpr (KT::kKQuant) {
@@ -263,7 +287,7 @@ inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a
             acc[m] = L::fma(sb2, L::set1(a.s[xi]), acc[m]);   // plus m sum(x)
           }
         } else {
-          const I isum = L::sub(L::add(plo[m], phi[m]), L::seti(KT::kCentre * a.qsum[xi]));
+          const I isum = L::sub(plo[m], L::seti(KT::kCentre * a.qsum[xi]));
           acc[m] = L::fma(sa, L::mul(L::cvt(isum), dx), acc[m]);
         }
       }
@@ -286,22 +310,24 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const Acts& a, int
     const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
     const F dv = L::halves(
         reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) + L::W * h);
-    I plo[MT], phi[MT];
-    for (int m = 0; m < MT; ++m) plo[m] = phi[m] = L::zero();
+    // partial sums per row as in tile_nibbles: short chains when the rows are few
+    constexpr int P = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+    I part[MT][P];
+    for (int m = 0; m < MT; ++m) {
+      for (int p = 0; p < P; ++p) part[m][p] = L::zero();
+    }
     for (int t = 0; t < 8; ++t) {
       const L::B w = L::s8_prep(L::load(cb + SUBV * t));
       for (int m = 0; m < MT; ++m) {
-        const int8_t* x = a.q + (m0 + m) * K + b * QK + 4 * t;
-        if (t < 4) {
-          plo[m] = L::dot_s8(plo[m], w, x);
-        } else {
-          phi[m] = L::dot_s8(phi[m], w, x);
-        }
+        part[m][t % P] = L::dot_s8(part[m][t % P], w, a.q + (m0 + m) * K + b * QK + 4 * t);
       }
     }
     for (int m = 0; m < MT; ++m) {
       const int64_t xi = (m0 + m) * nb + b;
-      const I isum = L::sub(L::add(plo[m], phi[m]), L::seti(L::kS8Bias * a.qsum[xi]));
+      I sum = part[m][0];
+      if constexpr (P >= 2) sum = L::add(sum, part[m][1]);
+      if constexpr (P == 4) sum = L::add(sum, L::add(part[m][2], part[m][3]));
+      const I isum = L::sub(sum, L::seti(L::kS8Bias * a.qsum[xi]));
       acc[m] = L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc[m]);
     }
   }
@@ -329,7 +355,7 @@ struct SegView {
 template <int T>
 void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t g1,
                 int64_t m0, int64_t m1, float* y, int64_t ldy) {
-  constexpr int MT = Lanes::kMaxTile;
+  constexpr int MT = Kind<T>::kTile;
   for (int64_t gi = g0; gi < g1; ++gi) {
     const uint8_t* grp = s.data + gi * s.g.stride;
     for (int h = 0; h < Lanes::H; ++h) {
@@ -338,12 +364,20 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
       const Out out{y, ldy, s.col0 + r0, std::min<int64_t>(Lanes::W, s.rows - r0)};
       int64_t m = m0;
       for (; m + MT <= m1; m += MT) tile<T, MT>(s.g, grp, h, a, K, m, out);
-      switch (m1 - m) {
-        case 3: if constexpr (MT > 3) tile<T, 3>(s.g, grp, h, a, K, m, out); break;
-        case 2: if constexpr (MT > 2) tile<T, 2>(s.g, grp, h, a, K, m, out); break;
-        case 1: if constexpr (MT > 1) tile<T, 1>(s.g, grp, h, a, K, m, out); break;
-        default: break;
+      // the rest in tiles of 4, 2, 1 rows (a row's arithmetic is the same in any tile)
+      if constexpr (MT > 4) {
+        if (m + 4 <= m1) {
+          tile<T, 4>(s.g, grp, h, a, K, m, out);
+          m += 4;
+        }
       }
+      if constexpr (MT > 2) {
+        if (m + 2 <= m1) {
+          tile<T, 2>(s.g, grp, h, a, K, m, out);
+          m += 2;
+        }
+      }
+      for (; m < m1; ++m) tile<T, 1>(s.g, grp, h, a, K, m, out);
     }
   }
 }
@@ -366,8 +400,7 @@ void run_segment_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, 
 // Activation rows per pass over the weights: enough that the weights are re-read from
 // memory rarely, few enough that their int8 codes stay in the core's L2 (~256 KB).
 inline int64_t rows_per_pass(int64_t K) {
-  return std::max<int64_t>(Lanes::kMaxTile, (int64_t{1} << 18) / std::max<int64_t>(K, 1)
-                                                / Lanes::kMaxTile * Lanes::kMaxTile);
+  return std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(K, 1) / 8 * 8);
 }
 
 // y[M, ldy] (columns of each segment) = x @ W^T with quantized activations a.

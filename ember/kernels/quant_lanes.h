@@ -23,16 +23,24 @@
 // VNNI they are biased to unsigned (w + 128), which the caller takes back as
 // kS8Bias * sum(x).
 
+// 4 activation bytes as one int32 (any alignment; read through a may_alias type, so a
+// compiler can fold the load into an instruction's broadcast operand)
+typedef int32_t ember_i32u __attribute__((aligned(1), may_alias));
+
+inline int32_t load_i32(const int8_t* x) { return *reinterpret_cast<const ember_i32u*>(x); }
+
 #if defined(EMBER_VNNI512)
 
 struct Lanes {
-  static constexpr int W = 16, H = 1, kMaxTile = 4;
+  // activation rows per tile: with one integer sum per row, or two (Q6_K)
+  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileHalves = 4;
   static constexpr int32_t kS8Bias = 128;
   using B = __m512i;
   using I = __m512i;
   using F = __m512;
 
   static B load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void store_b(B v, uint8_t* p) { _mm512_storeu_si512(p, v); }
   static B set8(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static B and_(B a, B b) { return _mm512_and_si512(a, b); }
   static B or_(B a, B b) { return _mm512_or_si512(a, b); }
@@ -50,13 +58,15 @@ struct Lanes {
     std::memcpy(&m, bits, 8);
     return or_(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(m), set8(value)));
   }
-  static I bcast(const int8_t* x) {
-    int32_t v;
-    std::memcpy(&v, x, 4);
-    return _mm512_set1_epi32(v);
-  }
+  static I bcast(const int8_t* x) { return _mm512_set1_epi32(load_i32(x)); }
   static I zero() { return _mm512_setzero_si512(); }
-  static I dot(I acc, B w, const int8_t* x) { return _mm512_dpbusd_epi32(acc, w, bcast(x)); }
+  // the 4 activation bytes as the instruction's broadcast memory operand: one
+  // instruction, not a broadcast load and a dot (compilers do not fold set1 into it),
+  // so the core's window holds more weight bytes in flight
+  static I dot(I acc, B w, const int8_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const ember_i32u*>(x)));
+    return acc;
+  }
   static I dot2(I acc, B w0, const int8_t* x0, B w1, const int8_t* x1) {
     return dot(dot(acc, w0, x0), w1, x1);
   }
@@ -89,7 +99,7 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 3;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileHalves = 3;
 #if defined(__AVXVNNI__)
   static constexpr int32_t kS8Bias = 128;
 #else
@@ -100,6 +110,7 @@ struct Lanes {
   using F = __m256;
 
   static B load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const B*>(p)); }
+  static void store_b(B v, uint8_t* p) { _mm256_storeu_si256(reinterpret_cast<B*>(p), v); }
   static B set8(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static B and_(B a, B b) { return _mm256_and_si256(a, b); }
   static B or_(B a, B b) { return _mm256_or_si256(a, b); }
@@ -121,11 +132,7 @@ struct Lanes {
     const B set = _mm256_cmpeq_epi8(and_(spread, bit), bit);
     return or_(v, and_(set, set8(value)));
   }
-  static I bcast(const int8_t* x) {
-    int32_t v;
-    std::memcpy(&v, x, 4);
-    return _mm256_set1_epi32(v);
-  }
+  static I bcast(const int8_t* x) { return _mm256_set1_epi32(load_i32(x)); }
   static I zero() { return _mm256_setzero_si256(); }
 #if defined(__AVXVNNI__)
   static I dot(I acc, B w, const int8_t* x) { return _mm256_dpbusd_avx_epi32(acc, w, bcast(x)); }
@@ -179,7 +186,7 @@ struct Lanes {
 #else  // portable: the same arithmetic on plain arrays (the compiler vectorizes what it can)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 4;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileHalves = 4;
   static constexpr int32_t kS8Bias = 0;
   struct B { uint8_t v[32]; };
   struct I { int32_t v[8]; };
@@ -190,6 +197,7 @@ struct Lanes {
     std::memcpy(r.v, p, 32);
     return r;
   }
+  static void store_b(B v, uint8_t* p) { std::memcpy(p, v.v, 32); }
   static B set8(uint8_t x) {
     B r;
     std::memset(r.v, x, 32);

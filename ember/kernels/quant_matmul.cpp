@@ -25,6 +25,8 @@
 #include <tuple>
 #include <vector>
 
+#include <sys/mman.h>
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define EMBER_AVX2 1
 #include <immintrin.h>
@@ -74,6 +76,26 @@ inline float h2f(uint16_t h) {
 #include "quant_kernels.h"
 
 // --------------------------------------------------------------- the packed linear
+
+// An uninitialized uint8 tensor of n bytes in memory the OS may back with transparent
+// huge pages (a 2 MB-aligned anonymous mapping, MADV_HUGEPAGE): streaming weights then
+// takes a TLB miss (in a VM, a nested page walk) per 2 MB rather than per 4 KB. Pages
+// are only committed when first written. Falls back to at::empty where mmap fails.
+at::Tensor huge_empty(int64_t n) {
+  TORCH_CHECK(n >= 0, "huge_empty: negative size");
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t len = static_cast<size_t>(n) + kHuge;
+  void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return at::empty({n}, at::TensorOptions().dtype(at::kByte));
+  const uintptr_t aligned = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~(kHuge - 1);
+#if defined(MADV_HUGEPAGE)
+  madvise(reinterpret_cast<void*>(aligned), (static_cast<size_t>(n) + kHuge - 1) & ~(kHuge - 1),
+          MADV_HUGEPAGE);
+#endif
+  return torch::from_blob(reinterpret_cast<void*>(aligned), {n},
+                          [base, len](void*) { munmap(base, len); },
+                          at::TensorOptions().dtype(at::kByte));
+}
 
 // Bytes of a packed weight of `rows` rows of K elements of ggml type `type`.
 int64_t packed_nbytes(int64_t type, int64_t rows, int64_t K) {
@@ -364,6 +386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("dequantize", &PackedLinear::dequantize, "W as float32 [N, K]", release())
       .def("dequantize_rows", &PackedLinear::dequantize_rows, "rows of W as float32",
            release());
+  mod.def("huge_empty", &huge_empty, "an uninitialized uint8 tensor in huge-page memory");
   mod.def("quantize_activations", &quantize_activations,
           "x -> (int8 codes, scales, float block sums, rounding errors, code sums, "
           "sums of the first 16 codes)", release());

@@ -96,6 +96,10 @@ class WeightFormat(Protocol):
 
     name: str
 
+    def bind(self, gguf: GGUFFile) -> WeightFormat:
+        """The format that loads ``gguf``'s weights (it may hold memory for them)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
@@ -119,6 +123,9 @@ class DenseFormat:
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.name = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+
+    def bind(self, gguf: GGUFFile) -> DenseFormat:
+        return self
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [load_dense(gguf, n).to(self.dtype) for n in names]
@@ -215,11 +222,13 @@ class QuantLinear:
 
     @classmethod
     def from_raw(cls, parts: Sequence[RawPart], names: Sequence[str] | None = None,
-                 on_packed: Callable[[np.ndarray], None] | None = None) -> QuantLinear:
+                 on_packed: Callable[[np.ndarray], None] | None = None,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> QuantLinear:
         """One layer from GGUF matrices of packable block types, row-fused in order.
 
         ``on_packed(chunk)`` is called with each stretch of raw bytes once it is packed
-        (the loader releases the file pages behind it)."""
+        (the loader releases the file pages behind it); ``alloc(nbytes)`` gives the
+        uint8 tensors the packed bytes go to (default: ``torch.empty``)."""
         names = names or ["?"] * len(parts)
         ext = _kernels()
         in_features = None
@@ -234,7 +243,8 @@ class QuantLinear:
                 raise UnsupportedModelError(f"tensor {name!r}: {cols} columns, the layer's "
                                             f"other parts have {in_features}")
             in_features = cols
-            blob = torch.empty(ext.packed_nbytes(int(ggml_type), rows, cols), dtype=torch.uint8)
+            nbytes = ext.packed_nbytes(int(ggml_type), rows, cols)
+            blob = alloc(nbytes) if alloc else torch.empty(nbytes, dtype=torch.uint8)
             row_bytes = flat.size // rows
             step = max(16, PACK_CHUNK_BYTES // row_bytes // 16 * 16)
             for r0 in range(0, rows, step):
@@ -307,11 +317,49 @@ class ConcatLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+class WeightArena:
+    """Memory for one model's packed weights, in transparent huge pages where the OS
+    gives them: a decode step streams every weight, and with 4 KB pages it takes a TLB
+    miss (in a VM, a nested page walk) every 4 KB; with 2 MB pages every 2 MB. Measured
+    on a 2-core Zen 5 VM: one core streams Q4_K/Q4_0/Q8_0 weights 1.2-1.4x faster
+    (17.8 -> 21.9, 17.2 -> 25.4, 26.0 -> 34.3 GB/s).
+
+    Blobs are carved in order from one reservation of ``capacity`` bytes (virtual: a
+    page counts in the resident set once written), so they lie back to back and a
+    thread's weights are one stream. Blobs that no longer fit come from ``torch.empty``.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = _kernels().huge_empty(capacity)
+        self._used = 0
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        at = -(-self._used // self.ALIGN) * self.ALIGN
+        if at + nbytes > self._buf.numel():
+            return torch.empty(nbytes, dtype=torch.uint8)
+        self._used = at + nbytes
+        return self._buf[at:at + nbytes]
+
+
 class QuantFormat:
     """Keep every block type with a packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     Q5_K, Q6_K) at its own bit width; other types (F32/F16/BF16, Q2_K, Q3_K) dense f32."""
 
     name = "q4"
+
+    def __init__(self, arena: WeightArena | None = None) -> None:
+        self._arena = arena
+
+    def bind(self, gguf: GGUFFile) -> QuantFormat:
+        """A format whose weights from ``gguf`` share one huge-page arena: room for every
+        packable tensor's bytes (packing adds at most 63 bytes per 16 rows, and 63 per
+        matrix for alignment)."""
+        matrices = [t for t in gguf.tensors.values()
+                    if t.ggml_type in PACKED_TYPES and len(t.shape) == 2]
+        padding = sum((-(-t.shape[0] // 16) + 1) * 64 for t in matrices)
+        return QuantFormat(WeightArena(sum(t.nbytes for t in matrices) + padding))
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -321,21 +369,24 @@ class QuantFormat:
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
                  for n in names]
-        return self._linear(parts, names, gguf.release_view)
+        return self._linear(parts, names, gguf.release_view, self._arena)
 
     def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
-        return self._linear(parts, names, None)
+        # raw parts come from elsewhere (experts read from disk may come and go): never
+        # from the arena, whose bytes are only given back with the whole model
+        return self._linear(parts, names, None, None)
 
     @staticmethod
     def _linear(parts: Sequence[RawPart], names: Sequence[str],
-                on_packed: Callable[[np.ndarray], None] | None) -> Linear:
+                on_packed: Callable[[np.ndarray], None] | None,
+                alloc: Callable[[int], torch.Tensor] | None) -> Linear:
         # consecutive packable parts form one QuantLinear; others are dense f32
         layers: list[Linear] = []
         items = zip(parts, names, strict=True)
         for packed, group in groupby(items, key=lambda item: item[0][1] in PACKED_TYPES):
             raw_parts, group_names = zip(*group, strict=True)
             if packed:
-                layers.append(QuantLinear.from_raw(raw_parts, group_names, on_packed))
+                layers.append(QuantLinear.from_raw(raw_parts, group_names, on_packed, alloc))
             else:
                 layers.append(DENSE_F32.linear_from_raw(raw_parts, group_names))
         return layers[0] if len(layers) == 1 else ConcatLinear(layers)
@@ -347,7 +398,7 @@ class QuantFormat:
         if tied and info.ggml_type in PACKED_TYPES:
             return PackedEmbedding(QuantLinear.from_raw(
                 [(gguf.tensor_bytes(name), info.ggml_type, info.shape)], [name],
-                gguf.release_view))
+                gguf.release_view, self._arena))
         return MappedEmbedding(gguf, name)
 
 

@@ -98,7 +98,7 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)  # raises for unsupported architectures first
     weights = resolve_weights(weights)  # may build the native kernel: after cheap checks
-    fmt = weight_format(weights)
+    fmt = weight_format(weights).bind(gguf)
     tokenizer = Tokenizer.from_gguf(gguf)
     family = ARCHITECTURES[config.architecture]
     template = _chat_template(gguf, config)
