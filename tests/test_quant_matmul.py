@@ -120,24 +120,40 @@ def emulate_quantize_x(x: torch.Tensor):
     return q.to(torch.int8).reshape(x.shape), d, xb.double().sum(-1)
 
 
-# the code a block's codes are centred on (the kernel's z): symmetric types' centre is
-# part of their unpacked codes already; offset types keep it apart from the offset
-CENTRE = {GGMLType.Q4_1: 8, GGMLType.Q4_K: 8, GGMLType.Q5_1: 16, GGMLType.Q5_K: 16}
+def emulate_quantize_x_k(x: torch.Tensor):
+    """The same per 256 (K-quants' activations): codes, d, code sums per 16."""
+    xb = x.reshape(x.shape[0], -1, 256)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    return (q.reshape(x.shape), amax / 127.0,
+            q.reshape(x.shape[0], -1, 16).sum(-1, dtype=torch.int32))
+
+
+# the code a legacy block's codes are centred on (the kernel's z): symmetric types'
+# centre is part of their unpacked codes already; offset types keep it apart
+CENTRE = {GGMLType.Q4_1: 8, GGMLType.Q5_1: 16}
 
 
 def emulate_int_path(x: torch.Tensor, parts) -> torch.Tensor:
     """Float64 model of the integer path, built from quant.py's unpackers.
 
-    Per 32-element block of weights w = q a + b (b = 0 for symmetric codes) and
-    activations x with codes x_q, scale d_x, exact sum s: the kernel computes
-    sum_i (w_i - mu) d_x x_q,i + mu s with mu = z a + b, the block's centre value
-    (exactly sum w x-hat for symmetric codes)."""
+    K-quants: exactly sum w x-hat, x-hat the activations quantized per 256. Legacy
+    types, per 32-element block of weights w = q a + b (b = 0 for symmetric codes) and
+    activations x with codes x_q, scale d_x, exact sum s: sum_i (w_i - mu) d_x x_q,i
+    + mu s with mu = z a + b, the block's centre value (sum w x-hat for symmetric
+    codes)."""
     q, d, s = emulate_quantize_x(x)
     xhat = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape)
     outs = []
     for raw, t, shape in parts:
         codes, scale, offset = unpack_affine(raw, t, shape)
         w = torch.from_numpy(dequantize(raw, t, shape).numpy().astype(np.float64))
+        if t in K_TYPES:
+            qk, dk, _ = emulate_quantize_x_k(x)
+            xk = (qk.double().reshape(x.shape[0], -1, 256) * dk.double()[..., None])
+            outs.append(xk.reshape(x.shape) @ w.T)
+            continue
         if offset is None:
             outs.append(xhat @ w.T)
             continue
@@ -200,6 +216,17 @@ def test_activation_quantization_matches_emulation(ext) -> None:
     # c = s - d * sum(q): the block's rounding error sum
     ec = s.double() - d.double() * qsum.double()
     torch.testing.assert_close(c.double(), ec, rtol=1e-4, atol=1e-6 * x.abs().max().item())
+
+
+def test_kquant_activation_quantization_matches_emulation(ext) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 512) * torch.logspace(-2, 2, 5)[:, None]
+    x[1, 256:] = 0  # an all-zero super-block
+    x[2, 7] = 1e4  # an outlier flattens its super-block
+    x[3, :256] = (torch.arange(256) - 127.5) / 127.5  # .5 ties in x * 127 / max
+    q, d, bsum = ext.quantize_activations_k(x)
+    eq, ed, ebsum = emulate_quantize_x_k(x)
+    assert torch.equal(q, eq) and torch.equal(d, ed) and torch.equal(bsum, ebsum)
 
 
 # -------------------------------------------------------------------- random blocks

@@ -2,20 +2,24 @@
 //
 // Part of the quant_matmul.cpp translation unit (included inside its namespace).
 //
-// Activations. Each row of x is quantized per 32 elements to int8 (llama.cpp's Q8
-// activations: d = max|x| / 127, round half to even), keeping per block the exact float
-// sum s, the rounding error c = s - d sum(q), and the code sums (all 32, first 16).
+// Activations are quantized to int8 (d = max|x| / 127, codes round(x / d), half to
+// even), as llama.cpp does, at the granularity of the weights' scales:
 //
-// Dots. Per block of 32 weights and activation row, the kernel takes exact integer
-// dots of the weight codes with the int8 activations, one for elements 0-15 and one for
-// 16-31, and then applies the block's scales in float:
-//
-//   symmetric codes (Q4_0, Q5_0, Q8_0, Q6_K): the centre is subtracted exactly in
-//     integers, sum (q - z) x_q = sum q x_q - z sum x_q, then scaled by d d_x.
-//   codes with an offset (Q4_1, Q5_1, Q4_K, Q5_K): sum (q a + b) x = a sum (q - z) x
-//     + (a z + b) sum x, with the exact float block sum for the second term, so only the
-//     centred codes meet the activation rounding error (half the error of raw codes):
-//     a (d_x sum q x_q + z c) + b s.
+//   per 32 (its Q8_0) for the legacy types, whose scale changes every 32 weights:
+//     per block the kernel takes exact integer dots of the weight codes with the
+//     activation codes and applies the block's scales in float:
+//       symmetric codes (Q4_0, Q5_0, Q8_0): the centre is subtracted exactly in
+//         integers, sum (q - z) x_q = sum q x_q - z sum x_q, then scaled by d d_x;
+//       codes with an offset (Q4_1, Q5_1): sum (q d + m) x = d sum (q - z) x
+//         + (d z + m) sum x, the second term with the exact float block sum, so only
+//         the centred codes meet the activation rounding error (half of raw codes').
+//   per 256 (its Q8_K) for the K-quants, whose sub-block scales are small integers
+//     under one f16 per 256: the sub-blocks' integer dots are multiplied by their
+//     integer scales and summed in int32, the minimums' term likewise from the
+//     activation code sums per 16, and one float step per 256 applies d d_x (and
+//     dmin d_x). A third of the instructions of a float step per 32, which at one
+//     activation row decides how many weight bytes a core keeps in flight. The result
+//     is exactly sum w x-hat, x-hat the quantized activations.
 //
 // Each (row, 16 weight rows) is one fixed sequence of operations whatever the number of
 // rows, the tile and the thread split, so results are batch-invariant.
@@ -35,7 +39,6 @@ struct QuantX {
   int32_t* qlo;   // [M, nb] sum of the first 16 of q
 };
 
-using Acts = QuantX;
 
 // One row of K floats.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, float* c,
@@ -127,6 +130,71 @@ QuantX quantize_rows(const float* xp, int64_t M, int64_t K) {
   return r;
 }
 
+// Activations quantized per 256 (K-quant weights); scratch as for QuantX.
+struct QuantK {
+  int8_t* q;       // [M, K] codes
+  float* d;        // [M, K / 256] scales
+  int32_t* bsum;   // [M, K / 16] sums of 16 codes
+};
+
+// 256 floats -> codes, scale, code sums per 16.
+void quantize_superblock(const float* x, int8_t* q, float* d, int32_t* bsum) {
+  float mx = 0.0f;
+  for (int i = 0; i < 256; ++i) mx = std::max(mx, std::fabs(x[i]));
+  *d = mx / 127.f;
+  const float id = mx != 0.0f ? 127.f / mx : 0.0f;
+  for (int k = 0; k < 16; ++k) {
+    int32_t total = 0;
+#if defined(EMBER_AVX2)
+    // round to nearest even (the default MXCSR mode), like nearbyint below
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k),
+                                                        _mm256_set1_ps(id)));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k + 8),
+                                                        _mm256_set1_ps(id)));
+    alignas(32) int32_t v[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), i0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8), i1);
+    for (int i = 0; i < 16; ++i) {
+      q[16 * k + i] = static_cast<int8_t>(v[i]);
+      total += v[i];
+    }
+#else
+    for (int i = 0; i < 16; ++i) {
+      q[16 * k + i] = static_cast<int8_t>(std::nearbyint(x[16 * k + i] * id));
+      total += q[16 * k + i];
+    }
+#endif
+    bsum[k] = total;
+  }
+}
+
+QuantK quantize_rows_k(const float* xp, int64_t M, int64_t K) {
+  const int64_t nsb = K / 256;
+  static thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(M * nsb + 16 * M * nsb + (M * K + 3) / 4);
+  if (scratch.size() < need) scratch.resize(need);
+  float* base = scratch.data();
+  QuantK r{reinterpret_cast<int8_t*>(base + 17 * M * nsb), base,
+           reinterpret_cast<int32_t*>(base + M * nsb)};
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < nsb; ++b) {
+        quantize_superblock(xp + m * K + 256 * b, r.q + m * K + 256 * b, r.d + m * nsb + b,
+                            r.bsum + (m * nsb + b) * 16);
+      }
+    }
+  });
+  return r;
+}
+
+// The activations a matmul's segments need: per 32 for legacy types, per 256 for
+// K-quants (a fused layer may need both).
+struct Acts {
+  QuantX b32{};
+  QuantK b256{};
+};
+
 // ---------------------------------------------------------------------- the kernels
 
 // Where a tile writes: W outputs of each activation row, rows n0 .. n0 + W of the output.
@@ -172,124 +240,114 @@ struct Kind {
   static constexpr bool kKQuant = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   static constexpr bool kOffset = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
   static constexpr int kSub = kKQuant ? 8 : 1;  // 32-element blocks per super-block
-  // two integer partial sums per row (Q6_K's scales are per 16) or one: what fits the
-  // registers decides the activation rows per tile
+  // two integer sums per block and row (Q6_K's scales are per 16) or one
   static constexpr bool kHalves = T == kQ6_K;
-  static constexpr int kTile = kHalves ? Lanes::kMaxTileHalves : Lanes::kMaxTile;
-  // the code a centred code is measured from (integers: exact; floats: see above)
-  static constexpr int32_t kCentre =
-      (T == kQ4_0 || T == kQ4_1 || T == kQ4_K) ? 8 : T == kQ6_K ? 32 : 16;
+  // the code a legacy block's codes are measured from (integers: exact; floats: above)
+  static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
+  // activation rows per tile: what fits the registers
+  static constexpr int kTile = kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
 
-// Activation rows [m0, m0 + MT) times half h (rows W h .. W h + W) of one group of a
-// nibble-coded weight (every type but Q8_0).
-template <int T, int MT>
-inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a,
-                         int64_t K, int64_t m0, const Out& out) {
+// The low- and high-nibble code vectors of code vectors u and u + 1 (u even) of one
+// 32-element block: codes at cj, high bits (Q5_*: masks; Q6_K: 2-bit fields) at hj.
+template <int T>
+inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lanes::B* lo0,
+                        Lanes::B* hi0, Lanes::B* lo1, Lanes::B* hi1) {
   using L = Lanes;
-  using B = L::B;
-  using I = L::I;
+  using KT = Kind<T>;
+  const L::B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
+  *lo0 = L::and_(r0, L::set8(0x0F));
+  *hi0 = L::template shr<4>(r0, 0x0F);
+  *lo1 = L::and_(r1, L::set8(0x0F));
+  *hi1 = L::template shr<4>(r1, 0x0F);
+  if constexpr (KT::kHi1) {
+    const uint8_t* mb = hj + L::W / 2 * h;
+    *lo0 = L::or_bits(*lo0, mb + 8 * (2 * u), 0x10);
+    *hi0 = L::or_bits(*hi0, mb + 8 * (2 * u + 1), 0x10);
+    *lo1 = L::or_bits(*lo1, mb + 8 * (2 * u + 2), 0x10);
+    *hi1 = L::or_bits(*hi1, mb + 8 * (2 * u + 3), 0x10);
+  }
+  if constexpr (KT::kHi2) {
+    const L::B hv = L::load(hj + SUBV * (u / 2) + 4 * L::W * h);
+    *lo0 = L::or_(*lo0, L::template shl<4>(hv, 0x30));
+    *hi0 = L::or_(*hi0, L::template shl<2>(hv, 0x30));
+    *lo1 = L::or_(*lo1, L::and_(hv, L::set8(0x30)));
+    *hi1 = L::or_(*hi1, L::template shr<2>(hv, 0x30));
+  }
+}
+
+// Exact integer dots of one 32-element block of codes (cj, hj) with activation rows
+// m0 .. m0 + MT (codes at q + row * K + x0): lo[m] over elements 0-15 and hi[m] over
+// 16-31 (kHalves), else all 32 in lo[m]. Dot call c (u = 0 low, u = 0 high, u = 2 low,
+// u = 2 high nibbles) adds into partial c % P; with few rows several partials keep the
+// dot-product chains short, so the core overlaps more blocks (and keeps more weight
+// bytes in flight from memory). kHalves keeps even and odd calls apart.
+template <int T, int MT>
+inline void block_dots(const uint8_t* cj, const uint8_t* hj, int h, const int8_t* q, int64_t K,
+                       int64_t m0, int64_t x0, Lanes::I* lo, Lanes::I* hi) {
+  using L = Lanes;
+  constexpr bool kHalves = Kind<T>::kHalves;
+  constexpr int P = kHalves ? (MT == 1 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
+  L::I part[MT][P];
+  for (int m = 0; m < MT; ++m) {
+    for (int p = 0; p < P; ++p) part[m][p] = L::zero();
+  }
+  for (int u = 0; u < 4; u += 2) {
+    L::B lo0, hi0, lo1, hi1;
+    unpack_pair<T>(cj, hj, u, h, &lo0, &hi0, &lo1, &hi1);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = q + (m0 + m) * K + x0 + 4 * u;
+      part[m][u % P] = L::dot2(part[m][u % P], lo0, x, lo1, x + 4);
+      part[m][(u + 1) % P] = L::dot2(part[m][(u + 1) % P], hi0, x + 16, hi1, x + 20);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    lo[m] = part[m][0];
+    if constexpr (kHalves) {
+      hi[m] = part[m][1];
+      if constexpr (P == 4) {
+        lo[m] = L::add(lo[m], part[m][2]);
+        hi[m] = L::add(hi[m], part[m][3]);
+      }
+    } else {
+      if constexpr (P >= 2) lo[m] = L::add(lo[m], part[m][1]);
+      if constexpr (P == 4) lo[m] = L::add(lo[m], L::add(part[m][2], part[m][3]));
+    }
+  }
+}
+
+// Activation rows [m0, m0 + MT) times half h (rows W h .. W h + W) of one group of a
+// legacy nibble-coded weight (Q4_0, Q4_1, Q5_0, Q5_1): per-32 activations.
+template <int T, int MT>
+inline void tile_legacy(const Geom& g, const uint8_t* grp, int h, const QuantX& a,
+                        int64_t K, int64_t m0, const Out& out) {
+  using L = Lanes;
   using F = L::F;
   using KT = Kind<T>;
   const int64_t nb = K / QK;
-  const int64_t lane_bytes = 4 * L::W * h;
   F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
-  alignas(64) uint8_t scb[128], mnb[128];
-  for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const uint8_t* cb = grp + g.off[kCodes] + sb * g.size[kCodes] + lane_bytes;
-    const uint8_t* hb = grp + g.off[kHi] + sb * g.size[kHi];
+  for (int64_t b = 0; b < g.nsb; ++b) {
+    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
+    const uint8_t* hb = grp + g.off[kHi] + b * g.size[kHi];
     const uint16_t* hv =
-        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + sb * g.size[kScales]) +
+        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) +
         L::W * h;
-    const uint8_t* xb = grp + g.off[kExtra] + sb * g.size[kExtra];
     const F dv = L::halves(hv);
-    F mv = L::zerof();
-    if constexpr (KT::kOffset) mv = L::halves(hv + RG);  // m, or dmin
-    if constexpr (T == kQ4_K || T == kQ5_K) decode_kscales(xb, scb, mnb);
-    for (int j = 0; j < KT::kSub; ++j) {
-      const uint8_t* cj = cb + 256 * j;
-      const int64_t blk = sb * KT::kSub + j;
-      // integer partial sums per row: dot call c (u = 0 low, u = 0 high, u = 2 low,
-      // u = 2 high nibbles) adds into part[c % P]; with few rows several partials keep
-      // the dot-product chains short, so the core overlaps more blocks (and keeps more
-      // weight bytes in flight from memory). Q6_K's low and high halves (even / odd c)
-      // stay apart: their scales differ.
-      constexpr int P = KT::kHalves ? (MT == 1 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
-      I part[MT][P];
-      for (int m = 0; m < MT; ++m) {
-        for (int p = 0; p < P; ++p) part[m][p] = L::zero();
-      }
-      for (int u = 0; u < 4; u += 2) {
-        const B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
-        B lo0 = L::and_(r0, L::set8(0x0F)), hi0 = L::template shr<4>(r0, 0x0F);
-        B lo1 = L::and_(r1, L::set8(0x0F)), hi1 = L::template shr<4>(r1, 0x0F);
-        if constexpr (KT::kHi1) {
-          const uint8_t* mb = hb + 64 * j + L::W / 2 * h;
-          lo0 = L::or_bits(lo0, mb + 8 * (2 * u), 0x10);
-          hi0 = L::or_bits(hi0, mb + 8 * (2 * u + 1), 0x10);
-          lo1 = L::or_bits(lo1, mb + 8 * (2 * u + 2), 0x10);
-          hi1 = L::or_bits(hi1, mb + 8 * (2 * u + 3), 0x10);
-        }
-        if constexpr (KT::kHi2) {
-          const B hv2 = L::load(hb + 128 * j + SUBV * (u / 2) + lane_bytes);
-          lo0 = L::or_(lo0, L::template shl<4>(hv2, 0x30));
-          hi0 = L::or_(hi0, L::template shl<2>(hv2, 0x30));
-          lo1 = L::or_(lo1, L::and_(hv2, L::set8(0x30)));
-          hi1 = L::or_(hi1, L::template shr<2>(hv2, 0x30));
-        }
-        const int c = u;  // calls c (low) and c + 1 (high) of this pair of vectors
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = a.q + (m0 + m) * K + blk * QK + 4 * u;
-          part[m][c % P] = L::dot2(part[m][c % P], lo0, x, lo1, x + 4);
-          part[m][(c + 1) % P] = L::dot2(part[m][(c + 1) % P], hi0, x + 16, hi1, x + 20);
-        }
-      }
-      I plo[MT], phi[MT];  // elements 0-15 and 16-31 (kHalves), else all of them in plo
-      for (int m = 0; m < MT; ++m) {
-        plo[m] = part[m][0];
-        phi[m] = L::zero();
-        if constexpr (KT::kHalves) {
-          phi[m] = part[m][1];
-          if constexpr (P == 4) {
-            plo[m] = L::add(plo[m], part[m][2]);
-            phi[m] = L::add(phi[m], part[m][3]);
-          }
-        } else {
-          if constexpr (P >= 2) plo[m] = L::add(plo[m], part[m][1]);
-          if constexpr (P == 4) plo[m] = L::add(plo[m], L::add(part[m][2], part[m][3]));
-        }
-      }
-      F sa = dv, sb2 = mv;  // per-lane scales of this block (K-quants: of its sub-block)
-      if constexpr (T == kQ4_K || T == kQ5_K) {
-        sa = L::mul(L::u8f(scb + 16 * j + L::W * h), dv);
-        sb2 = L::mul(L::u8f(mnb + 16 * j + L::W * h), mv);
-      } else if constexpr (T == kQ6_K) {
-        sa = L::mul(L::i8f(reinterpret_cast<const int8_t*>(xb) + 16 * (2 * j) + L::W * h), dv);
-        sb2 = L::mul(L::i8f(reinterpret_cast<const int8_t*>(xb) + 16 * (2 * j + 1) + L::W * h),
-                     dv);
-      }
-      for (int m = 0; m < MT; ++m) {
-        const int64_t xi = (m0 + m) * nb + blk;
-        const F dx = L::set1(a.d[xi]);
-        if constexpr (T == kQ6_K) {
-          const I lo = L::sub(plo[m], L::seti(KT::kCentre * a.qlo[xi]));
-          const I hi = L::sub(phi[m], L::seti(KT::kCentre * (a.qsum[xi] - a.qlo[xi])));
-          const F t = L::fma(L::cvt(hi), sb2, L::mul(L::cvt(lo), sa));
-          acc[m] = L::fma(t, dx, acc[m]);
-        } else if constexpr (KT::kOffset) {
-          const F t = L::fma(L::cvt(plo[m]), dx,
-                             L::set1(static_cast<float>(KT::kCentre) * a.c[xi]));
-          acc[m] = L::fma(sa, t, acc[m]);
-          if constexpr (KT::kKQuant) {
-            acc[m] = L::fnma(sb2, L::set1(a.s[xi]), acc[m]);  // minus dmin mn sum(x)
-          } else {
-            acc[m] = L::fma(sb2, L::set1(a.s[xi]), acc[m]);   // plus m sum(x)
-          }
-        } else {
-          const I isum = L::sub(plo[m], L::seti(KT::kCentre * a.qsum[xi]));
-          acc[m] = L::fma(sa, L::mul(L::cvt(isum), dx), acc[m]);
-        }
+    L::I isum[MT], unused[MT];
+    block_dots<T, MT>(cb, hb, h, a.q, K, m0, b * QK, isum, unused);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xi = (m0 + m) * nb + b;
+      const F dx = L::set1(a.d[xi]);
+      if constexpr (KT::kOffset) {
+        const F mv = L::halves(hv + RG);
+        const F t = L::fma(L::cvt(isum[m]), dx,
+                           L::set1(static_cast<float>(KT::kCentre) * a.c[xi]));
+        acc[m] = L::fma(dv, t, acc[m]);
+        acc[m] = L::fma(mv, L::set1(a.s[xi]), acc[m]);  // plus m sum(x)
+      } else {
+        const L::I centred = L::sub(isum[m], L::seti(KT::kCentre * a.qsum[xi]));
+        acc[m] = L::fma(dv, L::mul(L::cvt(centred), dx), acc[m]);
       }
     }
   }
@@ -297,8 +355,8 @@ inline void tile_nibbles(const Geom& g, const uint8_t* grp, int h, const Acts& a
 }
 
 // The same for Q8_0's int8 codes.
-template <int T, int MT>
-inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_t K,
+template <int MT>
+inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, int64_t K,
                     int64_t m0, const Out& out) {
   using L = Lanes;
   using I = L::I;
@@ -310,7 +368,7 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const Acts& a, int
     const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
     const F dv = L::halves(
         reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) + L::W * h);
-    // partial sums per row as in tile_nibbles: short chains when the rows are few
+    // partial sums per row as in block_dots: short chains when the rows are few
     constexpr int P = MT == 1 ? 4 : MT == 2 ? 2 : 1;
     I part[MT][P];
     for (int m = 0; m < MT; ++m) {
@@ -334,13 +392,77 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const Acts& a, int
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
+// The same for K-quants (Q4_K, Q5_K, Q6_K), with per-256 activations: sub-block dots
+// times their integer scales summed in int32, one float step per super-block.
+//   Q4_K/Q5_K: sum w x-hat = d d_x sum_j sc_j (q . x_q)_j - dmin d_x sum_j mn_j (sum x_q)_j
+//   Q6_K:      sum w x-hat = d d_x sum_k sc_k ((q . x_q)_k - 32 (sum x_q)_k), k per 16
+// Bounds: |q . x_q| <= 32 * 31 * 127 per sub-block, times 63, times 8 (Q5_K: < 2^26);
+// Q6_K 16 * 32 * 127 * 128 * 16 < 2^28: int32 never overflows.
+template <int T, int MT>
+inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
+                        int64_t m0, const Out& out) {
+  using L = Lanes;
+  using I = L::I;
+  using F = L::F;
+  const int64_t nsb = K / 256;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  alignas(64) uint8_t scb[128], mnb[128];
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* cb = grp + g.off[kCodes] + sb * g.size[kCodes] + 4 * L::W * h;
+    const uint8_t* hb = grp + g.off[kHi] + sb * g.size[kHi];
+    const uint16_t* hv =
+        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + sb * g.size[kScales]) +
+        L::W * h;
+    const uint8_t* xb = grp + g.off[kExtra] + sb * g.size[kExtra];
+    if constexpr (T != kQ6_K) decode_kscales(xb, scb, mnb);
+    I isc[MT], imn[MT];  // this super-block's scaled dots and scaled minimum sums
+    for (int m = 0; m < MT; ++m) isc[m] = imn[m] = L::zero();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* hj = hb + (T == kQ6_K ? 128 : 64) * j;
+      I lo[MT], hi[MT];
+      block_dots<T, MT>(cb + 256 * j, hj, h, a.q, K, m0, sb * 256 + QK * j, lo, hi);
+      if constexpr (T == kQ6_K) {
+        const int8_t* sc6 = reinterpret_cast<const int8_t*>(xb);
+        const I slo = L::i8i(sc6 + 16 * (2 * j) + L::W * h);
+        const I shi = L::i8i(sc6 + 16 * (2 * j + 1) + L::W * h);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
+          const I l = L::sub(lo[m], L::seti(32 * bs[0]));
+          const I u = L::sub(hi[m], L::seti(32 * bs[1]));
+          isc[m] = L::add(isc[m], L::add(L::mullo(l, slo), L::mullo(u, shi)));
+        }
+      } else {
+        const I sv = L::u8i(scb + 16 * j + L::W * h);
+        const I mv = L::u8i(mnb + 16 * j + L::W * h);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
+          isc[m] = L::add(isc[m], L::mullo(lo[m], sv));
+          imn[m] = L::add(imn[m], L::mullo(mv, L::seti(bs[0] + bs[1])));
+        }
+      }
+    }
+    const F dv = L::halves(hv);
+    for (int m = 0; m < MT; ++m) {
+      const F dx = L::set1(a.d[(m0 + m) * nsb + sb]);
+      acc[m] = L::fma(L::mul(dv, dx), L::cvt(isc[m]), acc[m]);
+      if constexpr (T != kQ6_K) {
+        acc[m] = L::fnma(L::mul(L::halves(hv + RG), dx), L::cvt(imn[m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
+
 template <int T, int MT>
 inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_t K,
                  int64_t m0, const Out& out) {
   if constexpr (T == kQ8_0) {
-    tile_q8<T, MT>(g, grp, h, a, K, m0, out);
+    tile_q8<MT>(g, grp, h, a.b32, K, m0, out);
+  } else if constexpr (Kind<T>::kKQuant) {
+    tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);
   } else {
-    tile_nibbles<T, MT>(g, grp, h, a, K, m0, out);
+    tile_legacy<T, MT>(g, grp, h, a.b32, K, m0, out);
   }
 }
 

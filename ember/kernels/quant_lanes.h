@@ -32,8 +32,8 @@ inline int32_t load_i32(const int8_t* x) { return *reinterpret_cast<const ember_
 #if defined(EMBER_VNNI512)
 
 struct Lanes {
-  // activation rows per tile: with one integer sum per row, or two (Q6_K)
-  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileHalves = 4;
+  // activation rows per tile: legacy types, and K-quants (three sums per row)
+  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4;
   static constexpr int32_t kS8Bias = 128;
   using B = __m512i;
   using I = __m512i;
@@ -75,6 +75,13 @@ struct Lanes {
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I seti(int32_t v) { return _mm512_set1_epi32(v); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I u8i(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I i8i(const int8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
 
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -99,7 +106,7 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileHalves = 3;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
 #if defined(__AVXVNNI__)
   static constexpr int32_t kS8Bias = 128;
 #else
@@ -162,6 +169,13 @@ struct Lanes {
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I seti(int32_t v) { return _mm256_set1_epi32(v); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I u8i(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I i8i(const int8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
 
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -186,7 +200,7 @@ struct Lanes {
 #else  // portable: the same arithmetic on plain arrays (the compiler vectorizes what it can)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileHalves = 4;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4;
   static constexpr int32_t kS8Bias = 0;
   struct B { uint8_t v[32]; };
   struct I { int32_t v[8]; };
@@ -255,6 +269,20 @@ struct Lanes {
   static I seti(int32_t x) {
     I r;
     for (int l = 0; l < 8; ++l) r.v[l] = x;
+    return r;
+  }
+  static I mullo(I a, I b) {
+    for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
+    return a;
+  }
+  static I u8i(const uint8_t* p) {
+    I r;
+    for (int l = 0; l < 8; ++l) r.v[l] = p[l];
+    return r;
+  }
+  static I i8i(const int8_t* p) {
+    I r;
+    for (int l = 0; l < 8; ++l) r.v[l] = p[l];
     return r;
   }
 

@@ -123,6 +123,7 @@ class PackedLinear {
                   " needs a contiguous uint8 tensor of ", groups_of(rows) * g.stride,
                   " bytes, got ", blob.sizes());
       views_.push_back(SegView{g, rows, n_, blob.data_ptr<uint8_t>()});
+      (g.sb == 256 ? kquant_ : legacy_) = true;
       blobs_.push_back(blob);
       types_.push_back(type);
       n_ += rows;
@@ -144,8 +145,10 @@ class PackedLinear {
 
   // y[M, N] = x[M, K] @ W^T with int8 activations (the decoder stack's path).
   void matmul_into(const float* x, int64_t M, float* y) const {
-    const QuantX xq = quantize_rows(x, M, k_);
-    matmul_segments(views_, xq, M, k_, y, n_);
+    Acts a;
+    if (legacy_) a.b32 = quantize_rows(x, M, k_);
+    if (kquant_) a.b256 = quantize_rows_k(x, M, k_);
+    matmul_segments(views_, a, M, k_, y, n_);
   }
 
   // x [M, K] float32 -> [M, N]: int8 activations below gemm_min_m rows, else f32 GEMM
@@ -233,6 +236,7 @@ class PackedLinear {
   }
 
   int64_t k_ = 0, n_ = 0, nbytes_ = 0;
+  bool legacy_ = false, kquant_ = false;  // which activation quantizations it needs
   std::vector<at::Tensor> blobs_;
   std::vector<SegView> views_;
   std::vector<int64_t> types_;
@@ -294,6 +298,21 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
           copy(r.s, at::empty({M, nb}, f32)), copy(r.c, at::empty({M, nb}, f32)),
           copy(r.qsum, at::empty({M, nb}, f32.dtype(at::kInt))),
           copy(r.qlo, at::empty({M, nb}, f32.dtype(at::kInt)))};
+}
+
+std::vector<at::Tensor> quantize_activations_k(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 256 == 0,
+              "x must be float32 [M, K] with K a multiple of 256");
+  const int64_t M = x.size(0), K = x.size(1);
+  const QuantK r = quantize_rows_k(x.data_ptr<float>(), M, K);
+  const auto f32 = x.options();
+  at::Tensor q = at::empty({M, K}, f32.dtype(at::kChar)), d = at::empty({M, K / 256}, f32);
+  at::Tensor bsum = at::empty({M, K / 16}, f32.dtype(at::kInt));
+  std::memcpy(q.data_ptr(), r.q, q.nbytes());
+  std::memcpy(d.data_ptr(), r.d, d.nbytes());
+  std::memcpy(bsum.data_ptr(), r.bsum, bsum.nbytes());
+  return {q, d, bsum};
 }
 
 std::string simd() {
@@ -387,6 +406,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("dequantize_rows", &PackedLinear::dequantize_rows, "rows of W as float32",
            release());
   mod.def("huge_empty", &huge_empty, "an uninitialized uint8 tensor in huge-page memory");
+  mod.def("quantize_activations_k", &quantize_activations_k,
+          "x -> (int8 codes, scales per 256, code sums per 16): K-quants' activations",
+          release());
   mod.def("quantize_activations", &quantize_activations,
           "x -> (int8 codes, scales, float block sums, rounding errors, code sums, "
           "sums of the first 16 codes)", release());
