@@ -257,9 +257,9 @@ inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lane
   using KT = Kind<T>;
   const L::B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
   *lo0 = L::and_(r0, L::set8(0x0F));
-  *hi0 = L::template shr<4>(r0, 0x0F);
+  *hi0 = L::high_nibbles(r0);
   *lo1 = L::and_(r1, L::set8(0x0F));
-  *hi1 = L::template shr<4>(r1, 0x0F);
+  *hi1 = L::high_nibbles(r1);
   if constexpr (KT::kHi1) {
     const uint8_t* mb = hj + L::W / 2 * h;
     *lo0 = L::or_bits(*lo0, mb + 8 * (2 * u), 0x10);

@@ -49,6 +49,15 @@ struct Lanes {
   template <int N> static B shr(B v, uint8_t mask) {
     return and_(_mm512_srli_epi16(v, N), set8(mask));
   }
+  // the high nibble of every byte: one GF(2) affine instruction (bit i of the result is
+  // bit i + 4 of the byte) where the CPU has GFNI, else a shift and a mask
+  static B high_nibbles(B v) {
+#if defined(__GFNI__)
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    return shr<4>(v, 0x0F);
+#endif
+  }
   template <int N> static B shl(B v, uint8_t mask) {
     return and_(_mm512_slli_epi16(v, N), set8(mask));
   }
@@ -124,6 +133,7 @@ struct Lanes {
   template <int N> static B shr(B v, uint8_t mask) {
     return and_(_mm256_srli_epi16(v, N), set8(mask));
   }
+  static B high_nibbles(B v) { return shr<4>(v, 0x0F); }
   template <int N> static B shl(B v, uint8_t mask) {
     return and_(_mm256_slli_epi16(v, N), set8(mask));
   }
@@ -233,6 +243,7 @@ struct Lanes {
     for (int i = 0; i < 32; ++i) a.v[i] = static_cast<uint8_t>(a.v[i] << N) & mask;
     return a;
   }
+  static B high_nibbles(B v) { return shr<4>(v, 0x0F); }
   static B or_bits(B a, const uint8_t* bits, uint8_t value) {
     for (int i = 0; i < 32; ++i) {
       if ((bits[i / 8] >> (i % 8)) & 1) a.v[i] |= value;
