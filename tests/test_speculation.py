@@ -354,10 +354,13 @@ def test_a_step_with_decode_and_verify_rows_pays_the_verify_call():
     assert costs.predict(shape) - costs.predict(same_work) == pytest.approx(0.004)
 
 
-def test_the_calibration_fit_recovers_a_known_step_time_line():
+def test_the_calibration_fit_recovers_a_known_step_time_model():
+    """Decode and verify steps of every size and prompt chunks (no logits): the fit
+    finds each coefficient and the compute knee."""
     from ember.engine.calibrate import fit
 
-    truth = Coefficients(0.009, 0.001, 0.0011, 2e-6, 0.0035)
+    truth = Coefficients(0.009, 0.001, 0.0011, 2e-6, 0.0035, per_logit=0.0004,
+                         per_excess=0.0006, per_draft=0.0003, knee=8)
     model = StepCostModel(truth, learn=False)
     samples = []
     for rows in (1, 2, 4, 8, 16, 32):
@@ -366,9 +369,76 @@ def test_the_calibration_fit_recovers_a_known_step_time_line():
                 shape = StepShape(0, 0, 0)
                 for i in range(rows):
                     k = extra if i < drafting else 0
-                    shape = shape.plus(1 + k, 96 + i + k)
+                    shape = shape.plus(1 + k, 96 + i + k, drafts=k)
                 samples.append({"tokens": shape.tokens, "rows": shape.rows,
                                 "attended": shape.attended, "split": shape.split,
+                                "logits": shape.logits, "drafts": shape.drafts,
                                 "seconds": model.predict(shape)})
+    for n in (64, 256):
+        shape = StepShape(0, 0, 0).plus(n, 512 + n, logits=0)
+        samples.append({"tokens": n, "rows": 1, "attended": shape.attended, "logits": 0,
+                        "drafts": 0, "seconds": model.predict(shape)})
     got = fit(samples)
+    assert got.knee == truth.knee
     np.testing.assert_allclose(got.as_array(), truth.as_array(), rtol=1e-6)
+
+
+def test_past_the_knee_a_draft_token_costs_its_compute():
+    """At one stream a draft token rides along with the weights; at sixteen streams,
+    past the knee, it pays its whole compute, so only a near-certain draft still pays."""
+    costs = StepCostModel(Coefficients(base=0.004, per_token=0.0001, per_row=0.0,
+                                       per_attended=0.0, verify_call=0.0, per_logit=0.00005,
+                                       per_excess=0.0006, knee=6), learn=False)
+    lone, busy = StepShape(1, 1, 0, decode_rows=1, logits=1), StepShape(
+        16, 16, 0, decode_rows=16, logits=16)
+    assert costs.token_cost(lone, 100) < costs.token_cost(busy, 100) / 4
+    likely = Proposal([5] * 4, "conversation", [0.9, 0.85, 0.8, 0.75])
+    assert gate.allocate([("a", likely, 10, True)], lone, costs, 1) == {"a": 4}
+    # 16 streams: 16 tokens in 0.0124 s; a token costs 0.00075 s: pays if reach > 0.97
+    assert gate.allocate([("a", likely, 10, True)], busy, costs, 16) == {}
+    sure = Proposal([5] * 2, "conversation", [0.995, 0.99])
+    assert gate.allocate([("a", sure, 10, True)], busy, costs, 16) == {"a": 2}
+
+
+def test_refused_proposals_are_made_less_often_until_one_is_granted():
+    from ember.spec.speculator import MAX_PROPOSE_GAP, REFUSALS_PER_GAP
+
+    spec = Speculator([1, 2, 3])
+    pattern = []
+    for _ in range(200):
+        due = spec.due()
+        pattern.append(due)
+        if due:
+            spec.granted(0)
+    assert all(pattern[:REFUSALS_PER_GAP + 1])  # the first refusals cost no gap
+    tail = [i for i, due in enumerate(pattern[-60:]) if due]
+    gaps = {b - a for a, b in zip(tail, tail[1:], strict=False)}
+    assert gaps == {MAX_PROPOSE_GAP + 1}  # probes only
+    spec.granted(3)  # a probe that pays: propose every step again
+    assert all(spec.due() for _ in range(REFUSALS_PER_GAP))
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["weights-bound", "compute-bound"])
+def test_no_draft_is_proposed_in_a_step_where_none_could_pay(make_tiny_engine, busy):
+    """Past the knee every token costs its compute: a certain draft token would cost
+    more than the step's tokens per second, so the speculators are not even asked (and
+    the stream is the same)."""
+    ps = prompts(16, seed=4)
+    reqs = [(p, GREEDY) for p in ps]
+    expected = plain(make_tiny_engine, reqs)
+    engine = make_tiny_engine()
+    engine.scheduler.costs = StepCostModel(Coefficients(
+        0.01, 1e-5, 0.0, 0.0, 0.0, per_excess=0.01 if busy else 0.0, knee=1), learn=False)
+    asked = []
+    original = engine._proposals
+
+    def proposals():
+        asked.append(1)
+        return original()
+
+    engine._proposals = proposals
+    handles = run(engine, reqs)
+    assert [h.output_ids for h in handles] == expected
+    accepted = sum(h.speculator.stats.accepted for h in handles)
+    assert (not asked and accepted == 0) if busy else (asked and accepted > 0)
+    engine.kv.check_no_leaks()

@@ -251,7 +251,7 @@ def _llama_task(url: str, task: Task) -> float:
 
 
 def main_cost(model: str, weights: str, threads: int | None, out: Path) -> None:
-    from ember.engine.calibrate import FULL_GRID, describe, fit, measure, write_table
+    from ember.engine.calibrate import FULL_GRID, describe, fit, measure, sample_shape, write_table
 
     engine = LLMEngine(EngineConfig(model=model, weights=weights, threads=threads,
                                     speculation="off", num_kv_blocks=2048))
@@ -259,14 +259,13 @@ def main_cost(model: str, weights: str, threads: int | None, out: Path) -> None:
     coef = fit(samples)
     plain = {s["rows"]: s["seconds"] for s in samples if s["tokens"] == s["rows"]}
     print(f"{'rows':>5} {'extra':>6} {'split':>5} {'ms':>8} {'× plain':>8} {'model ms':>9}")
-    from ember.engine.costs import StepCostModel, StepShape
+    from ember.engine.costs import StepCostModel
 
     model_ = StepCostModel(coef, learn=False)
     for s in samples:
         split = int(s.get("split", False))
         ratio = s["seconds"] / plain.get(s["rows"], s["seconds"])
-        predicted = model_.predict(StepShape(s["tokens"], s["rows"], s["attended"],
-                                             decode_rows=split, verify_rows=split))
+        predicted = model_.predict(sample_shape(s))
         print(f"{s['rows']:>5} {s['tokens'] - s['rows']:>6} {'yes' if split else '':>5} "
               f"{s['seconds'] * 1000:8.2f} {ratio:8.2f} {predicted * 1000:9.2f}")
     write_table(out, samples, describe(engine))

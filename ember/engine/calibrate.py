@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.engine.costs import NUM_FEATURES, Coefficients, StepShape
+from ember.engine.costs import KNEES, NUM_FEATURES, Coefficients, StepShape
 from ember.engine.runner import ScheduledRow
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import SampleRow, sample_rows
@@ -90,7 +90,8 @@ def _time_chunk(engine: LLMEngine, req: Any, start: int, n: int, reps: int
         engine.runner.execute([ScheduledRow(req, n)])
         best = min(best, time.perf_counter() - start_time)
     req.block_table.kv_len = 0
-    return {"tokens": n, "rows": 1, "attended": n * (start + n), "seconds": best}
+    return {"tokens": n, "rows": 1, "attended": n * (start + n), "logits": 0, "drafts": 0,
+            "seconds": best}
 
 
 def _time_step(engine: LLMEngine, reqs: list, d: int, drafting: int, reps: int,
@@ -110,29 +111,46 @@ def _time_step(engine: LLMEngine, reqs: list, d: int, drafting: int, reps: int,
         best = min(best, time.perf_counter() - start)
     shape = StepShape(0, 0, 0)
     for req, k in zip(reqs, drafts, strict=True):
-        shape = shape.plus(1 + k, req.kv_len + 1 + k)
+        shape = shape.plus(1 + k, req.kv_len + 1 + k, drafts=k)
     return {"tokens": shape.tokens, "rows": shape.rows, "attended": shape.attended,
-            "split": shape.split, "seconds": best}
+            "split": shape.split, "logits": shape.logits, "drafts": shape.drafts,
+            "seconds": best}
+
+
+def sample_shape(s: dict[str, Any]) -> StepShape:
+    """A measured sample as the step it timed (samples without "logits" or "drafts"
+    predate them: every token of a decode or verify step had logits, and all but one
+    per row were drafts)."""
+    split = bool(s.get("split", False))
+    return StepShape(s["tokens"], s["rows"], s["attended"], decode_rows=int(split),
+                     verify_rows=int(split), logits=s.get("logits", s["tokens"]),
+                     drafts=s.get("drafts", s["tokens"] - s["rows"]))
 
 
 def fit(samples: list[dict[str, Any]]) -> Coefficients:
-    """Coefficients of the step-time line minimising the *relative* error (a lone 12 ms
+    """Coefficients of the step-time model minimising the *relative* error (a lone 12 ms
     step matters as much as a 1 s one), non-negative (by dropping a column that would
-    go negative and refitting)."""
-    x = np.array([[1.0, s["tokens"], s["rows"], s["attended"], float(s.get("split", False))]
-                  for s in samples])
+    go negative and refitting), at the compute knee of :data:`KNEES` that fits best."""
     y = np.array([s["seconds"] for s in samples])
     w = 1.0 / y[:, None]
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    keep = list(range(NUM_FEATURES))
-    while True:
-        coef, *_ = np.linalg.lstsq((x * w / scale)[:, keep], (y * w[:, 0]), rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = np.zeros(NUM_FEATURES)
-    full[keep] = np.clip(coef, 0.0, None)
-    return Coefficients(*map(float, full / scale))
+    best: tuple[float, Coefficients] | None = None
+    for knee in KNEES:
+        x = np.array([sample_shape(s).features(knee) for s in samples])
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        keep = list(range(NUM_FEATURES))
+        while True:
+            coef, *_ = np.linalg.lstsq((x * w / scale)[:, keep], (y * w[:, 0]), rcond=None)
+            if (coef >= 0).all() or len(keep) == 1:
+                break
+            keep.pop(int(np.argmin(coef)))
+        full = np.zeros(NUM_FEATURES)
+        full[keep] = np.clip(coef, 0.0, None)
+        full /= scale
+        err = float(np.sum(((x @ full - y) / y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, Coefficients.of(full, knee))
+    assert best is not None
+    return best[1]
 
 
 def write_table(path: Path, samples: list[dict[str, Any]], about: dict[str, Any]) -> None:

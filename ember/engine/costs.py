@@ -2,18 +2,28 @@
 
 The scheduler needs two predictions: how many prompt tokens it can add to a step
 without making the running streams miss their time per output token (stall-free
-chunked prefill), and when a new request would see its first token (admission).
-Both come from one linear model of a step's wall time::
+chunked prefill), and when a new request would see its first token (admission); the
+speculation gate needs a third, what one more draft token adds to a step. All come
+from one model of a step's wall time::
 
-    seconds ≈ base + per_token · tokens + per_row · rows + per_attended · attended
+    seconds ≈ base + per_token · tokens + per_excess · max(0, tokens - knee)
+              + per_logit · logits + per_draft · drafts + per_row · rows
+              + per_attended · attended
               + verify_call · [decode rows and draft-verify rows both present]
 
-where ``tokens`` are all query tokens of the step, ``rows`` the requests in it, and
-``attended`` the sum over rows of query tokens × context length (attention's work).
-Draft-verify rows are attended in a call of their own beside the decode rows' (see
-ember.models.attention); ``verify_call`` is that call's fixed price (~3 ms for
-SmolLM2 q4 on 2 cores, 30 layers of small ops), which the gate must weigh against
-what the drafts commit.
+where ``tokens`` are all query tokens of the step, ``logits`` the rows whose next
+token is wanted (a decode row's one, every token of a draft-verify row, a prompt
+chunk's last when it ends the prompt: each costs the output head and sampling),
+``drafts`` the draft tokens verified (what verifying one costs beyond its compute:
+what the other terms, fit mostly to plain decode and prefill steps, miss of it),
+``rows`` the requests in it, and ``attended`` the sum over rows of query tokens ×
+context length (attention's work). The knee is where the step stops being a stream
+over the weights and becomes arithmetic: below it one more token nearly rides along
+with the weights already read, above it every token costs its compute (on 2 cores,
+SmolLM2 q4 at one stream a draft token adds ~0.25 ms, at sixteen ~0.6 ms). The knee
+is chosen among :data:`KNEES` by the fit, the coefficients by least squares.
+Draft-verify rows are attended in a call of their own beside the decode rows' in the
+op-by-op path (see ember.models.attention); ``verify_call`` is that call's fixed price.
 The model starts from a table measured on the machine (``ember bench spec-cost``;
 ember ships one, and ``calibrate_costs`` measures a short one at startup) or, without
 one, from pessimistic priors. The coefficients are then refit by least squares on the
@@ -25,7 +35,7 @@ about to zero or infinity, and clamped to a quarter to four times the starting t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,7 +45,8 @@ WINDOW = 256
 REFIT_EVERY = 16
 MIN_SAMPLES = 8
 CLAMP = (0.25, 4.0)
-NUM_FEATURES = 5
+NUM_FEATURES = 8
+KNEES = (1, 2, 4, 8, 16, 32, 64, 128)  # candidate token counts of the compute knee
 
 
 @dataclass(frozen=True)
@@ -47,21 +58,35 @@ class StepShape:
     attended: int  # Σ rows: query tokens × context length
     decode_rows: int = 0  # rows of one query token
     verify_rows: int = 0  # rows of 2..SHORT_QUERY query tokens (verifying a draft)
+    logits: int = 0  # rows of logits computed and sampled
+    drafts: int = 0  # draft tokens verified
 
     @property
     def split(self) -> bool:
         """Whether decode rows and verify rows need separate attention calls."""
         return self.decode_rows > 0 and self.verify_rows > 0
 
-    def plus(self, tokens: int, context: int) -> StepShape:
-        """This step with one more row of ``tokens`` query tokens ending at ``context``."""
+    def plus(self, tokens: int, context: int, logits: int | None = None,
+             drafts: int = 0) -> StepShape:
+        """This step with one more row of ``tokens`` query tokens ending at ``context``,
+        ``logits`` of them wanted (default: all of a decode or verify row's, one of a
+        longer chunk's), ``drafts`` of them draft tokens."""
+        if logits is None:
+            logits = tokens if tokens <= SHORT_QUERY else 1
         return StepShape(self.tokens + tokens, self.rows + 1, self.attended + tokens * context,
                          self.decode_rows + (tokens == 1),
-                         self.verify_rows + (1 < tokens <= SHORT_QUERY))
+                         self.verify_rows + (1 < tokens <= SHORT_QUERY), self.logits + logits,
+                         self.drafts + drafts)
 
-    def features(self) -> tuple[float, ...]:
+    def with_draft_token(self, context: int) -> StepShape:
+        """This step with one more draft token, at ``context``, in a row it has."""
+        return replace(self, tokens=self.tokens + 1, attended=self.attended + context,
+                       logits=self.logits + 1, drafts=self.drafts + 1)
+
+    def features(self, knee: float) -> tuple[float, ...]:
         """The model's regressors, in :class:`Coefficients` order."""
-        return (1.0, self.tokens, self.rows, self.attended, float(self.split))
+        return (1.0, self.tokens, self.rows, self.attended, float(self.split), self.logits,
+                max(0.0, self.tokens - knee), self.drafts)
 
 
 @dataclass
@@ -71,10 +96,18 @@ class Coefficients:
     per_row: float = 0.001
     per_attended: float = 2e-8
     verify_call: float = 0.002
+    per_logit: float = 0.0
+    per_excess: float = 0.0
+    per_draft: float = 0.0
+    knee: float = 0.0  # tokens from which per_excess applies (not a regression coefficient)
 
     def as_array(self) -> np.ndarray:
         return np.array([self.base, self.per_token, self.per_row, self.per_attended,
-                         self.verify_call])
+                         self.verify_call, self.per_logit, self.per_excess, self.per_draft])
+
+    @classmethod
+    def of(cls, values: np.ndarray, knee: float) -> Coefficients:
+        return cls(*map(float, values), knee=float(knee))
 
 
 class StepCostModel:
@@ -91,22 +124,27 @@ class StepCostModel:
         # everything. The priors are only a guess: no clamp around them.
         self.anchor = self.coef.as_array() if coefficients is not None else None
         self.learn = learn
-        self._x = np.zeros((WINDOW, NUM_FEATURES))
+        self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0 (column 6 = tokens)
         self._y = np.zeros(WINDOW)
         self._n = 0
 
     def predict(self, shape: StepShape) -> float:
-        c = self.coef
         if shape.rows == 0:
             return 0.0
-        return (c.base + c.per_token * shape.tokens + c.per_row * shape.rows
-                + c.per_attended * shape.attended + c.verify_call * shape.split)
+        return float(np.dot(self.coef.as_array(), shape.features(self.coef.knee)))
+
+    def token_cost(self, shape: StepShape, context: int) -> float:
+        """Seconds one more query token at ``context``, with its logits, adds to a step of
+        ``shape`` (a draft token verified in a row the step already has)."""
+        c = self.coef
+        return (c.per_token + c.per_logit + c.per_draft + c.per_attended * context
+                + c.per_excess * (shape.tokens >= c.knee))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not self.learn or shape.rows == 0:
             return
         i = self._n % WINDOW
-        self._x[i] = shape.features()
+        self._x[i] = shape.features(0.0)
         self._y[i] = seconds
         self._n += 1
         if self._n >= MIN_SAMPLES and self._n % REFIT_EVERY == 0:
@@ -114,9 +152,21 @@ class StepCostModel:
 
     def _refit(self) -> None:
         n = min(self._n, WINDOW)
-        x, y = self._x[:n], self._y[:n]
+        x, y = self._x[:n].copy(), self._y[:n]
         prior = self.coef.as_array()
+        best: tuple[float, np.ndarray, float] | None = None
+        for knee in KNEES:
+            x[:, 6] = np.maximum(0.0, x[:, 1] - knee)
+            fit = self._ridge(x, y, prior)
+            err = float(np.sum(((x @ fit - y) / y) ** 2))
+            if best is None or err < best[0]:
+                best = (err, fit, knee)
+        assert best is not None
+        self.coef = Coefficients.of(best[1], best[2])
+
+    def _ridge(self, x: np.ndarray, y: np.ndarray, prior: np.ndarray) -> np.ndarray:
         # Columns differ by orders of magnitude: scale them, then ridge toward the prior.
+        n = len(y)
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
         xs = x / scale
         lam = 1e-3 * n
@@ -126,10 +176,11 @@ class StepCostModel:
         if self.anchor is not None:  # a coefficient the table found zero stays free
             upper = np.where(self.anchor > 0, CLAMP[1] * self.anchor, np.inf)
             fit = np.clip(fit, CLAMP[0] * self.anchor, upper)
-        self.coef = Coefficients(*map(float, fit))
+        return fit
 
     def prefill_rate(self, decode_rows: int = 0) -> float:
         """Prompt tokens per second the engine computes when its steps carry mostly
         prefill (one 256-token chunk alongside ``decode_rows`` decoding streams)."""
-        shape = StepShape(decode_rows + 256, decode_rows + 1, 256 * 256 + decode_rows * 512)
+        shape = StepShape(decode_rows + 256, decode_rows + 1, 256 * 256 + decode_rows * 512,
+                          decode_rows=decode_rows, logits=decode_rows + 1)
         return 256 / max(self.predict(shape), 1e-6)

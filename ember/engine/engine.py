@@ -71,6 +71,11 @@ from ember.tokenizer import IncrementalDetokenizer
 log = logging.getLogger("ember.engine")
 REFERENCE_CACHE = 32  # frozen reference indexes kept for reuse across requests
 FEED_ROWS = 4  # requests per step whose verification logits feed the recycling tables
+# While the gate grants no draft (a batch whose steps are compute-bound: only
+# near-certain drafts pay, and recycled ones never are), the tables are fed only every
+# this many steps: the feed (a top-k over the vocabulary and the table updates) cost
+# SmolLM2 at 16 streams ~5% of its throughput for drafts nobody could take.
+IDLE_FEED_EVERY = 8
 # Share of a TTFT objective the engine plans for: the rest is for what happens outside
 # it (reading and preparing the request, streaming the first token back).
 TTFT_MARGIN = 0.9
@@ -433,7 +438,8 @@ class LLMEngine:
         step, with nothing else running, is predicted to take longer. (Admission only
         seats a stream whose step fits its objective, so such a request would otherwise
         wait for ever.)"""
-        alone = self.scheduler.costs.predict(StepShape(rows, rows, context, decode_rows=rows))
+        alone = self.scheduler.costs.predict(StepShape(rows, rows, context, decode_rows=rows,
+                                                       logits=rows))
         if alone > SEAT_MARGIN * tpot:
             raise InvalidRequest("slo.tpot_ms", f"a decode step of this request alone is "
                                  f"predicted to take {alone * 1e3:.1f} ms on this server, "
@@ -562,7 +568,7 @@ class LLMEngine:
             self._requests.pop(req.request_id, None)
         self._refused = []
         self._retire()  # an aborted request must not be scheduled, even once
-        sched = self.scheduler.schedule(self._proposals())
+        sched = self.scheduler.schedule(self._proposals)
         if sched.rows:
             self.stats["steps"] += 1
             start = time.perf_counter()
@@ -578,7 +584,7 @@ class LLMEngine:
         out = {}
         for req in self.scheduler.running:
             spec = req.speculator
-            if spec is None or req.remaining_prefill != 1:
+            if spec is None or req.remaining_prefill != 1 or not spec.due():
                 continue
             proposal = spec.propose()
             if proposal is None:
@@ -670,7 +676,9 @@ class LLMEngine:
                                 req.num_output + j) for j in range(len(row.draft) + 1)]
         raw = _stacked([row_logits for _, row_logits, _ in plans])
         results = sample_rows(batch, raw)
-        topk = self._recycling_feed(plans, raw)
+        drafting = any(row.draft for row, _ in verify)
+        topk = (self._recycling_feed(plans, raw)
+                if drafting or self.stats["steps"] % IDLE_FEED_EVERY == 0 else {})
         changed = [row.request for row, _ in verify]
         for row, _, start in plans:
             n = len(row.draft) + 1

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember.engine.costs import StepCostModel, StepShape
@@ -115,9 +116,11 @@ class Scheduler:
         self.running.append(req)
 
     # ------------------------------------------------------------ the step
-    def schedule(self, proposals: dict[Request, Proposal] | None = None) -> SchedulerOutput:
-        """This step's rows; ``proposals`` are drafts of decoding requests, of which the
-        cost gate (``ember.spec.gate``) verifies as many tokens as pay for themselves."""
+    def schedule(self, propose: Callable[[], dict[Request, Proposal]] | None = None
+                 ) -> SchedulerOutput:
+        """This step's rows; ``propose()`` gives drafts of decoding requests, of which the
+        cost gate (``ember.spec.gate``) verifies as many tokens as pay for themselves. It
+        is not even asked when no draft could pay (see :meth:`_drafts_can_pay`)."""
         out = SchedulerOutput()
         decoding = sorted((r for r in self.running if r.remaining_prefill == 1),
                           key=lambda r: r.admitted_seq)
@@ -125,8 +128,17 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and self._reserve_or_preempt(req, 1, out):
                 self._add_row(out, req, 1)
         limit = self._step_time_limit()
-        if proposals:
-            self._add_drafts(out, proposals, limit)
+        if propose is not None:
+            if self._drafts_can_pay(out):
+                proposals = propose()
+                if proposals:
+                    self._add_drafts(out, proposals, limit)
+            else:
+                for row in out.rows:
+                    spec = row.request.speculator
+                    if spec is not None:
+                        spec.granted(0)
+                        spec.stats.off_steps += 1
         self._hand_out_prompt_tokens(out, limit)
         self._top_up(out, limit)
         return out
@@ -143,7 +155,7 @@ class Scheduler:
             k = grant.get(req, 0)
             if k and not self.kv.can_reserve(req, req.kv_len + 1 + k):
                 k = 0
-            req.speculator.warm = k > 0  # type: ignore[union-attr]
+            req.speculator.granted(k)  # type: ignore[union-attr]
             if not k:
                 if req in where:
                     req.speculator.stats.off_steps += 1  # type: ignore[union-attr]
@@ -152,6 +164,20 @@ class Scheduler:
             out.rows[where[req]] = ScheduledRow(req, 1, proposal.tokens[:k], proposal)
             self._charge(req, k)
         out.shape = _shape_of(out.rows)
+
+    def _drafts_can_pay(self, out: SchedulerOutput) -> bool:
+        """Whether a draft token accepted for certain would raise this step's throughput:
+        its cost at the shortest context, times the tokens per second the step commits
+        without drafts, below one. Sixteen streams of a small model on a few cores are
+        compute-bound: every token costs its full compute there, no draft pays, and
+        proposing and feeding drafts is pure cost (5% of SmolLM2's throughput)."""
+        contexts = [len(row.request.token_ids) for row in out.rows
+                    if row.samples and row.request.speculator is not None]
+        if not contexts:
+            return False
+        seconds = self.costs.predict(out.shape)
+        return seconds <= 0 or len(out.rows) * self.costs.token_cost(
+            out.shape, min(contexts)) < seconds
 
     def _step_time_limit(self) -> float:
         """The step duration that keeps every decoding stream within its TPOT objective."""
@@ -226,7 +252,8 @@ class Scheduler:
             return True
         rows = self._seats() + req.group_size
         context = sum(len(r.token_ids) for r in self.running) + len(req.token_ids)
-        decode_only = self.costs.predict(StepShape(rows, rows, context, decode_rows=rows))
+        decode_only = self.costs.predict(StepShape(rows, rows, context, decode_rows=rows,
+                                                   logits=rows))
         return decode_only <= SEAT_MARGIN * limit / STALL_MARGIN
 
     def _chunk(self, req: Request, out: SchedulerOutput, limit: float,
@@ -330,7 +357,7 @@ class Scheduler:
         budget and the time limit allow) and one last step for the rest."""
         decoding = [r for r in self.running if r.remaining_prefill == 1]
         base = StepShape(len(decoding), len(decoding), sum(len(r.token_ids) for r in decoding),
-                         decode_rows=len(decoding))
+                         decode_rows=len(decoding), logits=len(decoding))
         context = base.attended // max(1, len(decoding))
 
         def step(n: int) -> float:
@@ -399,5 +426,6 @@ class Scheduler:
 def _shape_of(rows: list[ScheduledRow]) -> StepShape:
     shape = StepShape(0, 0, 0)
     for row in rows:
-        shape = shape.plus(row.num_query, row.request.kv_len + row.num_query)
+        shape = shape.plus(row.num_query, row.request.kv_len + row.num_query, row.num_logits,
+                           len(row.draft))
     return shape

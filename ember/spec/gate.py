@@ -1,18 +1,19 @@
 """Which requests verify how many draft tokens this step: the load-aware cost gate.
 
 A step of R decoding rows costs T seconds and commits R tokens. Adding one draft
-token to a row adds δ seconds (the step-time model's price of one more query token
-at that row's context) and commits, in expectation, that token's probability of
-being reached and accepted, g (a :class:`~ember.spec.speculator.Proposal`'s
-``reach``). The step's throughput (tokens committed per second) rises exactly when
-g / δ exceeds the throughput it already has. So draft tokens are added greedily, best
-ratio first, while that holds — and while the step stays within its time limit (the
-tightest TPOT objective) and token budget. A lone stream has a slow step for one
-token, so even modest drafts pay; sixteen streams already commit sixteen tokens per
-step, so only drafts that are nearly certain still do, and at high occupancy drafting
-stops by itself. A request that drafted in its previous step keeps going at ratio ≥
-rate; one that did not must beat the rate by 10% (hysteresis, so a marginal regime
-does not flap).
+token to a row adds δ seconds (the step-time model's price of one more query token at
+that row's context, with its logits row, at the step's size so far: past the model's
+compute knee a token costs its whole compute, below it little) and commits, in
+expectation, that token's probability of being reached and accepted, g (a
+:class:`~ember.spec.speculator.Proposal`'s ``reach``). The step's throughput (tokens
+committed per second) rises exactly when g / δ exceeds the throughput it already has.
+So draft tokens are added greedily, best ratio first, while that holds — and while the
+step stays within its time limit (the tightest TPOT objective) and token budget. A
+lone stream has a slow step for one token, so even modest drafts pay; sixteen streams
+already commit sixteen tokens per step, so only drafts that are nearly certain still
+do, and at high occupancy drafting stops by itself. A request that drafted in its
+previous step keeps going at ratio ≥ rate; one that did not must beat the rate by 10%
+(hysteresis, so a marginal regime does not flap).
 
 Verify rows beside decode rows cost a fixed extra attention call (the cost model's
 ``verify_call``), which no single token pays for but many may. So the greedy pass
@@ -45,11 +46,13 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
     heap: list[tuple[float, int, int]] = []
     info = list(candidates)
 
+    grown = shape  # the step with the tokens granted so far
+
     def push(i: int) -> None:
         key, proposal, context, _ = info[i]
         j = taken[key]
         if j < len(proposal.tokens):
-            delta = _delta(costs, shape, context + j)
+            delta = _delta(costs, grown, context + j)
             heapq.heappush(heap, (-proposal.reach[j] / delta, i, j))
 
     for i in range(len(info)):
@@ -61,7 +64,7 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
     while heap and budget > 0:
         neg_ratio, i, j = heapq.heappop(heap)
         key, proposal, context, warm = info[i]
-        delta = _delta(costs, shape, context + j)
+        delta = _delta(costs, grown, context + j)
         rate = gain / time if time > 0 else 0.0
         needed = rate if (warm or j > 0) else rate * HYSTERESIS
         if -neg_ratio <= needed or time + delta > limit:
@@ -69,6 +72,7 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
         taken[key] = j + 1
         time += delta
         gain += proposal.reach[j]
+        grown = grown.with_draft_token(context + j)
         budget -= 1
         push(i)
     grant = {key: n for key, n in taken.items() if n}
@@ -80,6 +84,6 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
 
 
 def _delta(costs: StepCostModel, shape: StepShape, context: int) -> float:
-    """Seconds one more query token at ``context`` adds to a step (never free)."""
-    c = costs.coef
-    return max(c.per_token + c.per_attended * context, 1e-6)
+    """Seconds one more query token at ``context`` adds to a step (never free): its
+    compute (past the knee, all of it), attention and logits row."""
+    return max(costs.token_cost(shape, context), 1e-6)

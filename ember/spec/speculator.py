@@ -44,6 +44,8 @@ MIN_RATE = 0.2  # below this a source is muted
 MUTE_STEPS = 128  # committed tokens of a first mute; doubles up to MAX_MUTE
 MAX_MUTE = 1024
 TOPK = 8
+REFUSALS_PER_GAP = 4  # refusals in a row that lengthen the gap between proposals by one
+MAX_PROPOSE_GAP = 7  # steps skipped at most between two proposals
 RECYCLING_DRAFT = 4  # tokens of a top-1 successor chain worth verifying
 PRIOR_WEIGHT = 4  # drafted tokens' worth of trust in a source's prior acceptance
 
@@ -205,6 +207,26 @@ class Speculator:
         self.tracks = {s.name: _Track() for s in self.sources}
         self.stats = SpecStats()
         self.warm = False  # drafted in its previous step (the gate's hysteresis)
+        self.refused = 0  # steps in a row the gate turned its proposal down
+        self._wait = 0  # steps until it proposes again
+
+    def due(self) -> bool:
+        """Whether to propose this step. After a run of proposals the gate refused (a
+        busy batch, text no source predicts), only every few steps, up to every
+        MAX_PROPOSE_GAP-th: proposing costs time every step, a refused one buys nothing,
+        and an occasional probe notices when drafts pay again."""
+        if self._wait > 0:
+            self._wait -= 1
+            return False
+        self._wait = min(MAX_PROPOSE_GAP, self.refused // REFUSALS_PER_GAP)
+        return True
+
+    def granted(self, tokens: int) -> None:
+        """The gate's answer to this step's proposal: ``tokens`` draft tokens (0: none)."""
+        self.warm = tokens > 0
+        self.refused = 0 if tokens else self.refused + 1
+        if tokens:
+            self._wait = 0
 
     @property
     def wants_topk(self) -> bool:
