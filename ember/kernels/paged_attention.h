@@ -10,6 +10,10 @@
 // rows or one token of a prefill chunk of any length, and whatever else is in the
 // batch: the property the engine's batch-invariance tests assert.
 //
+// The query heads of one KV head are computed together (up to kScoreHeads for the
+// scores, kValueHeads for the values), so a K or V row is loaded and widened once
+// for all of them; each head's own arithmetic is unchanged by the grouping.
+//
 // Pools may hold f32, f16 or bf16, rows widened to f32 (exactly) as they are read, or
 // q8_0 (ember/kv/dtypes.py; llama.cpp's block_q8_0): a head's row of D values is D/32
 // blocks of 34 bytes, an f16 scale d then 32 int8 codes, read as code * d (exact in
@@ -228,6 +232,70 @@ inline void weighted_values(float* acc, float r, const float* w, const void* con
   for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
 
+// Heads of one KV head read the same K and V rows: up to this many are computed
+// together, so each row is loaded (and widened) once for all of them. The scores
+// need 4 accumulators a head; AVX-512VL's 32 vector registers hold four heads'.
+#if defined(__AVX512VL__)
+constexpr int kScoreHeads = 4;
+#else
+constexpr int kScoreHeads = 2;
+#endif
+constexpr int kValueHeads = 4;
+
+// s[i][0..4) = scale * q[i] . k[j] for GH heads and 4 keys, each by dots8's
+// arithmetic: 8 lanes summed over D in order, then the same tree.
+template <KVType KT, int GH>
+inline void scores4_heads(const float* const* q, const void* const* k, int64_t D, float scale,
+                          float* const* s, int64_t j0) {
+  __m256 a[GH][4];
+  for (int i = 0; i < GH; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = load8<KT>(k[j], c);
+    for (int i = 0; i < GH; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + c);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < GH; ++i) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
+                                    _mm256_hadd_ps(a[i][2], a[i][3]));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(s[i] + j0, _mm_mul_ps(r, _mm_set1_ps(scale)));
+  }
+}
+
+// acc[i][c0 .. c0 + 8 NV) = acc[i] * r[i] + sum_j w[i][j] v[j][...] for GH heads
+// sharing the V rows: weighted_values' arithmetic, element by element.
+template <KVType KT, int GH, int NV>
+inline void weighted_values_heads(float* const* acc, const float* r, const float* const* w,
+                                  const void* const* v, int64_t n, int64_t c0) {
+  __m256 a[GH][NV];
+  for (int i = 0; i < GH; ++i) {
+    const __m256 ri = _mm256_set1_ps(r[i]);
+    for (int u = 0; u < NV; ++u) a[i][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + c0 + 8 * u), ri);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 vv[NV];
+    for (int u = 0; u < NV; ++u) vv[u] = load8<KT>(v[j], c0 + 8 * u);
+    for (int i = 0; i < GH; ++i) {
+      const __m256 wj = _mm256_set1_ps(w[i][j]);
+      for (int u = 0; u < NV; ++u) a[i][u] = _mm256_fmadd_ps(wj, vv[u], a[i][u]);
+    }
+  }
+  for (int i = 0; i < GH; ++i)
+    for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc[i] + c0 + 8 * u, a[i][u]);
+}
+
+template <KVType KT, int GH>
+inline void accumulate_values_heads(float* const* acc, const float* r, const float* const* w,
+                                    const void* const* v, int64_t n, int64_t D) {
+  int64_t c = 0;
+  for (; c + 16 <= D; c += 16) weighted_values_heads<KT, GH, 2>(acc, r, w, v, n, c);
+  if (c < D) weighted_values_heads<KT, GH, 1>(acc, r, w, v, n, c);
+}
+
 #endif
 
 inline float exp_scalar(float x) { return std::exp(x); }
@@ -294,6 +362,53 @@ inline void prefetch_rows(const Elem* k, const Elem* v, int64_t at, int64_t n,
   }
 }
 
+// Scores (times scale) of `heads` query heads against the `padded` keys of one KV
+// head, into s[i][0 .. padded); each head's arithmetic is scores8's, however many
+// are computed together.
+template <KVType KT>
+inline void head_scores(const float* const* q, const void* const* k, int64_t heads,
+                        int64_t padded, int64_t D, float scale, float* const* s) {
+#if defined(EMBER_AVX2)
+  if constexpr (KT != KVType::Q8_0) {
+    for (int64_t i = 0; i < heads; i += kScoreHeads) {
+      const int64_t gh = std::min<int64_t>(kScoreHeads, heads - i);
+      for (int64_t j = 0; j < padded; j += 4) {
+        switch (gh) {
+          case 1: scores4_heads<KT, 1>(q + i, k + j, D, scale, s + i, j); break;
+          case 2: scores4_heads<KT, 2>(q + i, k + j, D, scale, s + i, j); break;
+          case 3: scores4_heads<KT, 3>(q + i, k + j, D, scale, s + i, j); break;
+          default: scores4_heads<KT, 4>(q + i, k + j, D, scale, s + i, j); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < heads; ++i)
+    for (int64_t j = 0; j < padded; j += 8) scores8<KT>(q[i], k + j, D, scale, s[i] + j);
+}
+
+// acc[i] = acc[i] * r[i] + sum_j w[i][j] v[j] for `heads` heads sharing the V rows;
+// each head's arithmetic is accumulate_values'.
+template <KVType KT>
+inline void head_values(float* const* acc, const float* r, const float* const* w,
+                        const void* const* v, int64_t heads, int64_t n, int64_t D) {
+#if defined(EMBER_AVX2)
+  if constexpr (KT != KVType::Q8_0) {
+    for (int64_t i = 0; i < heads; i += kValueHeads) {
+      switch (std::min<int64_t>(kValueHeads, heads - i)) {
+        case 1: accumulate_values_heads<KT, 1>(acc + i, r + i, w + i, v, n, D); break;
+        case 2: accumulate_values_heads<KT, 2>(acc + i, r + i, w + i, v, n, D); break;
+        case 3: accumulate_values_heads<KT, 3>(acc + i, r + i, w + i, v, n, D); break;
+        default: accumulate_values_heads<KT, 4>(acc + i, r + i, w + i, v, n, D); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < heads; ++i) accumulate_values<KT>(acc[i], r[i], w[i], v, n, D);
+}
+
 // Attention of T query tokens. q: token t's H heads of D at q + t * q_stride;
 // out: [T, H, D] f32. Token t belongs to row rows[t] (its block ids: tables[rows[t] *
 // NB ...]) and sits at position pos[t]: it attends to positions 0..pos[t] of its
@@ -317,14 +432,22 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
   const Elem* vbase = static_cast<const Elem*>(kv.v);
   const bool per_token = T >= 2 * at::get_num_threads();
   const int64_t heads_per_task = per_token ? H : 1;
-  at::parallel_for(0, per_token ? T : T * H, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tasks = per_token ? T : T * H;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // per task: an accumulator, running max and sum per head; per block and head: the
     // rows' addresses, scores and softmax weights
     std::vector<float> acc(heads_per_task * D), mx(heads_per_task), sum(heads_per_task);
-    std::vector<float> scores(padded), weights(padded);
+    std::vector<float> scores(heads_per_task * padded), weights(heads_per_task * padded);
     std::vector<Elem> zero(W, Elem{});  // reads as D zeros in every type
     std::vector<const void*> krow(padded), vrow(bs);
-    for (int64_t task = t0; task < t1; ++task) {
+    std::vector<const float*> qh(heads_per_task);
+    std::vector<float*> sh(heads_per_task), wh(heads_per_task), ah(heads_per_task);
+    std::vector<float> rescale(heads_per_task);
+    for (int64_t i = t0; i < t1; ++i) {
+      // Tasks are taken from both ends in turn (0, N-1, 1, N-2, ...): a causal prompt's
+      // late tokens attend to more positions than its early ones, and parallel_for hands
+      // each thread one contiguous range, which would leave one thread most of the work.
+      const int64_t task = i % 2 == 0 ? i / 2 : tasks - 1 - i / 2;
       const int64_t t = per_token ? task : task / H;
       const int64_t h0 = per_token ? 0 : task % H;
       const int64_t len = pos[t] + 1;
@@ -346,29 +469,36 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
           prefetch_rows(kbase, vbase, next, std::min(bs, len - start - bs), row_stride,
                         hk_lo * W, (hk_hi + 1) * W);
         }
-        for (int64_t i = 0; i < heads_per_task; ++i) {
-          const int64_t h = h0 + i, hk = h / G;
-          if (i == 0 || hk != (h - 1) / G) {  // the rows of this head's KV head
-            const int64_t base = block + hk * W;
-            for (int64_t j = 0; j < n; ++j) {
-              krow[j] = kbase + base + j * row_stride;
-              vrow[j] = vbase + base + j * row_stride;
-            }
-            for (int64_t j = n; j < padded; ++j) krow[j] = zero.data();
+        for (int64_t i = 0; i < heads_per_task;) {
+          const int64_t hk = (h0 + i) / G;
+          const int64_t end = std::min(heads_per_task, (hk + 1) * G - h0);  // hk's heads
+          const int64_t base = block + hk * W;
+          for (int64_t j = 0; j < n; ++j) {
+            krow[j] = kbase + base + j * row_stride;
+            vrow[j] = vbase + base + j * row_stride;
           }
-          for (int64_t j = 0; j < padded; j += 8) {
-            scores8<KT>(q + t * q_stride + h * D, krow.data() + j, D, scale, scores.data() + j);
+          for (int64_t j = n; j < padded; ++j) krow[j] = zero.data();
+          for (int64_t g = i; g < end; ++g) {
+            qh[g] = q + t * q_stride + (h0 + g) * D;
+            sh[g] = scores.data() + g * padded;
+            wh[g] = weights.data() + g * padded;
+            ah[g] = acc.data() + g * D;
           }
-          float bmax = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, scores[j]);
-          const float new_mx = std::max(mx[i], bmax);
-          const float r = exp_scalar(mx[i] - new_mx);  // 0 for the first block
-          for (int64_t j = 0; j < padded; j += 8) exp_shifted8(&scores[j], new_mx, &weights[j]);
-          float s = sum[i] * r;
-          for (int64_t j = 0; j < n; ++j) s += weights[j];
-          sum[i] = s;
-          mx[i] = new_mx;
-          accumulate_values<KT>(acc.data() + i * D, r, weights.data(), vrow.data(), n, D);
+          head_scores<KT>(qh.data() + i, krow.data(), end - i, padded, D, scale, sh.data() + i);
+          for (int64_t g = i; g < end; ++g) {
+            float bmax = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[g][j]);
+            const float new_mx = std::max(mx[g], bmax);
+            rescale[g] = exp_scalar(mx[g] - new_mx);  // 0 for the first block
+            for (int64_t j = 0; j < padded; j += 8) exp_shifted8(sh[g] + j, new_mx, wh[g] + j);
+            float s = sum[g] * rescale[g];
+            for (int64_t j = 0; j < n; ++j) s += wh[g][j];
+            sum[g] = s;
+            mx[g] = new_mx;
+          }
+          head_values<KT>(ah.data() + i, rescale.data() + i, wh.data() + i, vrow.data(),
+                          end - i, n, D);
+          i = end;
         }
       }
       for (int64_t i = 0; i < heads_per_task; ++i) {
