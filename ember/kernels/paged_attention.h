@@ -417,7 +417,7 @@ inline void head_values(float* const* acc, const float* r, const float* const* w
 // Each query head runs the same sequence of operations however the work is split,
 // so the split may follow the batch: one task per token (all its heads, so each
 // block's K/V rows are read together, in order) when there are tokens enough to
-// keep the threads busy, else one task per (token, head).
+// keep the threads busy, else one per (token, KV head), else one per (token, head).
 // window > 0: a sliding-window layer, token t attends to positions
 // max(0, pos[t] - window + 1) .. pos[t] only (blocks before that are not read; the
 // first block read is entered at the window's start).
@@ -430,9 +430,11 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
   const int64_t padded = (bs + 7) / 8 * 8;
   const Elem* kbase = static_cast<const Elem*>(kv.k);
   const Elem* vbase = static_cast<const Elem*>(kv.v);
-  const bool per_token = T >= 2 * at::get_num_threads();
-  const int64_t heads_per_task = per_token ? H : 1;
-  const int64_t tasks = per_token ? T : T * H;
+  // A task: one token's heads, all of them when there are tokens enough to keep the
+  // threads busy, else those of one KV head (they share its rows), else one head.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_task = T >= 2 * threads ? H : T * kv.hkv >= 2 * threads ? G : 1;
+  const int64_t tasks = T * (H / heads_per_task);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // per task: an accumulator, running max and sum per head; per block and head: the
     // rows' addresses, scores and softmax weights
@@ -448,8 +450,8 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
       // late tokens attend to more positions than its early ones, and parallel_for hands
       // each thread one contiguous range, which would leave one thread most of the work.
       const int64_t task = i % 2 == 0 ? i / 2 : tasks - 1 - i / 2;
-      const int64_t t = per_token ? task : task / H;
-      const int64_t h0 = per_token ? 0 : task % H;
+      const int64_t t = task / (H / heads_per_task);
+      const int64_t h0 = task % (H / heads_per_task) * heads_per_task;
       const int64_t len = pos[t] + 1;
       const int64_t* table = tables + rows[t] * NB;
       std::fill(acc.begin(), acc.end(), 0.0f);
