@@ -385,3 +385,30 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         write_synth(tmp_path / "m.gguf", TINY, "Q8_0", smollm2_file)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", list(FILE_TYPES))
+def test_a_layer_at_llama_1b_width_runs_packed_as_it_does_in_float(
+        tmp_path: Path, smollm2_file: GGUFFile, quant: str) -> None:
+    """Llama 3.2 1B's widths (2048 hidden, 32 heads / 8 KV heads of 64, 8192 FFN), one
+    layer and SmolLM2's vocabulary: every matrix is packed at its file type (no dense
+    fallback) and the packed kernels give the f32 oracle's logits up to int8 activation
+    rounding."""
+    from dataclasses import replace
+
+    import torch
+
+    from ember.models.loader import load_model
+
+    shape = replace(SHAPES["llama-1b"], n_layers=1, vocab=SMOL_VOCAB)
+    path = _write(tmp_path / f"{quant}.gguf", shape, quant, smollm2_file)
+    tokens = list(range(5, 600, 13))
+    f32 = load_model(str(path), "f32").model.score(tokens)
+    packed = load_model(str(path), "q4").model
+    assert packed.batch_invariant  # every projection and the head in a packed layout
+    q4 = packed.score(tokens)
+    assert float((q4 - f32).norm() / f32.norm()) < 0.05
+    agree = (q4.argmax(-1) == f32.argmax(-1)).float().mean()
+    assert agree > 0.9, float(agree)
+    assert torch.isfinite(q4).all()
