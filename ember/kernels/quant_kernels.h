@@ -282,18 +282,15 @@ inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lane
 // u = 2 high nibbles) adds into partial c % P; with few rows several partials keep the
 // dot-product chains short, so the core overlaps more blocks (and keeps more weight
 // bytes in flight from memory). kHalves keeps even and odd calls apart.
-// `init` (or zero): what each row's sum starts from (a legacy block's centre term).
 template <int T, int MT>
 inline void block_dots(const uint8_t* cj, const uint8_t* hj, int h, const int8_t* q, int64_t K,
-                       int64_t m0, int64_t x0, Lanes::I* lo, Lanes::I* hi,
-                       const Lanes::I* init = nullptr) {
+                       int64_t m0, int64_t x0, Lanes::I* lo, Lanes::I* hi) {
   using L = Lanes;
   constexpr bool kHalves = Kind<T>::kHalves;
   constexpr int P = kHalves ? (MT == 1 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
   L::I part[MT][P];
   for (int m = 0; m < MT; ++m) {
     for (int p = 0; p < P; ++p) part[m][p] = L::zero();
-    if (init != nullptr) part[m][0] = init[m];
   }
   for (int u = 0; u < 4; u += 2) {
     L::B lo0, hi0, lo1, hi1;
@@ -337,11 +334,8 @@ inline void tile_legacy(const Geom& g, const uint8_t* grp, int h, const QuantX& 
         reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) +
         L::W * h;
     const F dv = L::halves(hv);
-    L::I isum[MT], unused[MT], init[MT];
-    for (int m = 0; m < MT; ++m) {  // symmetric codes: sums start at -z sum(x_q)
-      init[m] = KT::kOffset ? L::zero() : L::seti(-KT::kCentre * a.qsum[(m0 + m) * nb + b]);
-    }
-    block_dots<T, MT>(cb, hb, h, a.q, K, m0, b * QK, isum, unused, init);
+    L::I isum[MT], unused[MT];
+    block_dots<T, MT>(cb, hb, h, a.q, K, m0, b * QK, isum, unused);
     for (int m = 0; m < MT; ++m) {
       const int64_t xi = (m0 + m) * nb + b;
       const F dx = L::set1(a.d[xi]);
@@ -352,7 +346,8 @@ inline void tile_legacy(const Geom& g, const uint8_t* grp, int h, const QuantX& 
         acc[m] = L::fma(dv, t, acc[m]);
         acc[m] = L::fma(mv, L::set1(a.s[xi]), acc[m]);  // plus m sum(x)
       } else {
-        acc[m] = L::fma(dv, L::mul(L::cvt(isum[m]), dx), acc[m]);  // isum is centred
+        const L::I centred = L::sub(isum[m], L::seti(KT::kCentre * a.qsum[xi]));
+        acc[m] = L::fma(dv, L::mul(L::cvt(centred), dx), acc[m]);
       }
     }
   }
@@ -378,8 +373,6 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
     I part[MT][P];
     for (int m = 0; m < MT; ++m) {
       for (int p = 0; p < P; ++p) part[m][p] = L::zero();
-      // VNNI's biased codes: sums start at -128 sum(x_q)
-      if constexpr (L::kS8Bias != 0) part[m][0] = L::seti(-L::kS8Bias * a.qsum[(m0 + m) * nb + b]);
     }
     for (int t = 0; t < 8; ++t) {
       const L::B w = L::s8_prep(L::load(cb + SUBV * t));
@@ -392,7 +385,8 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
       I sum = part[m][0];
       if constexpr (P >= 2) sum = L::add(sum, part[m][1]);
       if constexpr (P == 4) sum = L::add(sum, L::add(part[m][2], part[m][3]));
-      acc[m] = L::fma(dv, L::mul(L::cvt(sum), L::set1(a.d[xi])), acc[m]);
+      const I isum = L::sub(sum, L::seti(L::kS8Bias * a.qsum[xi]));
+      acc[m] = L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
