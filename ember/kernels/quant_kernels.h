@@ -473,13 +473,33 @@ struct SegView {
   const uint8_t* data = nullptr;
 };
 
+// The largest group (bytes) whose successor is prefetched whole into L1 while it is
+// computed: two thirds of L1, so the next group fits beside the current one. A core
+// left to its hardware prefetchers kept too few lines in flight to stream more than
+// ~20 GB/s here; asking for the whole next group at once keeps many. Measured on a
+// Zen 5 (48 KiB L1) with the Llama 3.2 1B shape, the layers took 7% less time at one
+// row and 14% less at sixteen; prefetching groups larger than L1 (8192-wide rows)
+// cost up to 15% at one row, and spreading the prefetches through the group's
+// blocks gained nothing.
+inline int64_t prefetch_limit() {
+  static const int64_t limit = [] {
+    const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return (l1 > 0 ? static_cast<int64_t>(l1) : int64_t{32} << 10) * 2 / 3;
+  }();
+  return limit;
+}
+
 // Groups [g0, g1) of segment s times activation rows [m0, m1).
 template <int T>
 void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t g1,
                 int64_t m0, int64_t m1, float* y, int64_t ldy) {
   constexpr int MT = Kind<T>::kTile;
+  const bool ahead = s.g.stride <= prefetch_limit();
   for (int64_t gi = g0; gi < g1; ++gi) {
     const uint8_t* grp = s.data + gi * s.g.stride;
+    if (ahead && gi + 1 < g1) {
+      for (int64_t o = 0; o < s.g.stride; o += 64) __builtin_prefetch(grp + s.g.stride + o, 0, 3);
+    }
     for (int h = 0; h < Lanes::H; ++h) {
       const int64_t r0 = gi * RG + h * Lanes::W;
       if (r0 >= s.rows) break;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define EMBER_AVX2 1
