@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.engine.costs import KNEES, NUM_FEATURES, Coefficients, StepShape
+from ember.engine.costs import NUM_FEATURES, Coefficients, StepShape, fit_at_best_knee
 from ember.engine.runner import ScheduledRow
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import SampleRow, sample_rows
@@ -132,25 +132,22 @@ def fit(samples: list[dict[str, Any]]) -> Coefficients:
     step matters as much as a 1 s one), non-negative (by dropping a column that would
     go negative and refitting), at the compute knee of :data:`KNEES` that fits best."""
     y = np.array([s["seconds"] for s in samples])
+    x = np.array([sample_shape(s).features(0.0) for s in samples])
+    return fit_at_best_knee(x, y, _nonnegative_relative_lstsq)
+
+
+def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     w = 1.0 / y[:, None]
-    best: tuple[float, Coefficients] | None = None
-    for knee in KNEES:
-        x = np.array([sample_shape(s).features(knee) for s in samples])
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        keep = list(range(NUM_FEATURES))
-        while True:
-            coef, *_ = np.linalg.lstsq((x * w / scale)[:, keep], (y * w[:, 0]), rcond=None)
-            if (coef >= 0).all() or len(keep) == 1:
-                break
-            keep.pop(int(np.argmin(coef)))
-        full = np.zeros(NUM_FEATURES)
-        full[keep] = np.clip(coef, 0.0, None)
-        full /= scale
-        err = float(np.sum(((x @ full - y) / y) ** 2))
-        if best is None or err < best[0]:
-            best = (err, Coefficients.of(full, knee))
-    assert best is not None
-    return best[1]
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    keep = list(range(NUM_FEATURES))
+    while True:
+        coef, *_ = np.linalg.lstsq((x * w / scale)[:, keep], (y * w[:, 0]), rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = np.zeros(NUM_FEATURES)
+    full[keep] = np.clip(coef, 0.0, None)
+    return full / scale
 
 
 def write_table(path: Path, samples: list[dict[str, Any]], about: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ about to zero or infinity, and clamped to a quarter to four times the starting t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,6 +48,7 @@ MIN_SAMPLES = 8
 CLAMP = (0.25, 4.0)
 NUM_FEATURES = 8
 KNEES = (1, 2, 4, 8, 16, 32, 64, 128)  # candidate token counts of the compute knee
+_TOKENS, _EXCESS = 1, 6  # feature columns: query tokens, tokens past the knee
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class StepCostModel:
         # everything. The priors are only a guess: no clamp around them.
         self.anchor = self.coef.as_array() if coefficients is not None else None
         self.learn = learn
-        self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0 (column 6 = tokens)
+        self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0
         self._y = np.zeros(WINDOW)
         self._n = 0
 
@@ -152,17 +154,9 @@ class StepCostModel:
 
     def _refit(self) -> None:
         n = min(self._n, WINDOW)
-        x, y = self._x[:n].copy(), self._y[:n]
         prior = self.coef.as_array()
-        best: tuple[float, np.ndarray, float] | None = None
-        for knee in KNEES:
-            x[:, 6] = np.maximum(0.0, x[:, 1] - knee)
-            fit = self._ridge(x, y, prior)
-            err = float(np.sum(((x @ fit - y) / y) ** 2))
-            if best is None or err < best[0]:
-                best = (err, fit, knee)
-        assert best is not None
-        self.coef = Coefficients.of(best[1], best[2])
+        self.coef = fit_at_best_knee(self._x[:n], self._y[:n],
+                                     lambda x, y: self._ridge(x, y, prior))
 
     def _ridge(self, x: np.ndarray, y: np.ndarray, prior: np.ndarray) -> np.ndarray:
         # Columns differ by orders of magnitude: scale them, then ridge toward the prior.
@@ -184,3 +178,20 @@ class StepCostModel:
         shape = StepShape(decode_rows + 256, decode_rows + 1, 256 * 256 + decode_rows * 512,
                           decode_rows=decode_rows, logits=decode_rows + 1)
         return 256 / max(self.predict(shape), 1e-6)
+
+
+def fit_at_best_knee(x: np.ndarray, y: np.ndarray,
+                     solve: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Coefficients:
+    """The coefficients ``solve(x, y)`` finds at the knee among :data:`KNEES` whose fit
+    has the least squared *relative* error; ``x`` holds :meth:`StepShape.features` at
+    knee 0 (its tokens-past-the-knee column is rewritten for each candidate)."""
+    x = x.copy()
+    best: tuple[float, np.ndarray, float] | None = None
+    for knee in KNEES:
+        x[:, _EXCESS] = np.maximum(0.0, x[:, _TOKENS] - knee)
+        fit = solve(x, y)
+        err = float(np.sum(((x @ fit - y) / y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, fit, knee)
+    assert best is not None
+    return Coefficients.of(best[1], best[2])
