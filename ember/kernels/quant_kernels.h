@@ -328,10 +328,10 @@ inline void tile_legacy(const Geom& g, const uint8_t* grp, int h, const QuantX& 
   F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
   for (int64_t b = 0; b < g.nsb; ++b) {
-    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
-    const uint8_t* hb = grp + g.off[kHi] + b * g.size[kHi];
+    const uint8_t* cb = grp + g.at(kCodes, b) + 4 * L::W * h;
+    const uint8_t* hb = grp + g.at(kHi, b);
     const uint16_t* hv =
-        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) +
+        reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b)) +
         L::W * h;
     const F dv = L::halves(hv);
     L::I isum[MT], unused[MT];
@@ -365,9 +365,9 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
   F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
   for (int64_t b = 0; b < g.nsb; ++b) {
-    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes] + 4 * L::W * h;
+    const uint8_t* cb = grp + g.at(kCodes, b) + 4 * L::W * h;
     const F dv = L::halves(
-        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]) + L::W * h);
+        reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b)) + L::W * h);
     // partial sums per row as in block_dots: short chains when the rows are few
     constexpr int P = MT == 1 ? 4 : MT == 2 ? 2 : 1;
     I part[MT][P];
@@ -409,12 +409,12 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
   alignas(64) uint8_t scb[128], mnb[128];
   for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const uint8_t* cb = grp + g.off[kCodes] + sb * g.size[kCodes] + 4 * L::W * h;
-    const uint8_t* hb = grp + g.off[kHi] + sb * g.size[kHi];
+    const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
+    const uint8_t* hb = grp + g.at(kHi, sb);
     const uint16_t* hv =
-        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + sb * g.size[kScales]) +
+        reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) +
         L::W * h;
-    const uint8_t* xb = grp + g.off[kExtra] + sb * g.size[kExtra];
+    const uint8_t* xb = grp + g.at(kExtra, sb);
     if constexpr (T != kQ6_K) decode_kscales(xb, scb, mnb);
     I isc[MT], imn[MT];  // this super-block's scaled dots and scaled minimum sums
     for (int m = 0; m < MT; ++m) isc[m] = imn[m] = L::zero();

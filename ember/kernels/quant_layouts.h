@@ -58,6 +58,9 @@ struct Geom {
   int64_t size[kSections] = {};    // bytes per super-block of each section (16 rows)
   int64_t off[kSections] = {};     // section offsets within a group
   int64_t stride = 0;              // bytes per group, a multiple of 64
+
+  // offset of super-block b's field `sec` within a group
+  int64_t at(int sec, int64_t b) const { return off[sec] + b * size[sec]; }
 };
 
 inline bool packable(int type) {
@@ -225,10 +228,10 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
   uint8_t codes[256];
   const int64_t nsub = g.sb / QK;
   for (int64_t b = 0; b < g.nsb; ++b) {
-    uint8_t* cb = dst + g.off[kCodes] + b * g.size[kCodes];
-    uint8_t* hb = dst + g.off[kHi] + b * g.size[kHi];
-    uint8_t* sb = dst + g.off[kScales] + b * g.size[kScales];
-    uint8_t* xb = dst + g.off[kExtra] + b * g.size[kExtra];
+    uint8_t* cb = dst + g.at(kCodes, b);
+    uint8_t* hb = dst + g.at(kHi, b);
+    uint8_t* sb = dst + g.at(kScales, b);
+    uint8_t* xb = dst + g.at(kExtra, b);
     for (int r = 0; r < RG; ++r) {
       if (src[r] == nullptr) continue;
       const uint8_t* blk = src[r] + b * g.gguf_block;
@@ -279,11 +282,11 @@ inline void kscale_min(const uint8_t* s, int j, int* sc, int* mn) {
 void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
   const int64_t nsub = g.sb / QK;
   for (int64_t b = 0; b < g.nsb; ++b) {
-    const uint8_t* cb = grp + g.off[kCodes] + b * g.size[kCodes];
-    const uint8_t* hb = grp + g.off[kHi] + b * g.size[kHi];
+    const uint8_t* cb = grp + g.at(kCodes, b);
+    const uint8_t* hb = grp + g.at(kHi, b);
     const uint16_t* halves =
-        reinterpret_cast<const uint16_t*>(grp + g.off[kScales] + b * g.size[kScales]);
-    const uint8_t* xb = grp + g.off[kExtra] + b * g.size[kExtra];
+        reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b));
+    const uint8_t* xb = grp + g.at(kExtra, b);
     uint8_t s12[12];
     for (int i = 0; i < 12 && g.size[kExtra] == 192; ++i) s12[i] = xb[16 * i + r];
     for (int64_t j = 0; j < nsub; ++j) {
