@@ -74,6 +74,8 @@ def main() -> None:
                     help="time one N-token prompt instead of decode steps")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=0,
+                    help="forwards per timing (default: 32 rows' worth, at least 4; 2 for prefill)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, "q4").model
@@ -86,7 +88,7 @@ def main() -> None:
         x = torch.randn(b.positions.numel(), model.cfg.hidden_size)
         ropes = [torch.view_as_real(r.rotation(b.positions)).contiguous()
                  for r in model.ropes.values()]
-        calls = 2 if args.prefill else max(4, 32 // args.rows)
+        calls = args.calls or (2 if args.prefill else max(4, 32 // args.rows))
         ms: dict[str, list[float]] = {k: [] for k in stacks}
         for _ in range(args.reps):
             for name, stack in stacks.items():
