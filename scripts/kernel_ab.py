@@ -29,22 +29,26 @@ from torch.utils.cpp_extension import load
 
 from ember import kernels
 from ember.kv.blocks import BlockAllocator, BlockTable
-from ember.models.attention import AttentionBatch, RowSpec
 from ember.models.decoder import native_decoder
+from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.models.loader import load_model
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("quant_matmul.cpp", *kernels._HEADERS)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout
 
 
 def build_revision(rev: str, into: Path) -> object:
-    """The kernels as they are at git revision ``rev``, compiled as their own module."""
+    """The kernels as they are at git revision ``rev`` (every C++ source and header
+    there), compiled as their own module."""
     src = into / "src"
     src.mkdir(parents=True)
-    for name in SOURCES:
-        text = subprocess.run(["git", "show", f"{rev}:ember/kernels/{name}"], cwd=REPO,
-                              check=True, capture_output=True, text=True).stdout
-        (src / name).write_text(text)
+    for path in _git("ls-tree", "--name-only", f"{rev}:ember/kernels").split():
+        if path.endswith((".h", ".cpp")):
+            (src / path).write_text(_git("show", f"{rev}:ember/kernels/{path}"))
     return load(name="ember_kernel_ab_base", sources=[str(src / "quant_matmul.cpp")],
                 extra_cflags=[*kernels._BASE_FLAGS, "-march=native"],
                 extra_ldflags=[*kernels._LDFLAGS], build_directory=str(into), verbose=False)
