@@ -14,10 +14,7 @@ real text is small, not because it loads. The text is ``ember/data/eval_text.txt
 
 The reference is ``f32`` weights with ``f32`` KV. Results are printed, written as
 JSON and recorded in ``$EMBER_HOME/validation.json`` (by model checksum, format and KV
-dtype), where :func:`check_drift` finds them: an engine refuses a pair whose recorded
-KL exceeds :data:`MAX_KL` or whose top-1 is below :data:`MIN_TOP1` unless told to
-allow drift. ember ships the measurements of its registered models
-(``ember/data/validation.json``); a user's own ``ember eval`` overrides them.
+dtype), where an engine finds them (:mod:`ember.models.validation`).
 """
 
 from __future__ import annotations
@@ -25,29 +22,20 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-MAX_KL = 0.05  # mean KL(f32 ‖ format) in nats above which a format is refused
-MIN_TOP1 = 0.90  # teacher-forced top-1 agreement with f32 below which it is refused
+from ember.config import EngineConfig
+from ember.engine.engine import LLMEngine
+from ember.models.linear import linear_nbytes
+from ember.models.loader import load_model, physical_cores
+from ember.models.validation import MAX_KL, MIN_TOP1, Drift, model_sha, record
+from ember.sampling.params import SamplingParams
+
 TEXT = Path(__file__).parent / "data" / "eval_text.txt"
-SHIPPED = Path(__file__).parent / "data" / "validation.json"
-
-
-@dataclass
-class Drift:
-    weights: str
-    kv_dtype: str
-    tokens: int  # positions scored
-    perplexity: float
-    kl: float
-    top1: float
-    max_drift: float
-    bytes_per_weight: float
-    decode_tok_s: float | None = None
 
 
 class _Acc:
@@ -70,8 +58,6 @@ class _Acc:
 
 def linear_bytes_per_weight(model: Any) -> float:
     """Bytes per weight of the repeated layers' linear maps (qkv, o, gate/up, down)."""
-    from ember.models.linear import linear_nbytes
-
     def size(lin: Any) -> tuple[int, int]:
         return linear_nbytes(lin), lin.out_features * lin.in_features
 
@@ -88,8 +74,6 @@ def measure(model_name: str, weights: list[str], kv_dtypes: list[str], window: i
             decode_tokens: int = 64, text: str | None = None,
             reference: Any = None) -> list[Drift]:
     """The drift rows; ``reference`` is ``model_name`` loaded as f32, if the caller has it."""
-    from ember.models.loader import load_model
-
     reference = reference or load_model(model_name, "f32")
     ids = reference.encode_prompt(text if text is not None else TEXT.read_text())
     loaded = {w: reference if w == "f32" else load_model(model_name, w) for w in weights}
@@ -112,10 +96,6 @@ def measure(model_name: str, weights: list[str], kv_dtypes: list[str], window: i
 
 def decode_rate(loaded: Any, kv_dtype: str, tokens: int) -> float:
     """Tokens/s of one greedy stream: (time for 1 + tokens) − (time for 1), over tokens."""
-    from ember.config import EngineConfig
-    from ember.engine.engine import LLMEngine
-    from ember.sampling.params import SamplingParams
-
     engine = LLMEngine(EngineConfig(model=str(loaded.path), weights=loaded.weights,
                                     kv_dtype=kv_dtype, num_kv_blocks=64, speculation="off",
                                     enable_prefix_caching=False), loaded=loaded)
@@ -133,66 +113,8 @@ def decode_rate(loaded: Any, kv_dtype: str, tokens: int) -> float:
     return tokens / best if best > 0 else math.inf
 
 
-# ------------------------------------------------------------------ records and checks
-def model_sha(loaded: Any) -> str:
-    """The model file's sha256 (the registry's for a registered file: no hashing)."""
-    return loaded.fingerprint().rsplit(":", 1)[0]
-
-
-def _user_records() -> Path:
-    from ember.models.registry import ember_home
-
-    return ember_home() / "validation.json"
-
-
-def _key(model_sha: str, weights: str, kv_dtype: str) -> str:
-    return f"{model_sha}:{weights}:{kv_dtype}"
-
-
-def record(model_sha: str, rows: list[Drift], path: Path | None = None) -> Path:
-    """Add ``rows`` to the records ``check_drift`` reads (the user's file by default)."""
-    path = path or _user_records()
-    data = json.loads(path.read_text()) if path.exists() else {}
-    for r in rows:
-        data[_key(model_sha, r.weights, r.kv_dtype)] = asdict(r)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-    return path
-
-
-def recorded(model_sha: str, weights: str, kv_dtype: str) -> dict[str, Any] | None:
-    """The measurement of this pair: the user's own, else the shipped one, else None."""
-    key = _key(model_sha, weights, kv_dtype)
-    for path in (_user_records(), SHIPPED):
-        try:
-            found = json.loads(path.read_text()).get(key)
-        except (FileNotFoundError, ValueError):
-            continue
-        if found is not None:
-            return found
-    return None
-
-
-def check_drift(model_sha: str, weights: str, kv_dtype: str) -> str | None:
-    """Why this pair must not be used (its recorded drift crosses a threshold), or None
-    (within the thresholds, or never measured)."""
-    m = recorded(model_sha, weights, kv_dtype)
-    if m is None:
-        return None
-    if m["kl"] > MAX_KL or m["top1"] < MIN_TOP1:
-        return (f"weights {weights!r} with KV {kv_dtype!r} drift too far from f32 on this "
-                f"model: measured KL {m['kl']:.4f} (limit {MAX_KL}) and top-1 agreement "
-                f"{m['top1']:.1%} (limit {MIN_TOP1:.0%}) by `ember eval`; pass "
-                "--allow-drift (allow_drift=True) to use them anyway")
-    return None
-
-
 def main(model: str, weights: list[str], kv_dtypes: list[str], window: int,
          decode_tokens: int, threads: int | None, out: Path) -> list[Drift]:
-    from ember.models.loader import load_model, physical_cores
-
     torch.set_num_threads(threads or physical_cores())
     reference = load_model(model, "f32")
     rows = measure(model, weights, kv_dtypes, window, decode_tokens, reference=reference)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ember.kv.blocks import KV_DTYPES, BlockAllocator, BlockTable
-from ember.models.attention import AttentionBatch, RowSpec
+from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.models.loader import load_model
 
 

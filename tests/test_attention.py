@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native import build_variant, require_kernels
 
-from ember.models.attention import AttentionBatch, RowSpec, paged_attention
+from ember.models.layers.attention import AttentionBatch, RowSpec, paged_attention
 
 BLOCK = 4
 H, HKV, D = 4, 2, 8
@@ -75,12 +76,7 @@ def pool_case(seed: int, shapes: list[tuple[int, int]], dtype: torch.dtype | str
 
 
 def native_kernel():
-    from ember import kernels
-
-    mod = kernels.quant_matmul()
-    if mod is None:
-        pytest.skip(f"native kernel unavailable: {kernels.unavailable_reason()}")
-    return mod
+    return require_kernels()
 
 
 def native(mod, q, storage, layer: int, rows: list[RowSpec], window: int = 0) -> torch.Tensor:
@@ -181,16 +177,11 @@ def test_other_simd_builds_read_and_write_q8_0_pools_alike(variant: str, flags: 
                                                             tiny32_loaded_q4):
     """The portable build and the plain-AVX2 one attend over a q8_0 pool as the native
     build does, and their fused stacks store the same q8_0 K/V bytes."""
-    from ember import kernels
     from ember.kv.blocks import KV_DTYPES, BlockAllocator, BlockTable
     from ember.models.decoder import native_decoder
 
     ext = native_kernel()
-    name = f"ember_qmm_test_{variant}"  # tests/test_quant_matmul.py builds the same ones
-    try:
-        mod = kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
-    except Exception as e:  # e.g. a compiler without AVX2 support
-        pytest.skip(f"could not build the {variant} variant: {e}")
+    mod = build_variant(variant, flags)  # tests/test_quant_matmul.py builds the same ones
     assert mod.simd() == variant
     storage, rows, q = pool_case(6, MIXED, "q8_0", head_dim=64)
     want = paged_attention(q, storage.k[2], storage.v[2], AttentionBatch.build(rows, BLOCK))

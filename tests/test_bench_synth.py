@@ -19,6 +19,7 @@ import pytest
 from ember.bench import synth
 from ember.bench.synth import FILE_TYPES, SHAPES, Shape, synth_tensors, tensor_type, write_synth
 from ember.errors import GGUFError
+from ember.models.architectures import model_config
 from ember.models.gguf import GGMLType, GGUFFile, TensorToWrite, write_gguf
 from ember.models.quant import dequantize
 from ember.tokenizer import Tokenizer
@@ -309,9 +310,7 @@ def test_families_load_and_generate(tmp_path: Path, smollm2_file: GGUFFile,
                                     family: str) -> None:
     shape = TINY_FAMILIES[family]
     path = _write(tmp_path / f"{family}.gguf", shape, "Q4_K_M", smollm2_file)
-    from ember.models.config import ModelConfig
-
-    cfg = ModelConfig.from_gguf(GGUFFile(path))
+    cfg = model_config(GGUFFile(path))
     assert (cfg.architecture, cfg.n_layers, cfg.vocab_size, cfg.tied_embeddings) == (
         shape.arch, shape.n_layers, shape.vocab, shape.tied)
     assert cfg.qk_norm

@@ -11,6 +11,7 @@ import torch
 from ember import eval as ember_eval
 from ember.config import EngineConfig, InvalidConfig
 from ember.engine.engine import LLMEngine
+from ember.models import validation
 
 TEXT = ("The river runs through the old city, past the market and the library, under "
         "seven stone bridges, and out to the harbor where the fishing boats wait. ") * 3
@@ -48,16 +49,16 @@ def test_figures_equal_a_direct_computation(tiny_gguf, tiny_loaded):
 def test_a_recorded_drift_beyond_the_limits_is_refused_by_name(tiny_gguf, tiny_loaded,
                                                                tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_HOME", str(tmp_path))
-    sha = ember_eval.model_sha(tiny_loaded)
+    sha = validation.model_sha(tiny_loaded)
 
     def engine(**options) -> LLMEngine:
         return LLMEngine(EngineConfig(model=str(tiny_gguf), weights="f32", num_kv_blocks=16,
                                       **options), loaded=tiny_loaded)
 
     engine(kv_dtype="bf16")  # never measured: allowed
-    good = ember_eval.Drift("f32", "f16", 100, 30.0, 0.001, 0.99, 0.1, 4.0)
-    bad = ember_eval.Drift("f32", "bf16", 100, 31.0, 0.2, 0.8, 5.0, 4.0)
-    ember_eval.record(sha, [good, bad])
+    good = validation.Drift("f32", "f16", 100, 30.0, 0.001, 0.99, 0.1, 4.0)
+    bad = validation.Drift("f32", "bf16", 100, 31.0, 0.2, 0.8, 5.0, 4.0)
+    validation.record(sha, [good, bad])
     engine(kv_dtype="f16")
     with pytest.raises(InvalidConfig, match=r"KL 0\.2000 \(limit 0\.05\).*80\.0%.*--allow-drift"):
         engine(kv_dtype="bf16")
@@ -73,15 +74,15 @@ def test_the_shipped_measurements_cover_and_admit_every_format_of_the_bundled_mo
     from ember.models.linear import WEIGHT_FORMATS
     from ember.models.registry import MODELS
 
-    shipped = json.loads(ember_eval.SHIPPED.read_text())
+    shipped = json.loads(validation.SHIPPED.read_text())
     for spec in MODELS.values():
         for w in WEIGHT_FORMATS:
             for d in KV_DTYPES:
                 key = f"{spec.sha256}:{w}:{d}"
                 assert key in shipped, f"{spec.alias}: weights {w}, KV {d} never measured"
                 m = shipped[key]
-                assert m["kl"] <= ember_eval.MAX_KL and m["top1"] >= ember_eval.MIN_TOP1, key
-                assert ember_eval.check_drift(spec.sha256, w, d) is None
+                assert m["kl"] <= validation.MAX_KL and m["top1"] >= validation.MIN_TOP1, key
+                assert validation.check_drift(spec.sha256, w, d) is None
 
 
 @pytest.mark.slow

@@ -13,14 +13,17 @@ import dataclasses
 
 import pytest
 import torch
+from native import require_kernels
 
-from ember import kernels
 from ember.kv.blocks import KV_DTYPES, BlockAllocator, BlockTable
-from ember.models.attention import AttentionBatch, RowSpec
 from ember.models.decoder import DecoderModel
+from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+
+@pytest.fixture(autouse=True)
+def _kernels_built() -> None:
+    require_kernels()
 
 TEXT = ("The lighthouse stood at the edge of the harbour for nearly two hundred years. Its "
         "keepers kept careful logs of every ship that passed, the direction of the wind, and "

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.errors import GGUFError, UnsupportedModelError
-from ember.models.config import ModelConfig
+from ember.models.architectures import model_config
 from ember.models.gguf import GGMLType, GGUFFile
 from ember.models.quant import dequantize
 
@@ -408,7 +408,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     with GGUFFile(path) as f:
         assert f.architecture == "mamba"
         with pytest.raises(UnsupportedModelError, match="'mamba'") as exc:
-            ModelConfig.from_gguf(f)
+            model_config(f)
     assert "mamba.gguf" in str(exc.value) and "llama" in str(exc.value)
 
 
@@ -417,7 +417,7 @@ def test_missing_architecture_key(tmp_path: Path) -> None:
     with GGUFFile(_scratch(tmp_path, data)) as f, pytest.raises(
         GGUFError, match="missing metadata key 'general.architecture'"
     ):
-        ModelConfig.from_gguf(f)
+        model_config(f)
 
 
 def test_iq_tensor_opens_but_does_not_dequantize(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ def test_slots_follow_the_block_table():
     t.reserve(10)
     assert t.blocks == [1, 2, 3]
     assert t.block_ids(10).tolist() == [1, 2, 3]
-    from ember.models.attention import AttentionBatch, RowSpec
+    from ember.models.layers.attention import AttentionBatch, RowSpec
 
     batch = AttentionBatch.build([RowSpec(t.block_ids(10), 3, 7)], block_size=4)
     assert batch.slot_mapping.tolist() == [7, 8, 9, 10, 11, 12, 13]  # positions 3..9
@@ -154,3 +154,46 @@ def test_eviction_is_lru_and_only_under_pressure():
     assert cache.evict(1) == 1  # evicts block 1 (token 20), the least recently used
     assert cache.lookup(b"s", [20]) == []
     assert alloc.num_free == 2
+
+
+class _Seq:
+    """The least a KV sequence is (ember.kv.manager.KVSequence), for the manager alone."""
+
+    def __init__(self, rid: str, tokens: list[int], manager) -> None:
+        self.request_id, self.token_ids, self.salt = rid, tokens, b"tenant"
+        self.block_table = manager.new_table()
+        self.block_hashes: list[bytes] = []
+        self.cached_tokens = 0
+        self.num_output = 0
+        self.wants_prompt_logprobs = False
+
+    @property
+    def kv_len(self) -> int:
+        return self.block_table.kv_len
+
+
+def test_a_waiting_sequence_is_looked_up_once_a_step_until_the_cache_changes():
+    from ember.kv.manager import KVCacheManager
+
+    kv = KVCacheManager(16, 4)
+    first = _Seq("a", list(range(10, 23)), kv)  # 3 full blocks and a token
+    kv.admit(first, [], 13)
+    first.block_table.kv_len = 12  # as if its prompt were computed
+    kv.register_computed(first)
+    calls = []
+    real = kv.prefix.lookup
+    kv.prefix.lookup = lambda *a, **k: calls.append(1) or real(*a, **k)
+
+    waiting = _Seq("b", list(range(10, 23)) + [99], kv)
+    kv.begin_step()
+    assert kv.cached_estimate(waiting) == 12  # predictions,
+    assert not kv.loading(waiting)  # the disk prefetch check,
+    assert len(kv.probe_prefix(waiting)) == 3  # and admission share one lookup
+    assert len(calls) == 1
+    kv.begin_step()
+    kv.probe_prefix(waiting)
+    assert len(calls) == 2  # a new step looks again
+    kv.prefix.evict(16)  # the cache changed: what was found may be gone
+    kv.free(first)
+    kv.prefix.evict(16)
+    assert kv.probe_prefix(waiting) == [] and len(calls) == 3

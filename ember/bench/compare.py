@@ -84,6 +84,7 @@ from ember.bench.llamacpp_driver import cpu_seconds  # stdlib-only helpers
 from ember.bench.llamacpp_driver import serve as serve_protocol
 from ember.bench.throughput import PARAGRAPH
 from ember.errors import EmberError
+from ember.kv.blocks import blocks_for
 from ember.models.footprint import step_weight_bytes as ember_weight_bytes
 
 DRIVER = Path(__file__).with_name("llamacpp_driver.py")
@@ -182,13 +183,13 @@ def engine_options(spec: dict, kv_tokens: int = 0) -> dict:
     batched = spec.get("batched", [])
     need_tokens = max([*prefill, len(d.get("prompt", [])), 1,
                        *(sum(len(p) for p in b["prompts"]) for b in batched)])
-    need_blocks = max([-(-(n + 2) // block) for n in prefill]
-                      + [-(-(len(d.get("prompt", [])) + int(d.get("n", 0)) + 1) // block)]
-                      + [sum(-(-(len(p) + int(b["gen"]) + 1) // block) for p in b["prompts"])
+    need_blocks = max([blocks_for(n + 2, block) for n in prefill]
+                      + [blocks_for(len(d.get("prompt", [])) + int(d.get("n", 0)) + 1, block)]
+                      + [sum(blocks_for(len(p) + int(b["gen"]) + 1, block) for p in b["prompts"])
                          for b in batched])
     return {"max_num_seqs": max([1, *(len(b["prompts"]) for b in batched)]),
             "max_num_batched_tokens": need_tokens,
-            "num_kv_blocks": max(need_blocks + 8, -(-kv_tokens // block)),
+            "num_kv_blocks": max(need_blocks + 8, blocks_for(kv_tokens, block)),
             "block_size": block, "enable_prefix_caching": False, "speculation": "off"}
 
 
@@ -293,7 +294,7 @@ class _EmberSpecBackend:
                                                            self.tasks.values(), strict=True))
         base = dict(model=str(self.loaded.path), weights=self.weights, threads=msg["threads"],
                     max_num_seqs=1, max_num_batched_tokens=max(512, need),
-                    num_kv_blocks=-(-need // 16) + 8, block_size=16,
+                    num_kv_blocks=blocks_for(need, 16) + 8, block_size=16,
                     enable_prefix_caching=False, kv_dtype=msg.get("kv_dtype", "f16"))
         self.engines = {"on": LLMEngine(EngineConfig(**base), loaded=self.loaded),
                         "off": LLMEngine(EngineConfig(**base, speculation="off"),

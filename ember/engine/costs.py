@@ -23,7 +23,7 @@ with the weights already read, above it every token costs its compute (on 2 core
 SmolLM2 q4 at one stream a draft token adds ~0.25 ms, at sixteen ~0.6 ms). The knee
 is chosen among :data:`KNEES` by the fit, the coefficients by least squares.
 Draft-verify rows are attended in a call of their own beside the decode rows' in the
-op-by-op path (see ember.models.attention); ``verify_call`` is that call's fixed price.
+op-by-op path (see ember.models.layers.attention); ``verify_call`` is that call's fixed price.
 The model starts from a table measured on the machine (``ember bench spec-cost``;
 ember ships one, and ``calibrate_costs`` measures a short one at startup) or, without
 one, from pessimistic priors. The coefficients are then refit by least squares on the
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ember.models.attention import SHORT_QUERY
+from ember.models.layers.attention import SHORT_QUERY
 
 WINDOW = 256
 REFIT_EVERY = 16
@@ -134,6 +134,11 @@ class StepCostModel:
         if shape.rows == 0:
             return 0.0
         return float(np.dot(self.coef.as_array(), shape.features(self.coef.knee)))
+
+    @property
+    def verify_call(self) -> float:
+        """Seconds a step's separate attention call for verify rows adds."""
+        return self.coef.verify_call
 
     def token_cost(self, shape: StepShape, context: int) -> float:
         """Seconds one more query token at ``context``, with its logits, adds to a step of

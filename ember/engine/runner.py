@@ -16,8 +16,8 @@ import torch
 
 from ember.engine.request import Request
 from ember.kv.blocks import KVStorage
-from ember.models.attention import AttentionBatch, RowSpec
 from ember.models.decoder import DecoderModel
+from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.spec.speculator import Proposal
 
 
@@ -27,6 +27,8 @@ class ScheduledRow:
     num_tokens: int  # tokens of the request's history to run this step
     draft: list[int] = field(default_factory=list)  # tokens proposed after the history
     proposal: Proposal | None = None  # where the draft came from (for feedback)
+    # the first position it computes: the request's cached length when it was scheduled
+    start: int = -1
     samples: bool = False  # does the row reach the end of the history (→ next token)?
     # prompt positions whose logits give prompt logprobs (the next prompt token's)
     prompt_positions: range = range(0)
@@ -35,10 +37,12 @@ class ScheduledRow:
         if self.num_tokens < 1:
             raise ValueError(f"scheduled row of {self.request.request_id} has no tokens")
         req = self.request
-        self.samples = req.kv_len + self.num_tokens == len(req.token_ids)
+        if self.start < 0:
+            self.start = req.kv_len
+        self.samples = self.start + self.num_tokens == len(req.token_ids)
         if req.wants_prompt_logprobs:
-            first = max(req.kv_len, len(req.prompt_logprobs) - 1)
-            self.prompt_positions = range(first, min(req.kv_len + self.num_tokens,
+            first = max(self.start, len(req.prompt_logprobs) - 1)
+            self.prompt_positions = range(first, min(self.start + self.num_tokens,
                                                      req.num_prompt - 1))
         if self.draft and not self.samples:
             raise ValueError(f"row of {self.request.request_id}: a draft needs the whole "
@@ -69,7 +73,7 @@ class ModelRunner:
         """Run one step; return logits (sum of num_logits, vocab) in row order."""
         specs, tokens, logit_rows, offset = [], [], [], 0
         for row in rows:
-            req, start = row.request, row.request.kv_len
+            req, start = row.request, row.start
             end = start + row.num_query
             specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query))
             tokens += req.token_ids[start:start + row.num_tokens] + row.draft

@@ -23,6 +23,11 @@ from ember.kv.dtypes import KV_DTYPES, KVDtype, kv_dtype
 __all__ = ["KV_DTYPES", "BlockAllocator", "BlockTable", "KVStorage", "OutOfBlocks"]
 
 
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``n_tokens`` positions (the last one possibly part-filled)."""
+    return -(-n_tokens // block_size)
+
+
 class OutOfBlocks(EmberError):
     """The pool has no free block left; the scheduler preempts or waits."""
 
@@ -175,7 +180,7 @@ class BlockTable:
 
     def blocks_needed(self, n_tokens: int) -> int:
         """How many more blocks holding ``n_tokens`` positions in total would take."""
-        return max(0, -(-n_tokens // self.block_size) - len(self.blocks))
+        return max(0, blocks_for(n_tokens, self.block_size) - len(self.blocks))
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for positions ``0 .. n_tokens-1``; all or nothing."""
@@ -189,17 +194,24 @@ class BlockTable:
 
     def block_ids(self, end: int) -> torch.Tensor:
         """The blocks holding positions ``0 .. end-1`` (requires ``end <= capacity``)."""
-        return self._ids[: -(-end // self.block_size)]
+        return self._ids[: blocks_for(end, self.block_size)]
 
-    def truncate(self, keep_len: int) -> None:
-        """Rewind to the first ``keep_len`` positions and free whole blocks past them."""
+    def truncate(self, keep_len: int) -> list[int]:
+        """Rewind to the first ``keep_len`` positions; returns the blocks it let go."""
         if keep_len >= self.kv_len:
-            return
-        keep_blocks = -(-keep_len // self.block_size)
-        for block in self.blocks[keep_blocks:]:
-            self.allocator.decref(block)
-        del self.blocks[keep_blocks:]
+            return []
         self.kv_len = keep_len
+        return self.release_past(keep_len)
+
+    def release_past(self, n_tokens: int) -> list[int]:
+        """Give back the blocks past those holding positions ``0 .. n_tokens-1`` (reserved
+        for positions that were not kept, such as a rejected draft's); returns them."""
+        keep = blocks_for(n_tokens, self.block_size)
+        dropped = self.blocks[keep:]
+        for block in dropped:
+            self.allocator.decref(block)
+        del self.blocks[keep:]
+        return dropped
 
     def release(self) -> None:
         """Give every block back (the sequence is finished, aborted or preempted)."""

@@ -9,7 +9,7 @@
   ``round(x * (127 / amax))`` with ties to even (0 where ``amax`` is 0), then ``d``
   rounded to f16 (to nearest even). A value reads back as ``code * d``, which is
   exact in f32 (a 7-bit code times an 11-bit scale): the PyTorch path
-  (``ember.models.attention``) and the native one (``ember/kernels/paged_attention.h``)
+  (``ember.models.layers.attention``) and the native one (``ember/kernels/paged_attention.h``)
   attend over the same numbers, and the native K/V write (``fused_decoder.h``)
   stores the same bytes as :meth:`KVDtype.encode`.
 

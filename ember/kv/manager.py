@@ -10,10 +10,32 @@ either free or held only by the prefix cache (``check_no_leaks``).
 
 from __future__ import annotations
 
-from ember.engine.request import Request
-from ember.kv.blocks import BlockAllocator, BlockTable
+from typing import Protocol
+
+from ember.kv.blocks import BlockAllocator, BlockTable, blocks_for
 from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys, root_key
 from ember.kv.tier import DiskTier
+
+
+class KVSequence(Protocol):
+    """What the KV layer sees of a request: its history, its blocks and its cache scope
+    (the engine's :class:`~ember.engine.request.Request` is one)."""
+
+    request_id: str
+    token_ids: list[int]
+    salt: bytes  # prefix-cache scope: model and tenant
+    block_table: BlockTable
+    block_hashes: list[bytes]  # chain keys of the history's full blocks, as far as hashed
+    cached_tokens: int  # prompt tokens taken from the cache at admission
+
+    @property
+    def kv_len(self) -> int: ...
+
+    @property
+    def num_output(self) -> int: ...
+
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
 
 
 class KVCacheManager:
@@ -28,6 +50,9 @@ class KVCacheManager:
         # a trailing None means the cache refused one, so later blocks are not offered
         self._chains: dict[str, list[int | None]] = {}
         self.tier: DiskTier | None = None
+        # this step's lookups, per waiting request: (cache version, history length), its
+        # tokens and RAM hits
+        self._lookups: dict[str, tuple[tuple[int, int], list[int], list[CachedBlock]]] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -48,12 +73,12 @@ class KVCacheManager:
         return BlockTable(self.allocator, self.block_size)
 
     def blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
+        return blocks_for(n_tokens, self.block_size)
 
-    def can_reserve(self, req: Request, n_tokens: int) -> bool:
+    def can_reserve(self, req: KVSequence, n_tokens: int) -> bool:
         return req.block_table.blocks_needed(n_tokens) <= self.num_available
 
-    def reserve(self, req: Request, n_tokens: int) -> None:
+    def reserve(self, req: KVSequence, n_tokens: int) -> None:
         self._make_free(req.block_table.blocks_needed(n_tokens))
         req.block_table.reserve(n_tokens)
 
@@ -63,16 +88,29 @@ class KVCacheManager:
             self.prefix.evict(need)
 
     # ------------------------------------------------------------ admission
-    def _lookup(self, req: Request) -> tuple[list[int], list[CachedBlock]]:
-        """The tokens a waiting request may take from the cache, and its RAM hits."""
+    def begin_step(self) -> None:
+        """Forget the lookups of the last step (see :meth:`_lookup`)."""
+        self._lookups.clear()
+
+    def _lookup(self, req: KVSequence) -> tuple[list[int], list[CachedBlock]]:
+        """The tokens a waiting request may take from the cache, and its RAM hits. Kept
+        for the rest of the step unless the cache's contents change: the scheduler asks
+        about each waiting request several times a step (predictions, prefetch,
+        admission)."""
         if not self.prefix or req.kv_len or req.wants_prompt_logprobs:
             return [], []
+        version = (self.prefix.version, len(req.token_ids))
+        kept = self._lookups.get(req.request_id)
+        if kept is not None and kept[0] == version:
+            return kept[1], kept[2]
         extend_keys(req.block_hashes, req.salt, req.token_ids, self.block_size)
         # the last token is always recomputed for its logits
         tokens = req.token_ids[:-1]
-        return tokens, self.prefix.lookup(req.salt, tokens, req.block_hashes)
+        found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
+        self._lookups[req.request_id] = (version, tokens, found)
+        return tokens, found
 
-    def probe_prefix(self, req: Request) -> list[CachedBlock]:
+    def probe_prefix(self, req: KVSequence) -> list[CachedBlock]:
         """Cached blocks covering a prefix of a waiting request's history (no references
         taken, nothing counted), restored from the disk tier where it has more: the
         scheduler decides with it whether to admit."""
@@ -81,7 +119,7 @@ class KVCacheManager:
             found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
         return found
 
-    def loading(self, req: Request) -> bool:
+    def loading(self, req: KVSequence) -> bool:
         """Whether a waiting request's prefix is being read from the disk tier (it is
         admitted when the read is done; until then it holds nothing and waits)."""
         if self.tier is None:
@@ -90,7 +128,7 @@ class KVCacheManager:
         return bool(tokens) and self.tier.prefetch(req.salt, tokens, req.block_hashes,
                                                    len(found), self.block_size)
 
-    def cached_estimate(self, req: Request) -> int:
+    def cached_estimate(self, req: KVSequence) -> int:
         """Prompt tokens a waiting request would take from RAM or disk (nothing read)."""
         tokens, found = self._lookup(req)
         n = len(found)
@@ -113,7 +151,7 @@ class KVCacheManager:
         pinned = sum(1 for f in found if self.prefix and self.prefix.is_evictable(f.block))
         return self.blocks_for(n_tokens) - len(found) <= self.num_available - pinned
 
-    def admit(self, req: Request, found: list[CachedBlock], n_tokens: int) -> None:
+    def admit(self, req: KVSequence, found: list[CachedBlock], n_tokens: int) -> None:
         """Attach ``found`` (from :meth:`probe_prefix`) and reserve ``n_tokens`` positions."""
         if req.block_table.blocks:
             raise AssertionError(f"waiting request {req.request_id} holds KV blocks")
@@ -127,7 +165,7 @@ class KVCacheManager:
             req.cached_tokens = req.block_table.kv_len
         self.reserve(req, n_tokens)
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+    def fork(self, parent: KVSequence, child: KVSequence) -> tuple[int, int] | None:
         """Give ``child`` the parent's computed positions (its prompt): full blocks are
         shared, a partly filled last block is copied. Returns ``(src, dst)`` of the block
         whose contents the caller must copy, None if nothing to copy. Raises
@@ -150,7 +188,7 @@ class KVCacheManager:
         return copy
 
     # ------------------------------------------------------------ prefix registration
-    def register_computed(self, req: Request) -> None:
+    def register_computed(self, req: KVSequence) -> None:
         """Insert the request's newly completed full blocks into the prefix cache."""
         if not self.prefix:
             return
@@ -170,7 +208,7 @@ class KVCacheManager:
                 break
 
     # ------------------------------------------------------------ release
-    def free(self, req: Request) -> None:
+    def free(self, req: KVSequence) -> None:
         """Release every block the request holds; cached ones stay findable."""
         blocks = list(req.block_table.blocks)
         req.block_table.release()
@@ -179,15 +217,23 @@ class KVCacheManager:
             for block in blocks:
                 self.prefix.on_released(block)
 
-    def truncate(self, req: Request, keep_len: int) -> None:
+    def truncate(self, req: KVSequence, keep_len: int) -> None:
         """Rewind a request's cache; forget registrations past the kept full blocks."""
-        dropped = list(req.block_table.blocks[self.blocks_for(keep_len):])
-        req.block_table.truncate(keep_len)
+        if keep_len >= req.kv_len:
+            return
         chain = self._chains.get(req.request_id)
         if chain:
             del chain[keep_len // self.block_size:]
+        self._released(req.block_table.truncate(keep_len))
+
+    def trim(self, req: KVSequence) -> None:
+        """Give back blocks reserved past the request's cached positions (those of draft
+        tokens the step rejected)."""
+        self._released(req.block_table.release_past(req.kv_len))
+
+    def _released(self, blocks: list[int]) -> None:
         if self.prefix:
-            for block in dropped:
+            for block in blocks:
                 self.prefix.on_released(block)
 
     def check_no_leaks(self) -> None:

@@ -99,6 +99,7 @@ class PrefixCache:
         self._serials = itertools.count(ROOT + 1)
         self.queries = 0  # prompt tokens looked up (once per admitted request)
         self.hits = 0  # prompt tokens served from cache
+        self.version = 0  # changes whenever what lookup() can find changes
 
     @property
     def num_cached(self) -> int:
@@ -181,6 +182,7 @@ class PrefixCache:
             return None
         serial = next(self._serials)
         self._by_key[key] = block
+        self.version += 1
         self._entries[block] = _Entry(key, serial, parent, salt, tokens, parent_key)
         if stored:
             self._stored.add(block)
@@ -224,6 +226,7 @@ class PrefixCache:
         """Forget a block and drop the cache's reference (freeing it if unused)."""
         entry = self._entries.pop(block)
         del self._by_key[entry.key]
+        self.version += 1
         self._evictable.pop(block, None)
         self._stored.discard(block)
         self.allocator.decref(block)

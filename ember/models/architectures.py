@@ -8,10 +8,12 @@ here and a file beside this one; the engine, scheduler and server do not change.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ember.errors import UnsupportedModelError
 from ember.models import gemma3, llama, qwen
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
@@ -32,3 +34,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": Architecture(qwen.configure_qwen3moe),
     "gemma3": Architecture(gemma3.configure, chat_template=gemma3.CHAT_TEMPLATE),
 }
+
+
+def model_config(gguf: GGUFFile) -> ModelConfig:
+    """A GGUF's model configuration: the keys every family shares, then its family's.
+    An architecture not in the table is refused by name."""
+    family = ARCHITECTURES.get(gguf.architecture)
+    if family is None:
+        raise UnsupportedModelError(
+            f"{gguf.path.name}: architecture {gguf.architecture!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})")
+    base = ModelConfig.common(gguf)
+    return dataclasses.replace(base, **family.configure(gguf, base))

@@ -8,7 +8,6 @@ through :mod:`ember.models.architectures`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -71,16 +70,10 @@ class ModelConfig:
         return self.layers[i] if self.layers else LayerAttention(self.rope_base)
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
-        from ember.models.architectures import ARCHITECTURES
-
+    def common(cls, gguf: GGUFFile) -> ModelConfig:
+        """The fields every family reads from the same GGUF keys (a family's own are
+        added by :func:`ember.models.architectures.model_config`)."""
         arch = gguf.architecture
-        family = ARCHITECTURES.get(arch)
-        if family is None:
-            raise UnsupportedModelError(
-                f"{gguf.path.name}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(ARCHITECTURES)})"
-            )
 
         def key(name: str) -> object:
             return gguf.require(f"{arch}.{name}")
@@ -113,4 +106,4 @@ class ModelConfig:
         if value_dim != head_dim:
             raise UnsupportedModelError(f"{gguf.path.name}: value heads of {value_dim} dims "
                                         f"differ from key heads of {head_dim}")
-        return dataclasses.replace(base, **family.configure(gguf, base))
+        return base

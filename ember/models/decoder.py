@@ -8,10 +8,7 @@ sliding windows and RoPE bases, q/k norms, post-norms, biases, activation, scale
 and in how their ``configure`` hook reads that from the GGUF
 (:mod:`ember.models.architectures` has the table).
 
-RoPE layout: llama.cpp's converter permutes the Q/K rows of HF llama checkpoints so
-that a GGUF llama rotates *adjacent* pairs (x[2i], x[2i+1]) — ggml's "normal" rope —
-while Qwen and Gemma GGUFs keep HF's NEOX layout (x[i], x[i + d/2]). Using the wrong
-one silently scrambles attention; the transformers oracle tests guard both.
+The blocks themselves are in :mod:`ember.models.layers`.
 
 The model knows nothing about requests: it maps a flat batch of token ids plus an
 :class:`AttentionBatch` to logits for the rows asked for, reading and writing K/V
@@ -21,18 +18,20 @@ in the pool it is given.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ember.kv.blocks import KVStorage
+from ember import kernels
+from ember.kv.blocks import BlockAllocator, BlockTable, KVStorage, blocks_for
 from ember.kv.dtypes import KVDtype
-from ember.models.attention import AttentionBatch, paged_attention
-from ember.models.config import LayerAttention, ModelConfig
+from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
+from ember.models.layers.attention import AttentionBatch, RowSpec, paged_attention
+from ember.models.layers.mlp import ACTIVATIONS, gated_mlp
+from ember.models.layers.norm import Norm, norm_for, rms_norm
+from ember.models.layers.rope import RotaryEmbedding, rope_key, rope_keys
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
 from ember.models.moe import (
     ExpertStore,
@@ -44,8 +43,6 @@ from ember.models.moe import (
 )
 
 log = logging.getLogger(__name__)
-
-Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass
@@ -64,63 +61,6 @@ class DecoderLayer:
     post_ffn_norm: torch.Tensor | None = None
 
 
-class RotaryEmbedding:
-    """RoPE over the first ``rope_dim`` head dims, as complex rotations.
-
-    Each pair — adjacent dims, or dims ``rope_dim/2`` apart with ``neox`` — is a
-    complex number multiplied by e^(i·pos·θ_i): one complex multiply per call instead
-    of a dozen real ops, and the per-position rotations are looked up once per forward
-    pass (``rotation``), not once per layer.
-    """
-
-    def __init__(self, rope_dim: int, base: float, freq_factors: torch.Tensor | None = None,
-                 neox: bool = False, scale: float = 1.0) -> None:
-        half = rope_dim // 2
-        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rope_dim) / scale
-        if freq_factors is not None:  # llama3-style long-context scaling (rope_freqs.weight)
-            inv_freq = inv_freq / freq_factors.double()
-        self.inv_freq = inv_freq
-        self.rope_dim = rope_dim
-        self.neox = neox
-        self._table = torch.empty(0, half, dtype=torch.complex64)
-
-    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
-        """e^(i·pos·θ) for each position: complex (T, 1, rope_dim/2), broadcast over heads."""
-        if positions.numel() and int(positions.max()) >= self._table.shape[0]:
-            n = max(int(positions.max()) + 1, 2 * self._table.shape[0], 256)
-            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self._table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-        return self._table[positions][:, None, :]
-
-    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (T, heads, head_dim) by ``rotation`` from ``rotation()``."""
-        d = self.rope_dim
-        head = x if d == x.shape[-1] else x[..., :d]
-        if self.neox:  # pair dim i with dim i + d/2: as (d/2, 2) after a transpose
-            pairs = head.unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()
-            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation)
-            rotated = rotated.transpose(-1, -2).flatten(-2)
-        else:
-            pairs = head.contiguous().unflatten(-1, (-1, 2))
-            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
-        return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def _rope_key(kind: LayerAttention) -> tuple[float, float]:
-    return kind.rope_base, kind.rope_scale
-
-
-def rope_keys(cfg: ModelConfig) -> list[tuple[float, float]]:
-    """The distinct RoPEs of the layers, in first-use order (the stack's table list)."""
-    return list(dict.fromkeys(_rope_key(cfg.layer_attention(i)) for i in range(cfg.n_layers)))
-
-
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
     option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts."""
@@ -136,8 +76,6 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     if not layers or not native_stack_supports(cfg) or not all(
             isinstance(p, QuantLinear) for ps in linears for p in ps):
         return None
-    from ember import kernels
-
     ext = ext or kernels.quant_matmul()
     if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
         return None
@@ -151,7 +89,7 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
         stack.add_layer(layer.attn_norm, layer.ffn_norm,
                         *(ext.PackedLinear(p.in_features, p.packed.segments) for p in parts))
         kind = cfg.layer_attention(i)
-        stack.set_attention(kind.window or 0, ropes.index(_rope_key(kind)))
+        stack.set_attention(kind.window or 0, ropes.index(rope_key(kind)))
         if layer.post_attn_norm is not None and layer.post_ffn_norm is not None:
             stack.set_post_norms(layer.post_attn_norm, layer.post_ffn_norm)
         if layer.qkv_bias is not None:
@@ -223,8 +161,7 @@ class DecoderModel:
     ) -> None:
         self.cfg = cfg
         self.experts = experts  # a mixture-of-experts model's expert store
-        # RMSNorm(x, weight, eps); the weight format may bring a faster kernel for it
-        self.norm = norm or (lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps))
+        self.norm = norm or rms_norm  # RMSNorm(x, weight, eps)
         self.embed = embed
         self.layers = layers
         self.output_norm = output_norm
@@ -233,7 +170,7 @@ class DecoderModel:
         self.ropes = {
             key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1])
             for key in rope_keys(cfg)}
-        self.rope = self.ropes[_rope_key(cfg.layer_attention(0))]
+        self.rope = self.ropes[rope_key(cfg.layer_attention(0))]
         self.activation = ACTIVATIONS[cfg.activation]
         # The whole stack in one native call per step, where the configuration and the
         # weights allow it; None: the op-by-op PyTorch path below, the oracle.
@@ -257,7 +194,7 @@ class DecoderModel:
             load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
         )
         model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
-                    freq_factors, fmt.rms_norm, experts)
+                    freq_factors, norm_for(fmt.name), experts)
         if fmt.name == "q4" and not model.batch_invariant:
             log.warning("%s: not every projection and the output head have a packed "
                         "layout here (tensors of other types stay dense f32; routed "
@@ -285,11 +222,8 @@ class DecoderModel:
         Uses a private KV pool (of ``kv_dtype``: a name in ember.kv.dtypes.KV_DTYPES or
         a float format's torch dtype); meant for evaluation and tests.
         """
-        from ember.kv.blocks import BlockAllocator, BlockTable
-        from ember.models.attention import RowSpec
-
         n = len(token_ids)
-        n_blocks = -(-n // block_size)
+        n_blocks = blocks_for(n, block_size)
         table = BlockTable(BlockAllocator(n_blocks), block_size)
         table.reserve(n)
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], block_size)
@@ -352,7 +286,7 @@ class DecoderModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self.norm(q.reshape(-1, c.head_dim), layer.q_norm, c.norm_eps).view(q.shape)
             k = self.norm(k.reshape(-1, c.head_dim), layer.k_norm, c.norm_eps).view(k.shape)
-        rope, rotation = self.ropes[_rope_key(kind)], rotations[_rope_key(kind)]
+        rope, rotation = self.ropes[rope_key(kind)], rotations[rope_key(kind)]
         q, k = rope.apply(q, rotation), rope.apply(k, rotation)
         kv.write(i, *slots, k, v)
         attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
@@ -366,8 +300,7 @@ class DecoderModel:
             out = layer.moe(h)
         else:
             assert layer.gate_up is not None and layer.down is not None
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            out = layer.down(self.activation(gate) * up)
+            out = gated_mlp(layer.gate_up, layer.down, self.activation, h)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
         return x + out

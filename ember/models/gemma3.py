@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ember.errors import UnsupportedModelError
 from ember.models.config import LayerAttention, ModelConfig
 from ember.models.gguf import GGUFFile
 
@@ -51,8 +52,6 @@ def configure(gguf: GGUFFile, base: ModelConfig) -> dict[str, Any]:
     if scaling == "linear":
         global_scale = float(gguf.require(f"{arch}.rope.scaling.factor"))
     elif scaling not in (None, "none"):
-        from ember.errors import UnsupportedModelError
-
         raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {scaling!r} is not "
                                     "supported for gemma3")
     layers = tuple(

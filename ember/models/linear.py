@@ -23,9 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ember import kernels
 from ember.errors import UnsupportedModelError
-from ember.models.gguf import BLOCK_GEOMETRY, GGMLType, GGUFFile
-from ember.models.quant import dequantize
+from ember.models.gguf import GGMLType, GGUFFile
+from ember.models.quant import block_view, dequantize
 
 
 class Linear(Protocol):
@@ -100,8 +101,6 @@ class WeightFormat(Protocol):
         """The format that loads ``gguf``'s weights (it may hold memory for them)."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
-
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
     def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
@@ -115,10 +114,6 @@ class WeightFormat(Protocol):
 
 class DenseFormat:
     """Dequantize every weight to a dense tensor of ``dtype``."""
-
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
@@ -169,21 +164,13 @@ def _raw_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...],
                 name: str) -> np.ndarray:
     """A 2-D quantized tensor's bytes as one flat uint8 array, its size checked."""
     gt = GGMLType(ggml_type)
-    block_elems, block_bytes = BLOCK_GEOMETRY[gt]
-    if len(shape) != 2 or shape[1] % block_elems:
-        raise UnsupportedModelError(f"tensor {name!r}: shape {shape} is not a "
-                                    f"[rows, k*{block_elems}] {gt.name} matrix")
-    rows, cols = shape
-    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
-    if raw.size != rows * cols // block_elems * block_bytes:
-        raise UnsupportedModelError(f"tensor {name!r}: {raw.size} bytes do not match {gt.name} "
-                                    f"shape {shape}")
-    return raw
+    if len(shape) != 2:
+        raise UnsupportedModelError(f"tensor {name!r}: shape {shape} is not a {gt.name} "
+                                    "matrix")
+    return block_view(raw, gt, shape, name).reshape(-1)
 
 
 def _kernels():  # noqa: ANN202 - the compiled extension module
-    from ember import kernels
-
     ext = kernels.quant_matmul()
     if ext is None:
         raise UnsupportedModelError(
@@ -361,11 +348,6 @@ class QuantFormat:
         padding = sum((-(-t.shape[0] // 16) + 1) * 64 for t in matrices)
         return QuantFormat(WeightArena(sum(t.nbytes for t in matrices) + padding))
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """The native one-call RMSNorm (the kernel is loaded by then: the linears need it)."""
-        return _kernels().rms_norm(x, weight, eps)
-
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
                  for n in names]
@@ -429,8 +411,6 @@ def resolve_weights(name: str) -> str:
     SmolLM2; see docs/performance.md), else the ``f32`` oracle."""
     if name != "auto":
         return name
-    from ember import kernels
-
     return "q4" if kernels.available() else "f32"
 
 

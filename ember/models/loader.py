@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ember.chat_template import ChatTemplate
 from ember.errors import ChatTemplateError
-from ember.models.architectures import ARCHITECTURES
+from ember.models.architectures import ARCHITECTURES, model_config
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
@@ -72,7 +72,7 @@ def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
     start = time.perf_counter()
     path = ensure_model(name)
     with GGUFFile(path) as gguf:
-        config = ModelConfig.from_gguf(gguf)
+        config = model_config(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         template = _chat_template(gguf, config)
     return LoadedModel(path, config, None, tokenizer, template,  # type: ignore[arg-type]
@@ -96,7 +96,7 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     start = time.perf_counter()
     path = ensure_model(name)
     gguf = GGUFFile(path)
-    config = ModelConfig.from_gguf(gguf)  # raises for unsupported architectures first
+    config = model_config(gguf)  # raises for unsupported architectures first
     weights = resolve_weights(weights)  # may build the native kernel: after cheap checks
     fmt = weight_format(weights).bind(gguf)
     tokenizer = Tokenizer.from_gguf(gguf)

@@ -73,10 +73,12 @@ def _as_u8(raw: RawBytes) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def _blocks(
+def block_view(
     raw: RawBytes, ggml_type: GGMLType, shape: tuple[int, ...], name: str | None = None
 ) -> np.ndarray:
-    """View ``raw`` as ``[rows, blocks_per_row, bytes_per_block]``, checking its size."""
+    """A quantized tensor's bytes as ``[rows, blocks_per_row, bytes_per_block]`` (a view),
+    its size checked against its type and shape: the one reading of GGUF blocks that the
+    dequantizer and the packed layouts share."""
     block_elems, block_bytes = BLOCK_GEOMETRY[ggml_type]
     row_len = shape[-1] if shape else 1
     n_elements = int(np.prod(shape, dtype=np.int64))
@@ -261,7 +263,7 @@ def _unpack(raw: RawBytes, ggml_type: GGMLType, shape: tuple[int, ...]) -> tuple
     Parts that still alias the input (Q8_0's codes) are copied, so the caller never
     holds a writable tensor over a read-only file mapping.
     """
-    blk = _blocks(raw, ggml_type, tuple(shape))
+    blk = block_view(raw, ggml_type, tuple(shape))
     parts = _FORMATS[ggml_type][0](blk)
     return tuple(
         torch.from_numpy(p.copy() if np.may_share_memory(p, blk) else np.ascontiguousarray(p))
@@ -276,7 +278,7 @@ def unpack_affine(raw: RawBytes, ggml_type: int, shape: tuple[int, ...]
     A subtracted minimum comes back negated (exact), so dequantize's roundings hold."""
     gt = GGMLType(ggml_type)
     unpack, subtract = _FORMATS[gt]
-    q, scale, *offset = unpack(_blocks(raw, gt, tuple(shape)))
+    q, scale, *offset = unpack(block_view(raw, gt, tuple(shape)))
     if not offset:
         return q, scale, None
     return q, scale, -offset[0] if subtract else offset[0]
@@ -356,7 +358,7 @@ def _affine(
 def _plain_float(
     raw: RawBytes, ggml_type: GGMLType, shape: tuple[int, ...], name: str | None
 ) -> np.ndarray:
-    u8 = _blocks(raw, ggml_type, shape, name).reshape(-1)
+    u8 = block_view(raw, ggml_type, shape, name).reshape(-1)
     if ggml_type == GGMLType.F32:
         return u8.view(np.float32).copy()  # never alias the caller's (mmap) buffer
     if ggml_type == GGMLType.F16:
@@ -387,6 +389,6 @@ def dequantize(
         out = _plain_float(raw, gt, shape, name)
     else:
         unpack, subtract = _FORMATS[gt]
-        q, scale, *offset = unpack(_blocks(raw, gt, shape, name))
+        q, scale, *offset = unpack(block_view(raw, gt, shape, name))
         out = _affine(q, scale, offset[0] if offset else None, subtract)
     return torch.from_numpy(out.reshape(shape))

@@ -1,0 +1,64 @@
+"""Rotary position embeddings (RoPE): rotations looked up once per step, applied per layer.
+
+RoPE layout: llama.cpp's converter permutes the Q/K rows of HF llama checkpoints so
+that a GGUF llama rotates *adjacent* pairs (x[2i], x[2i+1]) — ggml's "normal" rope —
+while Qwen and Gemma GGUFs keep HF's NEOX layout (x[i], x[i + d/2]). Using the wrong
+one silently scrambles attention; the transformers oracle tests guard both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.models.config import LayerAttention, ModelConfig
+
+
+class RotaryEmbedding:
+    """RoPE over the first ``rope_dim`` head dims, as complex rotations.
+
+    Each pair — adjacent dims, or dims ``rope_dim/2`` apart with ``neox`` — is a
+    complex number multiplied by e^(i·pos·θ_i): one complex multiply per call instead
+    of a dozen real ops, and the per-position rotations are looked up once per forward
+    pass (``rotation``), not once per layer.
+    """
+
+    def __init__(self, rope_dim: int, base: float, freq_factors: torch.Tensor | None = None,
+                 neox: bool = False, scale: float = 1.0) -> None:
+        half = rope_dim // 2
+        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rope_dim) / scale
+        if freq_factors is not None:  # llama3-style long-context scaling (rope_freqs.weight)
+            inv_freq = inv_freq / freq_factors.double()
+        self.inv_freq = inv_freq
+        self.rope_dim = rope_dim
+        self.neox = neox
+        self._table = torch.empty(0, half, dtype=torch.complex64)
+
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^(i·pos·θ) for each position: complex (T, 1, rope_dim/2), broadcast over heads."""
+        if positions.numel() and int(positions.max()) >= self._table.shape[0]:
+            n = max(int(positions.max()) + 1, 2 * self._table.shape[0], 256)
+            angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+            self._table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        return self._table[positions][:, None, :]
+
+    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (T, heads, head_dim) by ``rotation`` from ``rotation()``."""
+        d = self.rope_dim
+        head = x if d == x.shape[-1] else x[..., :d]
+        if self.neox:  # pair dim i with dim i + d/2: as (d/2, 2) after a transpose
+            pairs = head.unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()
+            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation)
+            rotated = rotated.transpose(-1, -2).flatten(-2)
+        else:
+            pairs = head.contiguous().unflatten(-1, (-1, 2))
+            rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
+        return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
+
+
+def rope_key(kind: LayerAttention) -> tuple[float, float]:
+    return kind.rope_base, kind.rope_scale
+
+
+def rope_keys(cfg: ModelConfig) -> list[tuple[float, float]]:
+    """The distinct RoPEs of the layers, in first-use order (the stack's table list)."""
+    return list(dict.fromkeys(rope_key(cfg.layer_attention(i)) for i in range(cfg.n_layers)))

@@ -1,0 +1,40 @@
+"""The native kernels in tests: they must build where the suite runs.
+
+CI builds them (its machines have a C++ compiler), so a kernel that does not build
+fails the tests that need it instead of skipping them. A developer on a machine
+without a compiler sets ``EMBER_TESTS_WITHOUT_KERNELS=1`` to skip them, knowingly.
+Builds for another instruction set (the AVX2 variant) are skipped only where the
+machine is not x86.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import pytest
+
+from ember import kernels
+
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def require_kernels() -> Any:
+    """The native extension; fails (or, when told, skips) where it does not build."""
+    mod = kernels.quant_matmul()
+    if mod is not None:
+        return mod
+    why = f"native kernels did not build: {kernels.unavailable_reason()}"
+    if os.environ.get("EMBER_TESTS_WITHOUT_KERNELS") == "1":
+        pytest.skip(why)
+    pytest.fail(why + " (set EMBER_TESTS_WITHOUT_KERNELS=1 to skip these tests)")
+
+
+def build_variant(variant: str, flags: list[str]) -> Any:
+    """Another SIMD build of the same source (cached beside the real one)."""
+    require_kernels()
+    if flags and not X86:
+        pytest.skip(f"the {variant} variant is an x86 build; this is {platform.machine()}")
+    name = f"ember_qmm_test_{variant}"
+    return kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
