@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ember.config import EngineConfig
-    from ember.engine.engine import RequestOutput
+    from ember.engine.output import RequestOutput
     from ember.llm import LLM
     from ember.sampling.params import SamplingParams
 

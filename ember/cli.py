@@ -350,11 +350,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                          tenant_weights=weights, replicas=args.replicas,
-                          ray_address=args.ray_address, router=args.router)
+                          tenant_weights=weights)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
-    return run_server(config, args.host, args.port, args.graceful_seconds)
+    if not args.replicas:
+        return run_server(config, args.host, args.port, args.graceful_seconds)
+    from ember.cluster import deploy
+
+    # Ray starts here, in the main thread (see start_ray); the replicas in the background
+    deploy.start_ray(args.ray_address, args.replicas,
+                     deploy.replica_threads(engine, args.replicas))
+    try:
+        return run_server(config, args.host, args.port, args.graceful_seconds,
+                          start=lambda: deploy.start_replicas(engine, args.replicas,
+                                                              args.ray_address, args.router))
+    finally:
+        deploy.stop()
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

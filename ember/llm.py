@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.engine import LLMEngine, RequestOutput
+from ember.engine.engine import LLMEngine
+from ember.engine.output import RequestOutput
+from ember.kv import conversation
 from ember.models.registry import DEFAULT_MODEL
 from ember.sampling.params import SamplingParams
 
@@ -89,8 +91,6 @@ class LLM:
     def save_prefix(self, tokens: Prompt, path: str | Path, tenant: str | None = None) -> int:
         """Write the KV of ``tokens``' full blocks to a new conversation file at ``path``
         (computing what is not cached); returns how many tokens it holds."""
-        from ember.kv import conversation
-
         ids = self.encode(tokens)
         # computes what the cache lacks (a hit costs the last token) and caches it
         self._run([ids], SamplingParams(max_tokens=1), tenant)
@@ -104,8 +104,6 @@ class LLM:
         """Cache the KV in a file from :meth:`save_prefix` (or ``ember chat
         --conversation``); returns the tokens it covers — a prompt that starts with them
         skips their prefill. Raises ConversationError for another model's file."""
-        from ember.kv import conversation
-
         conv = conversation.read(path, self.engine.kv_fingerprint())
         n = self.engine.import_prefix(conv.blocks, tenant)
         return [t for b in conv.blocks for t in b.tokens][:n]

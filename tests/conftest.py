@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from native import require_kernels
 
 from ember.models.gguf import GGUFFile
 
@@ -107,12 +108,10 @@ def tiny_loaded_q4(tiny_gguf: Path):
 
 
 def _load_q4(path: Path):
-    """``path`` loaded as q4, running the fused native stack (skips where no kernel builds)."""
-    from ember import kernels
+    """``path`` loaded as q4, running the fused native stack (see tests/native.py)."""
     from ember.models.loader import load_model
 
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     loaded = load_model(str(path), "q4")
     assert loaded.model.native is not None
     return loaded

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from native import require_kernels
 
 from ember.bench import compare, synth
 from ember.bench import llamacpp_native as native
@@ -99,11 +100,9 @@ def test_weight_bytes_f32_is_sum_of_tensor_sizes(tiny_loaded, tiny_gguf: Path) -
 def test_weight_bytes_q4_matches_gguf_for_q8_tensors(tiny_gguf: Path) -> None:
     """The tiny model is Q8_0 (34 B per 32 weights, rows a multiple of 8, f32 norms):
     ember's packed form holds exactly the GGUF bytes."""
-    from ember import kernels
     from ember.models.loader import load_model
 
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     loaded = load_model(str(tiny_gguf), "q4")
     assert compare.ember_weight_bytes(loaded.model) == compare.gguf_step_bytes(GGUFFile(tiny_gguf))
 

@@ -19,7 +19,9 @@ from ember.cluster import front as front_mod  # noqa: E402
 from ember.cluster.front import DISPATCH_ATTEMPTS, ReplicaSet  # noqa: E402
 from ember.cluster.protocol import Verdict  # noqa: E402
 from ember.config import EngineConfig  # noqa: E402
-from ember.engine.engine import InvalidRequest, QueueFull, RequestOutput  # noqa: E402
+from ember.engine.admission import QueueFull  # noqa: E402
+from ember.engine.intake import InvalidRequest  # noqa: E402
+from ember.engine.output import RequestOutput  # noqa: E402
 from ember.engine.thread import EngineStopped  # noqa: E402
 from ember.models.loader import load_model_meta  # noqa: E402
 from ember.sampling.params import SamplingParams  # noqa: E402

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 
 import pytest
 
@@ -69,10 +70,19 @@ def test_an_overloaded_holder_falls_back_to_the_least_loaded() -> None:
 
 
 def test_power_of_two_choices_picks_the_less_loaded_of_its_pair() -> None:
-    v = view_with({}, {"a": 5, "b": 0})
-    for seed in range(10):
-        d = choose(keys("k", 3), ["a", "b"], v, imbalance=4, rng=random.Random(seed))
-        assert (d.replica, d.by, d.blocks) == ("b", "load", 0)
+    """Four replicas of loads 0 < 1 < 2 < 3: a random pair's lighter one is the
+    lightest of all with probability 1/2, the next 1/3, the third 1/6 — so, unlike
+    least-loaded, the third is sometimes chosen — and the heaviest never is."""
+    v = view_with({}, {"a": 0, "b": 1, "c": 2, "d": 3})
+    picks = Counter()
+    for seed in range(600):
+        d = choose(keys("k", 3), ["a", "b", "c", "d"], v, imbalance=4,
+                   rng=random.Random(seed))
+        assert (d.by, d.blocks) == ("load", 0)
+        picks[d.replica] += 1
+    assert picks["d"] == 0
+    for replica, share in (("a", 1 / 2), ("b", 1 / 3), ("c", 1 / 6)):
+        assert abs(picks[replica] / 600 - share) < 0.06, picks
 
 
 def test_routed_keys_count_until_their_ttl() -> None:
@@ -102,7 +112,7 @@ def test_front_keys_are_the_engines_own_cache_keys_for_that_tenant(tiny_gguf, te
                           speculation="off")
     engine = LLMEngine(config)
     front = FrontEngine(config, load_model_meta(str(tiny_gguf), "f32"), replicas=None)
-    assert front.model_salt == engine.model_salt
+    assert front.model_salt == engine.intake.model_salt
     prompt = list(range(100, 100 + 5 * config.block_size + 3))  # 5 full blocks
     _run(engine, prompt, tenant)
     cached = set(engine.kv.prefix.keys())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ember.engine.engine import InvalidRequest
+from ember.engine.intake import InvalidRequest
 from ember.sampling.constraints import GrammarProcessor, NoLegalToken, StructuredOutput
 from ember.sampling.params import SamplingParams
 
@@ -116,7 +116,7 @@ def test_compact_json_grammar_allows_no_whitespace_between_tokens(llm):
     tok = llm.tokenizer
     spaced = [i for i in range(tok.vocab_size)
               if tok.token_bytes(i)[:1] in (b" ", b"\n", b"\t", b"\r")]
-    proc = llm.engine.grammars.processor(StructuredOutput.json_object())
+    proc = llm.engine.intake.grammars.processor(StructuredOutput.json_object())
     for prefix in ('{', '"a"', ':', '1', ','):
         for t in tok.encode(prefix):
             proc.commit(t)
@@ -161,7 +161,7 @@ def test_mask_never_removes_the_models_choice_when_it_is_legal(llm):
     ids = llm.encode_chat([{"role": "user", "content": "A person as JSON."}])
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=60, structured=spec))[0]
     logits = llm.engine.loaded.model.score(ids + out.token_ids)[len(ids) - 1:]
-    proc = llm.engine.grammars.processor(spec)
+    proc = llm.engine.intake.grammars.processor(spec)
     legal_steps = 0
     for k, token in enumerate(out.token_ids):
         allowed = proc.allowed()
@@ -177,7 +177,7 @@ def test_mask_never_removes_the_models_choice_when_it_is_legal(llm):
 def test_control_tokens_cannot_appear_inside_a_json_string(llm):
     spec = StructuredOutput.json_schema({"type": "object", "properties": {
         "text": {"type": "string"}}, "required": ["text"]})
-    proc = llm.engine.grammars.processor(spec)
+    proc = llm.engine.intake.grammars.processor(spec)
     tok = llm.tokenizer
     for t in tok.encode('{"text":"hello'):
         assert bool(proc.allowed()[t])
@@ -190,7 +190,7 @@ def test_control_tokens_cannot_appear_inside_a_json_string(llm):
 
 
 def test_completed_grammar_forces_the_end_of_the_turn(llm):
-    proc = llm.engine.grammars.processor(StructuredOutput.regex("ok"))
+    proc = llm.engine.intake.grammars.processor(StructuredOutput.regex("ok"))
     for t in llm.tokenizer.encode("ok"):
         proc.commit(t)
     allowed = proc.allowed().nonzero().flatten().tolist()
@@ -199,7 +199,7 @@ def test_completed_grammar_forces_the_end_of_the_turn(llm):
 
 def test_lookaheads_for_speculation(llm):
     tok = llm.tokenizer
-    proc = llm.engine.grammars.processor(StructuredOutput.regex(r"The answer is (yes|no)\."))
+    proc = llm.engine.intake.grammars.processor(StructuredOutput.regex(r"The answer is (yes|no)\."))
     forced = proc.forced_tokens()
     assert tok.decode(forced) == "The answer is"
     assert proc.valid_prefix_len(tok.encode("The answer is yes.")) == len(
@@ -209,7 +209,7 @@ def test_lookaheads_for_speculation(llm):
 
 
 def test_repeated_grammar_is_compiled_once(llm):
-    grammars = llm.engine.grammars
+    grammars = llm.engine.intake.grammars
     spec = StructuredOutput.regex(r"[0-9]{2,4} apples")
     before = grammars.compiles
     for _ in range(3):
@@ -259,7 +259,7 @@ def test_bitmask_decoding_matches_llguidance(llm):
     """Our bit unpacking agrees with llguidance's own numpy helper."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    proc = llm.engine.grammars.processor(StructuredOutput.json_object())
+    proc = llm.engine.intake.grammars.processor(StructuredOutput.json_object())
     vocab = llm.tokenizer.vocab_size
     ref = allocate_token_bitmask(1, vocab)
     fill_next_token_bitmask(proc.matcher, ref)
@@ -290,7 +290,7 @@ def test_a_schema_with_a_thousand_optional_keys_fails_once_a_key_starts(llm):
 
     spec = StructuredOutput.json_schema({"type": "object", "properties": {
         f"p{i}": {"type": "string"} for i in range(1000)}})
-    proc = llm.engine.grammars.processor(spec)
+    proc = llm.engine.intake.grammars.processor(spec)
     with pytest.raises(GrammarError) as e:
         for t in llm.tokenizer.encode('{"p'):
             proc.allowed()

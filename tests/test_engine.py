@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from ember.config import InvalidConfig
-from ember.engine.engine import InvalidRequest, LLMEngine, QueueFull, RequestOutput
+from ember.engine.admission import QueueFull
+from ember.engine.engine import LLMEngine
+from ember.engine.intake import InvalidRequest
+from ember.engine.output import RequestOutput
 from ember.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -395,7 +398,7 @@ def test_the_grammar_compiler_is_built_once_under_concurrent_first_use(make_tiny
     import threading
     import time as _time
 
-    import ember.engine.engine as engine_module
+    import ember.engine.intake as engine_module
 
     built = []
 
@@ -407,7 +410,8 @@ def test_the_grammar_compiler_is_built_once_under_concurrent_first_use(make_tiny
     monkeypatch.setattr(engine_module, "GrammarCompiler", SlowCompiler)
     engine = make_tiny_engine()
     seen = []
-    threads = [threading.Thread(target=lambda: seen.append(engine.grammars)) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: seen.append(engine.intake.grammars))
+               for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -527,7 +531,7 @@ def test_a_forked_choice_keeps_the_copied_part_of_its_prompt_block(make_tiny_eng
 def test_an_unattainable_tpot_objective_is_refused_naming_it(make_tiny_engine):
     """A stream whose own decode step alone outlasts its TPOT objective could never be
     seated: it is refused at once (a 400 naming slo.tpot_ms), not left waiting."""
-    from ember.engine.engine import SLO
+    from ember.engine.intake import SLO
 
     engine = make_tiny_engine()
     with pytest.raises(InvalidRequest) as e:

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from ember.engine.engine import InvalidRequest, QueueFull
+from ember.engine.admission import QueueFull
+from ember.engine.intake import InvalidRequest
 from ember.engine.thread import EngineStopped, EngineThread
 from ember.sampling.params import SamplingParams
 

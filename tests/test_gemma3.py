@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from native import require_kernels
 
 from ember.models.config import LayerAttention
 from ember.models.decoder import DecoderModel
@@ -217,11 +218,9 @@ def test_tiny_gemma_q4_runs_the_fused_stack_as_op_by_op(tiny_gemma: Path) -> Non
     activations to int8, so a last-bit difference (the stack's vectorized tanh) can
     flip an activation code and spread: observed 1.1e-2. A wrong op costs far more:
     ignoring the window 0.99, dropping the MLP post-norm 0.44."""
-    from ember import kernels
     from ember.models.loader import load_model
 
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     q4 = load_model(str(tiny_gemma), "q4")
     assert q4.model.native is not None and q4.model.batch_invariant
     fused = q4.model.score(TINY_IDS)
@@ -235,13 +234,11 @@ def test_tiny_gemma_q4_runs_the_fused_stack_as_op_by_op(tiny_gemma: Path) -> Non
 def test_tiny_gemma_q4_is_batch_invariant(tiny_gemma: Path) -> None:
     from test_batch_invariance import outcomes, params, random_prompts
 
-    from ember import kernels
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.models.loader import load_model
 
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     q4 = load_model(str(tiny_gemma), "q4")
     prompts = random_prompts(6, seed=5, lo=1, hi=40)
     sps = [params(i, max_tokens=12) for i in range(6)]

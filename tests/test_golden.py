@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from native import require_kernels
 
 from ember.models.gguf import GGUFFile
 from ember.sampling.params import SamplingParams
@@ -238,10 +239,9 @@ def test_cli_generate_greedy_matches_llama_cpp(llm, tok: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def q4_greedy(smollm2_gguf: Path) -> list[list[int]]:
     """Greedy continuations with ``--weights q4`` (int4/int8 kernels, int8 activations)."""
-    from ember import LLM, kernels
+    from ember import LLM
 
-    if not kernels.available():
-        pytest.skip(f"native kernel unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     llm = LLM(str(smollm2_gguf), weights="q4", num_kv_blocks=128)
     cases = GREEDY["cases"]
     params = [SamplingParams(temperature=0, max_tokens=len(c["ids"]), ignore_eos=True)

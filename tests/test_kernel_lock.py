@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from native import require_kernels
 
 from ember import kernels
 
@@ -211,8 +212,7 @@ def built_elsewhere(build_dir: Path) -> bool:
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of this machine's kernel build, built first if needed (~1 minute)."""
-    if not kernels.available():
-        pytest.skip(f"native kernel unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     root = kernels._build_root()
     copy = tmp_path_factory.mktemp("kernels")
     module = kernels.quant_matmul()

@@ -24,7 +24,7 @@ def disk_engine(make, root: Path, **options) -> LLMEngine:
 
 
 def cached_blocks(engine: LLMEngine, tokens: list[int], tenant: str | None = None) -> list[int]:
-    salt = engine.salt_for(tenant)
+    salt = engine.intake.salt_for(tenant)
     keys: list[bytes] = []
     extend_keys(keys, salt, tokens, engine.config.block_size)
     return [hit.block for hit in engine.kv.prefix.lookup(salt, tokens, keys)]
@@ -62,8 +62,8 @@ def test_restored_blocks_are_bytewise_the_computed_ones_and_serve_the_same_token
             assert first.runner.kv.block_bytes(x) == restarted.runner.kv.block_bytes(y)
     assert restarted.runner.kv.pool.dtype == restarted.runner.kv.kv_dtype.storage
     assert restarted.runner.kv.kv_dtype.name == kv_dtype
-    assert restarted.disk is not None and restarted.disk.stats.hits > 0
-    assert restarted.disk.stats.corrupt == 0
+    assert restarted.transfer.disk is not None and restarted.transfer.disk.stats.hits > 0
+    assert restarted.transfer.disk.stats.corrupt == 0
     restarted.kv.check_no_leaks()
 
 
@@ -89,7 +89,8 @@ def test_another_tenant_model_format_dtype_or_block_size_never_reuses_blocks(
             engine = disk_engine(make_tiny_engine, tmp_path, **options)
         out = run(engine, [(p, GREEDY)], tenant=tenant)[0]
         assert out.cached_tokens == 0, (tenant, options)
-        assert engine.disk is not None and engine.disk.stats.hits == 0, (tenant, options)
+        disk = engine.transfer.disk
+        assert disk is not None and disk.stats.hits == 0, (tenant, options)
         if "model" not in options and options.get("kv_dtype") is None:
             assert out.token_ids == want  # same model: recomputed, the same tokens
 
@@ -99,16 +100,17 @@ def test_the_disk_budget_is_respected_and_restores_stay_in_the_pool(make_tiny_en
     engine = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=1)
     run(engine, [(prompts(1, seed=33, lo=40, hi=41)[0], GREEDY)])
     engine.close()
-    assert engine.disk is not None
-    stats = engine.disk.stats
-    assert stats.evicted > 0 and not list(engine.disk.dir.glob("*.kvb"))  # 1 byte fits none
+    assert engine.transfer.disk is not None
+    stats = engine.transfer.disk.stats
+    # 1 byte fits none
+    assert stats.evicted > 0 and not list(engine.transfer.disk.dir.glob("*.kvb"))
     budget = 5 * (stats.bytes_written // stats.evicted)  # five block files
     engine = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=budget)
     ps = prompts(6, seed=34, lo=60, hi=90)  # 4-5 blocks each, 12 blocks in RAM
     for p in ps:
         run(engine, [(p, GREEDY)])
     engine.close()
-    files = list(engine.disk.dir.glob("*.kvb"))
+    files = list(engine.transfer.disk.dir.glob("*.kvb"))
     assert 0 < sum(f.stat().st_size for f in files) <= budget
     # restores go into the pool's 12 blocks, evicting cached ones, never beyond
     again = disk_engine(make_tiny_engine, tmp_path, num_kv_blocks=12, kv_disk_bytes=budget)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native import require_kernels
 
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
@@ -122,10 +123,8 @@ def test_streamed_equals_resident_bitwise(model_copy: Path, resident, budget: st
 
 
 def test_q4_streamed_equals_q4_resident(model_copy: Path) -> None:
-    from ember import kernels
 
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     want, _ = outcomes(model_copy, weights="q4")
     got, _ = outcomes(model_copy, weights="q4", moe_stream=True, moe_cache_bytes=100_000)
     assert got == want

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native import require_kernels
 from tiny_model import TINY_QWEN
 
 from ember.models.loader import load_model
@@ -80,10 +81,7 @@ def test_greedy_continuation_matches_transformers(loaded, hf, tiny_qwen_ggufs, a
 
 
 def q4_model(path: Path):
-    from ember import kernels
-
-    if not kernels.available():
-        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    require_kernels()
     return load_model(str(path), "q4")
 
 

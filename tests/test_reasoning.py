@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from ember.config import EngineConfig
-from ember.engine.engine import InvalidRequest, LLMEngine
+from ember.engine.engine import LLMEngine
+from ember.engine.intake import InvalidRequest
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import CLOSING, ThinkingTags, answer_reserve, split_reasoning
 

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from ember.engine.costs import Coefficients, StepCostModel, StepShape
-from ember.engine.engine import SLO, LLMEngine
+from ember.engine.engine import LLMEngine
+from ember.engine.intake import SLO
 from ember.engine.scheduler import MIN_PREFILL, STALL_MARGIN
 from ember.sampling.params import SamplingParams
 
@@ -183,7 +184,7 @@ def test_admission_refuses_only_what_its_prediction_says_would_miss(make_tiny_en
                                                                       refused):
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine)
-    from ember.engine.engine import TTFT_MARGIN
+    from ember.engine.admission import TTFT_MARGIN
 
     req = engine.prepare(prompt(100, 2), GREEDY, tenant="a")[0]
     predicted = engine.scheduler.predict_ttft(req)

@@ -92,7 +92,7 @@ def main(model: str, weights: str, max_tokens: int, reps: int, out: Path | None,
 def _mask_times(engine: LLMEngine, ids: list[int], spec: StructuredOutput,
                 tokens: list[int]) -> list[float]:
     logits = engine.loaded.model.score(ids + tokens)[len(ids) - 1:]
-    proc = engine.grammars.processor(spec)
+    proc = engine.intake.grammars.processor(spec)
     times = []
     for k, token in enumerate(tokens):
         start = time.perf_counter()

@@ -23,13 +23,16 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ember.cluster.protocol import GroupSpec, Verdict
 from ember.cluster.router import RoutingView, view
 from ember.config import EngineConfig
-from ember.engine.engine import SLO, InvalidRequest, QueueFull, RequestOutput
+from ember.engine.admission import QueueFull
+from ember.engine.intake import SLO, InvalidRequest
+from ember.engine.output import RequestOutput
+from ember.engine.served import with_chat_template
 from ember.engine.thread import EngineStopped
 from ember.kv.prefix import extend_keys, tenant_salt
 from ember.models.loader import LoadedModel
@@ -438,10 +441,8 @@ class FrontEngine:
     """What the server reads of an engine, for a front whose engines are replicas."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, replicas: ReplicaSet) -> None:
-        from ember.engine.engine import _template
-
         if config.chat_template is not None:
-            loaded = replace(loaded, chat_template=_template(config.chat_template, loaded))
+            loaded = with_chat_template(loaded, config.chat_template)
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.engine.engine import SLO
+from ember.engine.intake import SLO
 from ember.sampling.params import SamplingParams
 
 DEPLOYMENT = "EmberReplica"

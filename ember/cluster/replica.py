@@ -19,7 +19,10 @@ from typing import Any
 
 from ember.cluster.protocol import GroupSpec, Verdict
 from ember.config import EngineConfig
-from ember.engine.engine import InvalidRequest, LLMEngine, QueueFull, RequestOutput
+from ember.engine.admission import QueueFull
+from ember.engine.engine import LLMEngine
+from ember.engine.intake import InvalidRequest
+from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
 
 

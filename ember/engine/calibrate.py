@@ -18,17 +18,33 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from ember.engine.costs import NUM_FEATURES, Coefficients, StepShape, fit_at_best_knee
-from ember.engine.runner import ScheduledRow
+from ember.engine.request import Request
+from ember.engine.runner import ModelRunner, ScheduledRow
+from ember.kv.manager import KVCacheManager
+from ember.models.loader import LoadedModel
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import SampleRow, sample_rows
 
-if TYPE_CHECKING:
-    from ember.engine.engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What calibration drives: an engine's requests, steps, KV and runner (the
+    engine calls it while it is being built, so it asks for no more than this)."""
+
+    loaded: LoadedModel
+    kv: KVCacheManager
+    runner: ModelRunner
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request: ...
+
+    def step(self) -> list[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 FULL_GRID = {"rows": (1, 2, 4, 8, 16, 32), "extra": (0, 1, 2, 4, 8, 16),
              "chunks": ((0, 64), (0, 256), (512, 64), (512, 256)), "contexts": (96, 640)}
@@ -85,11 +101,9 @@ def _time_chunk(engine: LLMEngine, req: Any, start: int, n: int, reps: int
     earlier positions hold whatever is there)."""
     best = float("inf")
     for _ in range(reps):
-        req.block_table.kv_len = start
         start_time = time.perf_counter()
-        engine.runner.execute([ScheduledRow(req, n)])
+        engine.runner.execute([ScheduledRow(req, n, start=start)])
         best = min(best, time.perf_counter() - start_time)
-    req.block_table.kv_len = 0
     return {"tokens": n, "rows": 1, "attended": n * (start + n), "logits": 0, "drafts": 0,
             "seconds": best}
 
@@ -162,8 +176,6 @@ DEFAULT_TABLE = Path(__file__).with_name("step_costs.json")
 
 def describe(engine: LLMEngine) -> dict[str, Any]:
     """What a table is valid for: the model, its weight format, the thread count."""
-    import torch
-
     return {"model": engine.loaded.name, "weights": engine.loaded.weights,
             "threads": torch.get_num_threads()}
 

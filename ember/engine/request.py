@@ -2,8 +2,11 @@
 
 Invariant (DESIGN.md): once a request is decoding, ``len(token_ids) == kv_len + 1``
 — the newest committed token is not yet in the cache. While its prompt is being
-prefilled, ``kv_len < len(token_ids) - 1``. ``num_computed`` is kept equal to the
-block table's ``kv_len``; every error path restores this by truncating.
+prefilled, ``kv_len < len(token_ids) - 1``. ``kv_len`` is the block table's.
+
+This module holds the state and reads it; after admission only
+:mod:`ember.engine.commit` writes a request's progress (history, cached positions,
+text, its end), and the KV manager places its blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ember.engine.stops import Stops
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import BlockTable
 from ember.sampling.params import SamplingParams
@@ -42,8 +46,7 @@ class Request:
     sampler: Sampler
     block_table: BlockTable
     detokenizer: IncrementalDetokenizer
-    eos_ids: frozenset[int]
-    max_total_tokens: int  # context window: prompt + output may not exceed it
+    stops: Stops
     salt: bytes = b""
     tenant: str = ""  # whose request it is: prefix-cache scope and fair-share account
     priority: int = 0  # lower is served first
@@ -118,38 +121,7 @@ class Request:
                 f"kv_len {self.kv_len} + 1"
             )
 
-    # ------------------------------------------------------------ updates
-    def append_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
-        """Commit one sampled token: extend history and text, then check stops."""
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-        self.token_ids.append(token)
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-        p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            self.text += self.detokenizer.flush()
-            self.finish(FinishReason.STOP)
-            return
-        self.text += self.detokenizer.push(token)
-        if p.stop and self._cut_at_stop_string():
-            self.finish(FinishReason.STOP)
-        elif (p.max_tokens is not None and self.num_output >= p.max_tokens) or len(
-            self.token_ids
-        ) >= self.max_total_tokens:
-            self.text += self.detokenizer.flush()
-            self.finish(FinishReason.LENGTH)
-
-    def _cut_at_stop_string(self) -> bool:
-        # Only the tail that could contain a newly completed stop string is searched.
-        longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, self.emitted_chars - longest)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
-        if not hits:
-            return False
-        self.text = self.text[: min(hits)]
-        return True
-
+    # ------------------------------------------------------------ streaming
     def take_delta(self) -> str:
         """Text that is safe to stream now.
 
@@ -158,7 +130,7 @@ class Request:
         """
         end = len(self.text)
         if self.params.stop and not self.is_finished:
-            end -= _held_back(self.text, self.params.stop)
+            end -= self.stops.held_back(self.text)
         delta = self.text[self.emitted_chars : end]
         self.emitted_chars = max(self.emitted_chars, end)
         return delta
@@ -167,21 +139,3 @@ class Request:
     def group_size(self) -> int:
         """Sequences this request occupies once admitted: itself and its forks."""
         return 1 + len(self.forks)
-
-    def finish(self, reason: FinishReason, error: str | None = None,
-               param: str | None = None) -> None:
-        self.status = RequestStatus.FINISHED
-        self.finish_reason = reason
-        self.error = error
-        self.error_param = param
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ember.engine.engine import LLMEngine, RequestOutput
+from ember.engine.commit import finish
+from ember.engine.engine import LLMEngine
+from ember.engine.output import RequestOutput
 from ember.engine.request import FinishReason, Request
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
@@ -246,7 +248,7 @@ class EngineThread:
             self.engine.enqueue(item.group)
         except Exception as e:  # a duplicate caller-chosen id: fail the group in-band
             for req in item.group:
-                req.finish(FinishReason.ERROR, str(e))
+                finish(req, FinishReason.ERROR, str(e))
                 self._deliver(item.callback, self.engine.output(req))
             ids = []
         for rid in ids:
@@ -279,7 +281,7 @@ class EngineThread:
                 break
             if item is not None:  # handed over as the engine stopped: ends like the rest
                 for req in item.group:
-                    req.finish(FinishReason.ABORT)
+                    finish(req, FinishReason.ABORT)
                     self._deliver(item.callback, self.engine.output(req))
 
     @staticmethod

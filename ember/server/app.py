@@ -26,7 +26,6 @@ import gc
 import hashlib
 import hmac
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -41,15 +40,24 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.config import EngineConfig
-from ember.engine.engine import SLO, InvalidRequest, LLMEngine, QueueFull, RequestOutput
+from ember.engine.intake import SLO
+from ember.engine.output import RequestOutput
 from ember.engine.request import Request as EngineRequest
-from ember.engine.thread import EngineStopped, EngineThread, Slot
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import open_in_prompt
-from ember.server import openapi
+from ember.server import backend, openapi
 from ember.server import protocol as P
 from ember.server import render as R
+from ember.server.backend import Backend, EngineView, Submission
+from ember.server.errors import (
+    APIError,
+    as_api_errors,
+    failure,
+    overloaded,
+    unattainable,
+    unsupported,
+)
 from ember.server.metrics import Metrics
 from ember.server.transport import (
     ClientGone,
@@ -62,7 +70,6 @@ from ember.server.transport import (
 
 log = logging.getLogger("ember.server")
 DEFAULT_TENANT = "default"
-RETRY_AFTER_SECONDS = 1
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -79,9 +86,6 @@ class ServerConfig:
     slo_ttft: float | None = None  # default seconds to first token (requests may set theirs)
     slo_tpot: float | None = None  # default seconds per output token
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
-    replicas: int = 0  # > 0: that many engine replicas on Ray Serve (ember.cluster)
-    ray_address: str | None = None  # an existing Ray cluster for the replicas
-    router: str = "affinity"  # how the replicas are chosen (ember.cluster.router.ROUTERS)
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -131,7 +135,7 @@ class Route:
     body: type[P._Body]
     primary: str  # the field holding the prompt: messages, prompt or input
     grammar: str  # the field holding the output format
-    build: Callable[[Server, Any], list[tuple[list[int], list[SamplingParams]]]]
+    build: Callable[[Server, Any], Built]
     cap: Callable[[Any], str] = lambda req: "max_tokens"  # the request's output-cap name
 
     def names(self, req: Any) -> dict[str, str]:
@@ -141,15 +145,34 @@ class Route:
                 "prompt": self.primary, "n": "n"}
 
 
+@dataclass(frozen=True)
+class Built:
+    """A route's prompts (token ids and the choices' sampling parameters, per prompt)
+    and how its replies split into reasoning and answer (None: they do not)."""
+
+    prompts: list[tuple[list[int], list[SamplingParams]]]
+    reasoning: R.Reasoning | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What preparation made of a request; its parsed body stays as the client sent it."""
+
+    req: Any  # the protocol body
+    groups: list[list[EngineRequest]]  # one per prompt: its n choices
+    reasoning: R.Reasoning | None = None
+
+
 @dataclass
 class Admitted:
     """A validated, prepared generation request holding its places in the queue."""
 
     req: Any  # the protocol body
     groups: list[list[EngineRequest]]  # one per prompt: its n choices
-    slots: list[Slot]
+    slots: list[Submission]
     names: dict[str, str]
     discard: Callable[[list[EngineRequest]], None] = lambda group: None
+    reasoning: R.Reasoning | None = None
 
     def release(self) -> None:
         """Give back the queue places, and the groups never handed over."""
@@ -163,14 +186,15 @@ class Admitted:
 class Server:
     """The engine (loaded in the background) plus everything routes share."""
 
-    def __init__(self, config: ServerConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: ServerConfig,
+                 start: Callable[[], Backend] | None = None) -> None:
         self.config = config
-        # the engine thread, or with config.replicas an ember.cluster.front.ReplicaSet:
-        # the same interface, its engine N replicas on Ray Serve
-        self.thread: EngineThread | Any = None
+        # the engine thread, or what ``start`` builds instead (``ember serve --replicas``:
+        # a set of replicas on Ray Serve behind the same interface)
+        self.thread: Backend | None = None
         self.load_error: str | None = None
         self.metrics = Metrics(self._engine_stats, self._extra_metrics)
-        self._engine = engine
+        self._start = start or (lambda: backend.local(config.engine))
         self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
         self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
@@ -183,19 +207,9 @@ class Server:
 
     def _load(self) -> None:
         try:
-            if self.config.replicas:
-                from ember.cluster.deploy import start_replicas
-
-                self.thread = start_replicas(self.config.engine, self.config.replicas,
-                                             self.config.ray_address, self.config.router)
-                engine = self.thread.engine
-                log.info("%d replicas of %s ready on Ray Serve", self.config.replicas,
-                         engine.loaded.name)
-            else:
-                engine = self._engine or LLMEngine(self.config.engine)
-                self.thread = EngineThread(engine).start()
-                log.info("model %s loaded in %.2fs", engine.loaded.name,
-                         engine.loaded.load_seconds)
+            self.thread = self._start()
+            loaded = self.thread.engine.loaded
+            log.info("model %s ready in %.2fs", loaded.name, loaded.load_seconds)
             # torch, the model and the tokenizer are a million long-lived objects: left in
             # the collected generations, every full collection walks them all (~100 ms,
             # measured), stalling the event loop mid-burst. They live as long as we do.
@@ -209,12 +223,12 @@ class Server:
         return self.thread is not None and self.thread.alive
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> EngineView:
         return self._thread().engine
 
-    def _thread(self) -> EngineThread:
+    def _thread(self) -> Backend:
         if not self.ready:
-            raise P.APIError(503, self.load_error or "the model is still loading",
+            raise APIError(503, self.load_error or "the model is still loading",
                              type="server_error", code="model_not_ready")
         assert self.thread is not None
         return self.thread
@@ -239,7 +253,7 @@ class Server:
     def _bearer(self, request: Request) -> bytes:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise P.APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
         return _digest(token.strip())
 
@@ -249,7 +263,7 @@ class Server:
             return DEFAULT_TENANT
         tenant = self._owner(self._bearer(request))
         if tenant is None:
-            raise P.APIError(401, "invalid API key", code="invalid_api_key")
+            raise APIError(401, "invalid API key", code="invalid_api_key")
         return tenant
 
     def _owner(self, digest: bytes) -> str | None:
@@ -271,7 +285,7 @@ class Server:
         if self._metrics_key is None:
             self.tenant(request)  # the API keys, if any
         elif not hmac.compare_digest(self._bearer(request), self._metrics_key):
-            raise P.APIError(401, "invalid metrics API key", code="invalid_api_key")
+            raise APIError(401, "invalid metrics API key", code="invalid_api_key")
 
     # ------------------------------------------------------------ admission
     async def admit(self, request: Request, route: Route) -> Admitted:
@@ -280,18 +294,19 @@ class Server:
         tenant = self.tenant(request)
         raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
         thread = self._thread()
-        with _as_api_errors({}):
+        with as_api_errors({}):
             first = thread.slot()
         try:
             preparing = self._prep.submit(self._prepare, route, raw, tenant, arrival)
             try:
-                req, groups = await asyncio.wrap_future(preparing)
+                prepared = await asyncio.wrap_future(preparing)
             except asyncio.CancelledError:  # what it prepares anyway is never submitted
                 preparing.add_done_callback(lambda f: _discard_prepared(f, thread))
                 raise
+            req, groups = prepared.req, prepared.groups
             slots = [first]
             try:
-                with _as_api_errors({}):
+                with as_api_errors({}):
                     slots += [thread.slot() for _ in groups[1:]]
             except BaseException:
                 for group in groups:
@@ -302,20 +317,21 @@ class Server:
         except BaseException:
             first.release()
             raise
-        return Admitted(req, groups, slots, route.names(req), thread.discard)
+        return Admitted(req, groups, slots, route.names(req), thread.discard,
+                        prepared.reasoning)
 
-    def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float
-                 ) -> tuple[Any, list[list[EngineRequest]]]:
+    def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float) -> Prepared:
         """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
         req = P.parse(route.body, decode_json(raw))
         self.check_model(req.model)
         names = route.names(req)
-        with _as_api_errors({}):
+        with as_api_errors({}):
             slo = self._slo(req)
         groups: list[list[EngineRequest]] = []
+        built = route.build(self, req)
         try:
-            for prompt_ids, params in route.build(self, req):
-                with _as_api_errors(names):
+            for prompt_ids, params in built.prompts:
+                with as_api_errors(names):
                     groups.append(self.engine.prepare(
                         prompt_ids, params, tenant=tenant, priority=req.priority or 0,
                         slo=slo, weight=self.config.tenant_weights.get(tenant, 1.0),
@@ -324,7 +340,7 @@ class Server:
             for group in groups:  # a later prompt failed: the earlier ones never run
                 self._thread().discard(group)
             raise
-        return req, groups
+        return Prepared(req, groups, built.reasoning)
 
     def _slo(self, req: Any) -> SLO | None:
         """The request's objectives: its own ``slo`` extension, else the server's."""
@@ -335,7 +351,7 @@ class Server:
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names():
-            raise P.APIError(404, f"the model '{model}' does not exist; this server serves "
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
                              f"'{self.model_names()[0]}'", param="model", code="model_not_found")
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
@@ -346,7 +362,7 @@ class Server:
         at_least = -(-chars // longest)
         limit = self.engine.max_model_len
         if at_least > limit:
-            raise P.APIError(400, f"'{param}' is at least {at_least} tokens long ({chars} "
+            raise APIError(400, f"'{param}' is at least {at_least} tokens long ({chars} "
                              f"characters); the context window is {limit} tokens",
                              param=param, code="context_length_exceeded")
 
@@ -358,7 +374,7 @@ class Server:
             where = getattr(e, "param", None)
             if where and where.startswith("messages"):
                 where = param + where[len("messages"):]
-            raise P.APIError(400, f"cannot apply the chat template: {e}",
+            raise APIError(400, f"cannot apply the chat template: {e}",
                              param=where or param) from None
 
     # ------------------------------------------------------------ tokenizer routes
@@ -376,7 +392,7 @@ class Server:
             try:
                 ids = loaded.encode_chat(messages, req.add_generation_prompt)
             except EmberError as e:
-                raise P.APIError(400, f"cannot apply the chat template: {e}",
+                raise APIError(400, f"cannot apply the chat template: {e}",
                                  param="messages") from None
         else:
             assert req.prompt is not None
@@ -392,7 +408,7 @@ class Server:
         vocab = self.engine.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
-                raise P.APIError(400, f"'tokens[{i}]' = {t} is not a token id (0..{vocab - 1})",
+                raise APIError(400, f"'tokens[{i}]' = {t} is not a token id (0..{vocab - 1})",
                                  param=f"tokens[{i}]")
         return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
@@ -429,7 +445,7 @@ class Server:
         thread = self._thread()
         submitted: list[EngineRequest] = []
         try:
-            with _as_api_errors(adm.names):
+            with as_api_errors(adm.names):
                 for group, slot in zip(adm.groups, adm.slots, strict=True):
                     slot.submit(group, deliver)
                     submitted += group
@@ -441,7 +457,7 @@ class Server:
         return self._outputs(reqs, queue, thread, adm.names, disconnected(request))
 
     async def _outputs(self, reqs: list[EngineRequest], queue: asyncio.Queue,
-                       thread: EngineThread, names: dict[str, str], gone: asyncio.Future
+                       thread: Backend, names: dict[str, str], gone: asyncio.Future
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         open_choices = set(range(len(reqs)))
         timings = {i: _Timing() for i in open_choices}
@@ -455,9 +471,9 @@ class Server:
                     open_choices.discard(i)
                     self._observe(timings[i], out, reqs[i])
                     if out.finish_reason == "rejected":
-                        raise _unattainable(out)
+                        raise unattainable(out)
                     if out.finish_reason == "error":
-                        raise _failure(out, names)
+                        raise failure(out, names)
                 yield i, out
         finally:
             gone.cancel()
@@ -478,7 +494,7 @@ class Server:
 
 def _discard_prepared(done: Any, thread: Any) -> None:
     if not done.cancelled() and done.exception() is None:
-        for group in done.result()[1]:
+        for group in done.result().groups:
             thread.discard(group)
 
 
@@ -492,18 +508,6 @@ def _met(t: _Timing, out: RequestOutput, req: EngineRequest) -> bool:
         tpot = (t.last - t.first) / (out.completion_tokens - 1)  # type: ignore[operator]
         return tpot <= req.slo_tpot
     return True
-
-
-def _unattainable(out: RequestOutput) -> P.APIError:
-    wait = max(1, math.ceil(out.retry_after or 1))
-    return P.APIError(429, f"server overloaded: {out.error}; retry after {wait} s",
-                      type="rate_limit_error", code="slo_unattainable",
-                      headers={"Retry-After": str(wait)})
-
-
-def _overloaded(why: str) -> P.APIError:
-    return P.APIError(429, f"server overloaded: {why}; retry later", type="rate_limit_error",
-                      code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 class AdmissionGate:
@@ -523,40 +527,13 @@ class AdmissionGate:
         if (scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
                 and scope["method"] == "POST" and thread is not None and thread.queue_full()
                 and self.server.authorized(dict(scope["headers"]).get(b"authorization", b""))):
-            e = _overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
+            e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
             self.server.metrics.count_http(scope["path"], 429)
             body = JSONBody(e.body(), status_code=429,
                             headers={**e.headers, "Connection": "close"})
             await body(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-def _failure(out: RequestOutput, names: dict[str, str]) -> P.APIError:
-    if out.error_param:
-        param = names.get(out.error_param, out.error_param)
-        return P.APIError(400, f"{param}: {out.error}", param=param,
-                          code="invalid_request_during_generation")
-    return P.APIError(500, f"generation failed: {out.error}", type="server_error")
-
-
-@contextlib.contextmanager
-def _as_api_errors(names: dict[str, str]) -> Iterator[None]:
-    """Engine admission errors as HTTP errors, named as the request named things."""
-    try:
-        yield
-    except QueueFull as e:
-        raise _overloaded(str(e)) from None
-    except InvalidRequest as e:
-        param = names.get(e.param, e.param)
-        message = str(e)
-        if e.param == "max_tokens":
-            message = message.replace("max_tokens (", f"{param} (")
-        elif e.param == "structured":
-            message = f"invalid {param}: {message}"
-        raise P.APIError(400, message, param=param) from None
-    except EngineStopped as e:
-        raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
 
 
 async def _next(queue: asyncio.Queue, gone: asyncio.Future) -> tuple[int, RequestOutput]:
@@ -594,53 +571,50 @@ class _Timing:
 
 
 # ====================================================================== routes' prompts
-def _chat_prompts(server: Server, req: P.ChatCompletionRequest
-                  ) -> list[tuple[list[int], list[SamplingParams]]]:
+def _chat_prompts(server: Server, req: P.ChatCompletionRequest) -> Built:
     prompt_ids = server.chat_ids(req.template_messages(), "messages")
     params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
-    budget = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    budget, split = _reasoning(server, req, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = [dataclasses.replace(p, thinking_budget=budget) for p in params]
-    return [(prompt_ids, params)]
+    return Built([(prompt_ids, params)], split)
 
 
-def _reasoning(server: Server, req: Any, prompt_ids: list[int],
-               asked: tuple[int, str] | None) -> int | None:
-    """The thinking budget of a chat request (None: the model does not think), and
-    how its reply splits (``req.reasoning_split``)."""
+def _reasoning(server: Server, req: Any, prompt_ids: list[int], asked: tuple[int, str] | None
+               ) -> tuple[int | None, R.Reasoning | None]:
+    """The thinking budget of a chat request and how its reply splits (None, None: the
+    model does not think, or a tool grammar leaves it no room to)."""
     tags = server.engine.thinking_tags
     if tags is None:
         if asked is not None:
-            raise P.APIError(400, f"'{asked[1]}' needs a model whose chat template has "
+            raise APIError(400, f"'{asked[1]}' needs a model whose chat template has "
                              "thinking tags", param=asked[1])
-        return None
+        return None, None
     if req.tool_plan is not None:
-        return None  # a tool grammar starts at the first token: no reasoning
+        return None, None  # a tool grammar starts at the first token: no reasoning
     opened = open_in_prompt(server.engine.tokenizer.decode(prompt_ids[-16:]), tags)
-    req.reasoning_split = (tags, opened)
-    return asked[0] if asked is not None else 1 << 30  # the answer's share still holds
+    # 1 << 30 unasked: no budget of its own, though the answer's share still holds
+    return (asked[0] if asked is not None else 1 << 30), (tags, opened)
 
 
-def _completion_prompts(server: Server, req: P.CompletionRequest
-                        ) -> list[tuple[list[int], list[SamplingParams]]]:
+def _completion_prompts(server: Server, req: P.CompletionRequest) -> Built:
     prompts = req.prompts()
     if req.stream and len(prompts) > 1:
-        raise P.unsupported("prompt", "as a batch is not supported with stream: true")
+        raise unsupported("prompt", "as a batch is not supported with stream: true")
     for p in prompts:
         server.check_prompt_chars(len(p), "prompt")  # token ids: one each
     params = [req.sampling(req.max_tokens, req.logprobs, j, req.prompt_logprobs)
               for j in range(req.n)]
-    return [(server.engine.loaded.encode_prompt(p), params) for p in prompts]
+    return Built([(server.engine.loaded.encode_prompt(p), params) for p in prompts])
 
 
-def _responses_prompts(server: Server, req: P.ResponsesRequest
-                       ) -> list[tuple[list[int], list[SamplingParams]]]:
+def _responses_prompts(server: Server, req: P.ResponsesRequest) -> Built:
     prompt_ids = server.chat_ids(req.template_messages(), "input")
     params = req.sampling()
-    budget = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    budget, split = _reasoning(server, req, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = dataclasses.replace(params, thinking_budget=budget)
-    return [(prompt_ids, [params])]
+    return Built([(prompt_ids, [params])], split)
 
 
 CHAT = Route(P.ChatCompletionRequest, "messages", "response_format", _chat_prompts,
@@ -657,8 +631,8 @@ def create_app(server: Server) -> FastAPI:
                   description="OpenAI-compatible server for GGUF models")
     app.state.server = server
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(request: Request, e: P.APIError) -> Response:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> Response:
         server.metrics.count_http(request.url.path, e.status)
         return JSONBody(e.body(), status_code=e.status, headers=e.headers)
 
@@ -671,17 +645,17 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> Response:
-        return await _api_error(request, P.APIError(400, f"invalid request: {e.errors()[0]}"))
+        return await _api_error(request, APIError(400, f"invalid request: {e.errors()[0]}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
-        return await _api_error(request, P.APIError(e.status_code, str(e.detail),
+        return await _api_error(request, APIError(e.status_code, str(e.detail),
                                                     headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return await _api_error(request, P.APIError(500, f"internal error: {type(e).__name__}",
+        return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}",
                                                     type="server_error"))
 
     @app.get("/health", responses=openapi.HEALTH)
@@ -714,9 +688,10 @@ def create_app(server: Server) -> FastAPI:
         req, tokenizer, ids = adm.req, server.engine.tokenizer, R.Ids("chatcmpl")
         stream = server.generate(adm, request)
         if req.stream:
-            return await _sse(request, server, R.chat_chunks(stream, req, ids, tokenizer))
+            return await _sse(request, server, R.chat_chunks(stream, req, ids, tokenizer,
+                                                             adm.reasoning))
         outs = await _collect(stream, req.n)
-        return _ok(request, server, R.chat_body(outs, req, ids, tokenizer))
+        return _ok(request, server, R.chat_body(outs, req, ids, tokenizer, adm.reasoning))
 
     @app.post("/v1/completions", **openapi.route(P.CompletionRequest, openapi.Completion))
     async def completions(request: Request) -> Response:
@@ -738,9 +713,11 @@ def create_app(server: Server) -> FastAPI:
         req, ids = adm.req, R.Ids("resp")
         stream = server.generate(adm, request)
         if req.stream:
-            return await _sse(request, server, R.response_events(stream, req, ids))
+            return await _sse(request, server, R.response_events(stream, req, ids,
+                                                                 adm.reasoning))
         out = (await _collect(stream, 1))[0]
-        return _ok(request, server, R.response_body(req, ids, out, "completed"))
+        return _ok(request, server, R.response_body(req, ids, out, "completed",
+                                                    split=adm.reasoning))
 
     @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
     async def tokenize(request: Request) -> Response:
@@ -769,7 +746,7 @@ async def _tokenizer_body(request: Request, server: Server, model: type) -> Any:
     raw = await read_body(request, server.config.max_request_bytes, server.config.body_timeout)
     body = P.parse(model, decode_json(raw))
     if body.model is not None and body.model not in served:
-        raise P.APIError(404, f"model '{body.model}' does not exist", param="model",
+        raise APIError(404, f"model '{body.model}' does not exist", param="model",
                          code="model_not_found")
     return body
 
@@ -807,7 +784,7 @@ async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> 
             server.metrics.count_client_abort(request.url.path)
             log.info("client disconnected mid-stream: %s %s (request aborted)",
                      request.method, request.url.path)
-        except P.APIError as e:  # mid-stream failure: say so in-band, then end
+        except APIError as e:  # mid-stream failure: say so in-band, then end
             yield R.sse_data(e.body())
         finally:
             await events.aclose()
@@ -821,19 +798,16 @@ SHUTDOWN_FLUSH_SECONDS = 2.0
 
 
 def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: float = 10.0,
-               on_ready: Callable[[str], None] | None = None) -> int:
+               on_ready: Callable[[str], None] | None = None,
+               start: Callable[[], Backend] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; then stop accepting, let in-flight requests finish for
     up to ``graceful_seconds``, abort the rest (their responses still end properly: a
-    stream gets its finish chunk and ``[DONE]``), and return 0."""
+    stream gets its finish chunk and ``[DONE]``), and return 0. ``start`` builds the
+    backend, in the background (default: the local engine thread)."""
     import uvicorn
 
     _log_to_stderr()
-    if config.replicas:  # here, in the main thread (see start_ray)
-        from ember.cluster.deploy import replica_threads, start_ray
-
-        start_ray(config.ray_address, config.replicas,
-                  replica_threads(config.engine, config.replicas))
-    server = Server(config)
+    server = Server(config, start)
     server.start_loading()
     app = create_app(server)
     # uvicorn cancels whatever is still running after its own timeout; ember aborts the
@@ -853,10 +827,6 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
     if server.thread is not None:
         server.thread.drain(timeout=graceful_seconds)
         server.thread.shutdown(timeout=graceful_seconds)
-    if config.replicas:
-        from ember.cluster.deploy import stop
-
-        stop()
     print("ember: stopped", flush=True)
     return 0
 

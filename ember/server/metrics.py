@@ -36,7 +36,7 @@ class Histogram:
         self.n += 1
 
     def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines = family(self.name, "histogram", self.help, [])
         cumulative = 0
         for bound, count in zip(self.buckets, self.counts, strict=False):
             cumulative += count
@@ -134,24 +134,22 @@ class Metrics:
         lines += self._extra()
         spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
         for i, what in ((0, "drafted"), (1, "accepted")):
-            name = f"ember_spec_{what}_tokens_total"
-            lines += [f"# HELP {name} Draft tokens {what} (finished requests), per source.",
-                      f"# TYPE {name} counter"]
-            lines += [f'{name}{{source="{_label(src)}"}} {counts[i]}'
-                      for src, counts in sorted(spec["sources"].items())]
+            lines += family(f"ember_spec_{what}_tokens_total", "counter",
+                            f"Draft tokens {what} (finished requests), per source.",
+                            [(f'{{source="{_label(src)}"}}', counts[i])
+                             for src, counts in sorted(spec["sources"].items())])
         metric("ember_spec_bonus_tokens_total", "counter",
                "Tokens committed after a fully accepted draft.", spec["bonus"])
-        lines += ["# HELP ember_spec_steps_total Decode steps of speculating requests, by "
-                  "what they did (verify, fallback: nothing to draft, off: gate declined).",
-                  "# TYPE ember_spec_steps_total counter"]
-        lines += [f'ember_spec_steps_total{{kind="{k}"}} {n}'
-                  for k, n in sorted(spec["steps"].items())]
+        lines += family("ember_spec_steps_total", "counter",
+                        "Decode steps of speculating requests, by what they did (verify, "
+                        "fallback: nothing to draft, off: gate declined).",
+                        [(f'{{kind="{k}"}}', n) for k, n in sorted(spec["steps"].items())])
         tenants = s.get("tenants", {})
         for state in ("running", "waiting"):
-            name = f"ember_tenant_requests_{state}"
-            lines += [f"# HELP {name} Requests {state}, per tenant.", f"# TYPE {name} gauge"]
-            lines += [f'{name}{{tenant="{_label(t)}"}} {c[state]}'
-                      for t, c in sorted(tenants.items())]
+            lines += family(f"ember_tenant_requests_{state}", "gauge",
+                            f"Requests {state}, per tenant.",
+                            [(f'{{tenant="{_label(t)}"}}', c[state])
+                             for t, c in sorted(tenants.items())])
         metric("ember_prefill_tokens_total", "counter",
                "Prompt tokens computed by the model (tokens served from cache excluded).",
                s.get("prompt_tokens", 0))
@@ -174,16 +172,15 @@ class Metrics:
             metric("ember_slow_connections_closed_total", "counter",
                    "Connections closed because request headers did not arrive in time.",
                    self.slow_connections_closed)
-            lines += ["# HELP ember_request_finished_total Finished requests by finish reason.",
-                      "# TYPE ember_request_finished_total counter"]
-            for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
-                lines.append(f'ember_request_finished_total{{finish_reason="{reason}"}} '
-                             f"{self.finished.get(reason, 0)}")
-            lines += ["# HELP ember_http_responses_total HTTP responses by route and status.",
-                      "# TYPE ember_http_responses_total counter"]
-            for (route, status), n in sorted(self.http.items()):
-                lines.append(f'ember_http_responses_total{{route="{route}",status="{status}"}}'
-                             f" {n}")
+            reasons = sorted(set(self.finished) | {"stop", "length", "abort", "error"})
+            lines += family("ember_request_finished_total", "counter",
+                            "Finished requests by finish reason.",
+                            [(f'{{finish_reason="{r}"}}', self.finished.get(r, 0))
+                             for r in reasons])
+            lines += family("ember_http_responses_total", "counter",
+                            "HTTP responses by route and status.",
+                            [(f'{{route="{route}",status="{status}"}}', n)
+                             for (route, status), n in sorted(self.http.items())])
             for h in (self.ttft, self.itl, self.e2e, self.queue):
                 lines += h.render()
         return "\n".join(lines) + "\n"
@@ -209,18 +206,18 @@ def _moe_lines(m: dict[str, Any] | None) -> list[str]:
     """The expert store's metrics (a mixture-of-experts model only)."""
     if m is None:
         return []
-    name = "ember_moe_expert_lookups_total"
-    lines = [f"# HELP {name} Experts a step needed, by where they were: pinned, lru "
-             "(cache hits) or miss (read from the file).", f"# TYPE {name} counter"]
-    lines += [f'{name}{{result="{k}"}} {m[key]}'
-              for k, key in (("pinned", "pinned_hits"), ("lru", "lru_hits"), ("miss", "misses"))]
+    lines = family("ember_moe_expert_lookups_total", "counter",
+                   "Experts a step needed, by where they were: pinned, lru (cache hits) or "
+                   "miss (read from the file).",
+                   [(f'{{result="{k}"}}', m[key]) for k, key in
+                    (("pinned", "pinned_hits"), ("lru", "lru_hits"), ("miss", "misses"))])
     for key, kind, help in (
             ("bytes_read", "counter", "Expert bytes read from the model file."),
             ("tokens_routed", "counter", "Token-to-expert assignments routed."),
             ("hit_rate", "gauge", "Share of expert lookups served from the cache."),
             ("cached_bytes", "gauge", "Resident bytes of built experts.")):
         name = f"ember_moe_{key}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {m[key]}"]
+        lines += family(name, kind, help, [("", m[key])])
     return lines
 
 
@@ -230,16 +227,13 @@ def _disk_lines(d: dict[str, Any] | None) -> list[str]:
         return []
     lines = []
     for key, help in _DISK_COUNTERS:
-        name = f"ember_kv_disk_{key}_total"
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {d[key]}"]
-    name = "ember_kv_disk_decisions_total"
-    lines += [f"# HELP {name} Runs of disk blocks restored or recomputed, by measured cost.",
-              f"# TYPE {name} counter"]
-    lines += [f'{name}{{decision="{k}"}} {n}' for k, n in sorted(d["decisions"].items())]
+        lines += family(f"ember_kv_disk_{key}_total", "counter", help, [("", d[key])])
+    lines += family("ember_kv_disk_decisions_total", "counter",
+                    "Runs of disk blocks restored or recomputed, by measured cost.",
+                    [(f'{{decision="{k}"}}', n) for k, n in sorted(d["decisions"].items())])
     for key, help in (("blocks", "Blocks in the KV disk tier."),
                       ("bytes", "Bytes in the KV disk tier."),
                       ("read_bytes_per_second", "Measured KV disk restore bandwidth.")):
-        name = f"ember_kv_disk_{key}"
         value = d[key] if isinstance(d[key], int) else f"{d[key]:.0f}"
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {value}"]
+        lines += family(f"ember_kv_disk_{key}", "gauge", help, [("", value)])
     return lines

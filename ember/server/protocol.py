@@ -14,30 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from ember.sampling.constraints import GrammarError, StructuredOutput
 from ember.sampling.params import InvalidSamplingParams, SamplingParams
+from ember.server import tools
+from ember.server.errors import APIError, unsupported
 
 MAX_N = 16
 # reasoning_effort → reasoning tokens allowed (thinking templates only)
 EFFORT_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096}
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: status, message, type, param, code."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def unsupported(param: str, why: str = "is not supported by this server") -> APIError:
-    return APIError(400, f"'{param}' {why}", param=param, code="unsupported_parameter")
 
 
 class _Body(BaseModel):
@@ -89,21 +71,11 @@ class _Conversation(_Request):
     it may offer tools and get a reasoning part."""
 
     _tool_plan: Any = PrivateAttr(None)
-    _reasoning_split: Any = PrivateAttr(None)
 
     @property
     def tool_plan(self) -> Any:
         """The :class:`ember.server.tools.ToolPlan`, or None without tools."""
         return self._tool_plan
-
-    @property
-    def reasoning_split(self) -> Any:
-        """``(ThinkingTags, opened)`` when the reply has a reasoning part, else None."""
-        return self._reasoning_split
-
-    @reasoning_split.setter
-    def reasoning_split(self, value: Any) -> None:
-        self._reasoning_split = value
 
 
 class _Sampling(_Request):
@@ -227,8 +199,6 @@ class ChatCompletionRequest(_Sampling, _Conversation):
     verbosity: str | None = None
 
     def validate_request(self) -> None:
-        from ember.server import tools
-
         self.check_common()
         self._tool_plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.reasoning_effort not in (None, *EFFORT_BUDGETS):
@@ -252,8 +222,6 @@ class ChatCompletionRequest(_Sampling, _Conversation):
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        from ember.server import tools
-
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
@@ -398,8 +366,6 @@ class ResponsesRequest(_Conversation):
         return None if effort is None else (EFFORT_BUDGETS[effort], "reasoning.effort")
 
     def validate_request(self) -> None:
-        from ember.server import tools
-
         self.reject_extra()
         check_service_tier(self.service_tier)
         if self.include:
@@ -496,8 +462,6 @@ def _function_item(item: dict[str, Any], where: str, msgs: list[dict[str, Any]]
                    ) -> dict[str, Any]:
     """A Responses ``function_call`` (the assistant's call) or ``function_call_output``
     (its result) input item, as a chat message; consecutive calls share one turn."""
-    from ember.server import tools
-
     if item["type"] == "function_call_output":
         output = item.get("output")
         if not isinstance(output, str):

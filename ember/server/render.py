@@ -14,15 +14,21 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ember.engine.engine import RequestOutput
-from ember.sampling.reasoning import ReasoningStream, split_reasoning
+from ember.engine.output import RequestOutput
+from ember.sampling.reasoning import ReasoningStream, ThinkingTags, split_reasoning
 from ember.sampling.sampler import TokenLogprobs
 from ember.server import protocol as P
+from ember.server.errors import APIError
 from ember.server.transport import dumps
 
 
 def sse_data(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
+
+
+# how a reply splits into reasoning and answer: the model's tags, and whether the prompt
+# already opened the reasoning
+Reasoning = tuple[ThinkingTags, bool]
 
 
 class Ids:
@@ -106,21 +112,20 @@ def tool_calls_of(req: Any, out: RequestOutput) -> list[Any] | None:
     if calls is None and plan.choice != "auto":
         param = ("max_output_tokens" if isinstance(req, P.ResponsesRequest) else
                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        raise P.APIError(400, f"the tool call did not fit in '{param}' "
+        raise APIError(400, f"the tool call did not fit in '{param}' "
                          f"({out.completion_tokens} tokens)", param=param)
     return calls
 
 
 def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
-               tokenizer: Any) -> dict[str, Any]:
+               tokenizer: Any, reasoning: Reasoning | None = None) -> dict[str, Any]:
     choices = []
     for i, o in enumerate(outs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
-        if req.reasoning_split is not None:
-            tags, opened = req.reasoning_split
-            reasoning, message["content"] = split_reasoning(
+        if reasoning is not None:
+            tags, opened = reasoning
+            message["reasoning_content"], message["content"] = split_reasoning(
                 (tags.open if opened else "") + o.text, tags)
-            message["reasoning_content"] = reasoning
         finish = o.finish_reason
         calls = tool_calls_of(req, o)
         if calls:
@@ -135,8 +140,8 @@ def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
 
 
 async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
-                       req: P.ChatCompletionRequest, ids: Ids, tokenizer: Any
-                       ) -> AsyncIterator[str]:
+                       req: P.ChatCompletionRequest, ids: Ids, tokenizer: Any,
+                       reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     chunk = chunk_writer(ids, req, "chat.completion.chunk")
 
     started: set[int] = set()
@@ -172,8 +177,8 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                 finish, out = "tool_calls", dataclasses.replace(out, delta_text="")
             else:
                 out = dataclasses.replace(out, delta_text=out.text)
-        if req.reasoning_split is not None:
-            splitter = splitters.setdefault(i, ReasoningStream(*req.reasoning_split))
+        if reasoning is not None:
+            splitter = splitters.setdefault(i, ReasoningStream(*reasoning))
             thought, said = splitter.feed(out.delta_text, final=out.finished)
             delta = {k: v for k, v in (("reasoning_content", thought), ("content", said)) if v}
             if delta:
@@ -241,14 +246,15 @@ async def completion_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
 
 
 def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
-                   status: str, msg_id: str | None = None) -> dict[str, Any]:
+                   status: str, msg_id: str | None = None,
+                   split: Reasoning | None = None) -> dict[str, Any]:
     text = out.text if out else ""
     done = out is not None and out.finished
     if done and out.finish_reason == "length":
         status = "incomplete"
     reasoning = None
-    if req.reasoning_split is not None:
-        tags, opened = req.reasoning_split
+    if split is not None:
+        tags, opened = split
         reasoning, text = split_reasoning((tags.open if opened else "") + text, tags)
     item = {"id": msg_id or f"msg_{ids.id[5:]}", "type": "message", "role": "assistant",
             "status": "completed" if done else "in_progress",
@@ -299,7 +305,8 @@ def function_call_item(call: Any, arguments: str | None = None) -> dict[str, Any
 
 
 async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
-                           req: P.ResponsesRequest, ids: Ids) -> AsyncIterator[str]:
+                           req: P.ResponsesRequest, ids: Ids,
+                           split: Reasoning | None = None) -> AsyncIterator[str]:
     seq = iter(range(1 << 30))
     msg_id = f"msg_{ids.id[5:]}"
 
@@ -308,14 +315,14 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         return f"event: {kind}\ndata: {dumps(body)}\n\n"
 
     first = await stream.__anext__()  # admission errors surface before any event
-    in_progress = response_body(req, ids, None, "in_progress", msg_id)
+    in_progress = response_body(req, ids, None, "in_progress", msg_id, split)
     yield event("response.created", response=in_progress)
     yield event("response.in_progress", response=in_progress)
-    if req.reasoning_split is not None:  # reasoning, then the answer: sent once whole
+    if split is not None:  # reasoning, then the answer: sent once whole
         final_out = first[1]
         async for _, out in stream:
             final_out = out
-        done = response_body(req, ids, final_out, "completed", msg_id)
+        done = response_body(req, ids, final_out, "completed", msg_id, split)
         for k, item in enumerate(done["output"]):
             yield event("response.output_item.added", output_index=k, item={
                 **item, "status": "in_progress", "content": []})
@@ -340,7 +347,7 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         final_out = first[1]
         async for _, out in stream:
             final_out = out
-        done = response_body(req, ids, final_out, "completed", msg_id)
+        done = response_body(req, ids, final_out, "completed", msg_id, split)
         if done["output"] and done["output"][0]["type"] == "function_call":
             for k, item in enumerate(done["output"]):
                 yield event("response.output_item.added", output_index=k,
@@ -374,7 +381,7 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         if out.finished:
             final = out
     assert final is not None
-    done = response_body(req, ids, final, "completed", msg_id)
+    done = response_body(req, ids, final, "completed", msg_id, split)
     part = done["output"][0]["content"][0]
     yield event("response.output_text.done", **part_ref, text=final.text, logprobs=[])
     yield event("response.content_part.done", **part_ref, part=part)

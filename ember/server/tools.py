@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.sampling.constraints import StructuredOutput
-from ember.server.protocol import APIError, unsupported
+from ember.server.errors import APIError, unsupported
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -30,7 +30,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from ember.server.protocol import APIError
+from ember.server.errors import APIError
 
 log = logging.getLogger("ember.server")
 

@@ -26,15 +26,35 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from typing import Protocol, Self
 
-from ember.engine.costs import StepCostModel, StepShape
 from ember.spec.speculator import Proposal
 
 HYSTERESIS = 1.1
 
 
-def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: StepShape,
-             costs: StepCostModel, committed: float, limit: float = math.inf,
+class Step(Protocol):
+    """The step as the gate grows it (the engine's ``StepShape`` is one)."""
+
+    decode_rows: int  # rows decoding one token
+    verify_rows: int  # rows verifying drafts
+
+    def with_draft_token(self, context: int) -> Self: ...
+
+
+class Prices(Protocol):
+    """What steps cost (the engine's ``StepCostModel`` is one)."""
+
+    @property
+    def verify_call(self) -> float: ...
+
+    def predict(self, shape: Step) -> float: ...
+
+    def token_cost(self, shape: Step, context: int) -> float: ...
+
+
+def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: Step,
+             costs: Prices, committed: float, limit: float = math.inf,
              budget: int = 1 << 30) -> dict[object, int]:
     """Draft tokens per candidate ``(key, proposal, context, drafted_last_step)``.
 
@@ -59,7 +79,7 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
         push(i)
     plain = costs.predict(shape)
     # the verify call is paid if any decode row is left beside the verify rows
-    call = costs.coef.verify_call if shape.decode_rows > 1 and not shape.verify_rows else 0.0
+    call = costs.verify_call if shape.decode_rows > 1 and not shape.verify_rows else 0.0
     time, gain = plain + call, float(committed)
     while heap and budget > 0:
         neg_ratio, i, j = heapq.heappop(heap)
@@ -83,7 +103,7 @@ def allocate(candidates: Sequence[tuple[object, Proposal, int, bool]], shape: St
     return grant
 
 
-def _delta(costs: StepCostModel, shape: StepShape, context: int) -> float:
+def _delta(costs: Prices, shape: Step, context: int) -> float:
     """Seconds one more query token at ``context`` adds to a step (never free): its
     compute (past the knee, all of it), attention and logits row."""
     return max(costs.token_cost(shape, context), 1e-6)

@@ -1,0 +1,130 @@
+"""Admission: which prepared requests join the queue, and which leave it unserved.
+
+It keeps the engine's table of live requests by id, refuses a group whose first token
+is predicted to miss its TTFT objective (``rejected`` with a ``retry_after``), sheds
+waiting requests that can no longer make theirs, applies cancellations, and tracks
+the siblings (``n > 1``) that wait to be forked from their first request. The
+prediction asks the scheduler, whose prefix lookups are made once per waiting request
+per step (the KV manager keeps each until the cache changes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ember.engine.commit import finish
+from ember.engine.intake import InvalidRequest
+from ember.engine.request import FinishReason, Request
+from ember.engine.scheduler import Scheduler
+from ember.errors import EmberError
+
+# Share of a TTFT objective the engine plans for: the rest is for what happens outside
+# it (reading and preparing the request, streaming the first token back).
+TTFT_MARGIN = 0.9
+
+
+class QueueFull(EmberError):
+    """The waiting queue is at its bound; retry later (the server answers 429)."""
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler, max_queue: int) -> None:
+        self.scheduler = scheduler
+        self.max_queue = max_queue
+        self.requests: dict[str, Request] = {}  # live requests by id
+        self._fork_parent: dict[str, Request] = {}  # pending sibling id -> its first request
+        self._refused: list[Request] = []  # rejected at enqueue, reported at the next step
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()  # guards _aborts (abort() comes from any thread)
+
+    def check_queue(self, pending: int = 0) -> None:
+        """Raise :class:`QueueFull` if the waiting queue (plus ``pending`` prompts that
+        are on their way in) leaves no room for one more."""
+        if len(self.scheduler.waiting) + pending >= self.max_queue:
+            raise QueueFull(f"waiting queue is full ({self.max_queue} requests)")
+
+    def enqueue(self, group: list[Request]) -> None:
+        """Queue a prepared group (engine thread only); the first request is scheduled,
+        the others fork from it when its prompt is computed. A group whose first token
+        is predicted to come after its TTFT objective is refused: it finishes as
+        ``rejected`` at the next step, with a ``retry_after``."""
+        for req in group:
+            if req.request_id in self.requests:
+                raise InvalidRequest("request_id", f"request id {req.request_id!r} is "
+                                                   "already in use", req.request_id)
+        parent, *siblings = group
+        for req in group:
+            self.requests[req.request_id] = req
+        if parent.slo_ttft is not None:
+            waited = time.monotonic() - parent.arrival_time
+            predicted = waited + self.scheduler.predict_ttft(parent)
+            if predicted > TTFT_MARGIN * parent.slo_ttft:
+                self._refuse(group, predicted - TTFT_MARGIN * parent.slo_ttft)
+                return
+        parent.forks = siblings
+        for sibling in siblings:
+            self._fork_parent[sibling.request_id] = parent
+        self.scheduler.add(parent)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request at the next step (any thread)."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def leaving(self) -> list[Request]:
+        """At the start of a step: the requests cancelled, shed or refused since the
+        last one, each finished (their blocks are released when the engine retires
+        them)."""
+        gone = self._apply_aborts() + self._shed_hopeless() + self._refused
+        for req in self._refused:
+            self.requests.pop(req.request_id, None)
+        self._refused = []
+        return gone
+
+    def forked(self, child: Request) -> None:
+        """A sibling left the wait for its fork (forked, or sent to prefill alone)."""
+        self._fork_parent.pop(child.request_id, None)
+
+    def retired(self, req: Request) -> None:
+        """A finished request whose blocks are released; siblings still waiting for it
+        prefill alone."""
+        self.requests.pop(req.request_id, None)
+        if req.forks:
+            for child in req.forks:
+                self.forked(child)
+            self.scheduler.requeue(req.forks)
+            req.forks = []
+
+    def _refuse(self, group: list[Request], retry_after: float) -> None:
+        for req in group:
+            req.retry_after = retry_after
+            finish(req, FinishReason.REJECTED, "the request would miss its "
+                   f"time-to-first-token objective ({req.slo_ttft:g} s)")
+        self._refused += group
+
+    def _shed_hopeless(self) -> list[Request]:
+        """Refuse waiting requests that can no longer start within their TTFT objective:
+        serving them would spend capacity on answers that miss anyway."""
+        lost = self.scheduler.hopeless(time.monotonic(), TTFT_MARGIN)
+        for req in lost:
+            req.retry_after = req.slo_ttft
+            finish(req, FinishReason.REJECTED, "the request cannot get its first token "
+                   f"within its objective ({req.slo_ttft:g} s)")
+        return lost
+
+    def _apply_aborts(self) -> list[Request]:
+        with self._lock:
+            ids, self._aborts = self._aborts, set()
+        aborted = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            finish(req, FinishReason.ABORT)
+            aborted.append(req)
+            parent = self._fork_parent.pop(rid, None)
+            if parent is not None:  # a sibling still waiting for its fork: no blocks held
+                parent.forks.remove(req)
+                self.requests.pop(rid)
+        return aborted

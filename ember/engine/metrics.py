@@ -1,0 +1,73 @@
+"""The engine's counters as one plain dict (the server formats it for Prometheus)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.engine.commit import Commit
+from ember.engine.scheduler import Scheduler
+from ember.kv.manager import KVCacheManager
+from ember.models.moe import ExpertStore
+from ember.spec.speculator import SpecStats
+
+
+class SpecTotals:
+    """What speculation did over finished requests: drafted and accepted tokens per
+    source, bonus tokens, and steps that verified, fell back or were gated off."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, list[int]] = {}
+        self.bonus = 0
+        self.steps = {"verify": 0, "fallback": 0, "off": 0}
+
+    def add(self, s: SpecStats) -> None:
+        for name, (drafted, accepted) in s.by_source.items():
+            source = self.sources.setdefault(name, [0, 0])
+            source[0] += drafted
+            source[1] += accepted
+        self.bonus += s.bonus
+        for kind in self.steps:
+            self.steps[kind] += getattr(s, f"{kind}_steps")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sources": self.sources, "bonus": self.bonus, "steps": self.steps}
+
+
+def moe_metrics(experts: ExpertStore | None) -> dict[str, Any] | None:
+    """The expert store's counters (a mixture-of-experts model only)."""
+    if experts is None:
+        return None
+    return {**experts.stats.as_dict(), "streamed": experts.streamed,
+            "cached_bytes": experts.cached_bytes}
+
+
+def tenant_counts(scheduler: Scheduler) -> dict[str, dict[str, int]]:
+    """Running and waiting requests per tenant (safe to call from any thread)."""
+    counts: dict[str, dict[str, int]] = {}
+    for state, reqs in (("running", list(scheduler.running)),
+                        ("waiting", list(scheduler.waiting))):
+        for req in reqs:
+            counts.setdefault(req.tenant, {"running": 0, "waiting": 0})[state] += 1
+    return counts
+
+
+def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: int,
+             spec: SpecTotals, disk: dict[str, Any] | None,
+             moe: dict[str, Any] | None) -> dict[str, Any]:
+    prefix = kv.prefix
+    return {
+        "requests_running": len(scheduler.running),
+        "requests_waiting": len(scheduler.waiting),
+        "kv_blocks_total": kv.num_blocks,
+        "kv_blocks_used": kv.num_used,
+        "prefix_cache_queries": prefix.queries if prefix else 0,
+        "prefix_cache_hits": prefix.hits if prefix else 0,
+        "preemptions": scheduler.num_preemptions,
+        "tenants": tenant_counts(scheduler),
+        "spec": spec.as_dict(),
+        "kv_disk": disk,
+        "moe": moe,
+        "prompt_tokens": commit.prompt_tokens,
+        "generation_tokens": commit.generation_tokens,
+        "steps": steps,
+    }

@@ -1,0 +1,99 @@
+"""KV leaving and entering the engine: prefix export/import and the disk tier.
+
+Records are the disk tier's checksummed block format (:class:`~ember.kv.disk.BlockRecord`);
+whatever imports them verifies each against the tenant's salt and the chain keys
+before it is used, so a record from another model, tenant or layout is never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ember.config import EngineConfig
+from ember.engine.costs import StepShape
+from ember.kv.blocks import KVStorage
+from ember.kv.disk import BlockRecord, DiskStore
+from ember.kv.disk import fingerprint as disk_fingerprint
+from ember.kv.manager import KVCacheManager
+from ember.kv.prefix import extend_keys
+from ember.kv.tier import DiskTier, restore_chain
+from ember.models.config import ModelConfig
+
+
+class KVTransfer:
+    def __init__(self, config: EngineConfig, model: ModelConfig, model_fingerprint: str,
+                 kv: KVCacheManager, storage: KVStorage,
+                 salt_for: Callable[[str | None], bytes]) -> None:
+        self.config = config
+        self.model = model
+        self.model_fingerprint = model_fingerprint
+        self.kv = kv
+        self.storage = storage
+        self.salt_for = salt_for
+        self.disk: DiskStore | None = None
+
+    def fingerprint(self) -> bytes:
+        """What stored KV bytes depend on besides their tokens and salt: the weights
+        (file hash and format), the KV dtype, the block size and the geometry."""
+        c, m = self.config, self.model
+        return disk_fingerprint(self.model_fingerprint, f"kv:{c.kv_dtype}",
+                                f"block:{c.block_size}", f"layers:{m.n_layers}",
+                                f"kv_heads:{m.n_kv_heads}", f"head_dim:{m.head_dim}",
+                                "layout:block,layer,kv,pos,head,dim")
+
+    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None
+                      ) -> list[BlockRecord]:
+        """The cached full blocks of ``tokens`` (the longest cached prefix), as records."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return []
+        salt = self.salt_for(tenant)
+        keys: list[bytes] = []
+        extend_keys(keys, salt, tokens, self.config.block_size)
+        return [BlockRecord(*prefix.identity(hit.block), self.storage.block_bytes(hit.block))
+                for hit in prefix.lookup(salt, tokens, keys)]
+
+    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None) -> int:
+        """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives)
+        for ``tenant``; returns how many tokens they cover. Records that do not verify
+        for this tenant (salt, chain keys, parents) end the import."""
+        prefix = self.kv.prefix
+        if prefix is None or not records:
+            return 0
+        salt = self.salt_for(tenant)
+        tokens = [t for rec in records for t in rec.tokens]
+        keys: list[bytes] = []
+        extend_keys(keys, salt, tokens, self.config.block_size)
+        found = prefix.lookup(salt, tokens, keys)
+        restore_chain(prefix, self.storage, salt, tokens, keys, found,
+                      lambda i: records[i], len(keys), stored=False)
+        return len(found) * self.config.block_size
+
+    def attach_disk_tier(self, predict: Callable[[StepShape], float]) -> None:
+        """Back the prefix cache with a block store under ``config.kv_cache_dir``; the
+        tier restores a block when reading it beats recomputing (``predict`` prices
+        the recompute)."""
+        c = self.config
+        assert c.kv_cache_dir is not None
+        self.disk = DiskStore(c.kv_cache_dir, self.fingerprint(), c.kv_disk_bytes, c.kv_fsync)
+
+        def recompute_seconds(tokens: int, end: int) -> float:
+            return predict(StepShape(tokens, 1, tokens * end))
+
+        self.kv.attach_tier(DiskTier(self.disk, self.storage, recompute_seconds, c.kv_restore))
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def metrics(self) -> dict[str, Any] | None:
+        """The disk tier's counters, decisions and size; None without a disk tier."""
+        tier = self.kv.tier
+        if self.disk is None or tier is None:
+            return None
+        return {**dataclasses.asdict(self.disk.stats), "blocks": len(self.disk),
+                "bytes": self.disk.size_bytes, "decisions": dict(tier.decisions),
+                "restored_blocks": tier.restored_blocks,
+                "read_bytes_per_second": tier.read_bps}

@@ -1,0 +1,77 @@
+"""What the HTTP server serves from: a :class:`Backend`, chosen by whoever starts it.
+
+The local backend is one engine on its own thread
+(:class:`~ember.engine.thread.EngineThread`); ``ember serve --replicas N`` passes
+one whose engines are replicas on Ray Serve (``ember.cluster``). The server knows
+only these two protocols, so it never imports the cluster that builds on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ember.config import EngineConfig
+from ember.engine.engine import LLMEngine
+from ember.engine.output import RequestOutput
+from ember.engine.thread import EngineThread
+from ember.models.loader import LoadedModel
+from ember.sampling.params import SamplingParams
+from ember.sampling.reasoning import ThinkingTags
+from ember.tokenizer import Tokenizer
+
+
+class EngineView(Protocol):
+    """What the server reads of an engine: the model, and how to prepare a request."""
+
+    config: EngineConfig
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    thinking_tags: ThinkingTags | None
+    max_model_len: int
+
+    def prepare(self, prompt_ids: list[int],
+                params: SamplingParams | Sequence[SamplingParams], **options: Any
+                ) -> list[Any]: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+class Submission(Protocol):
+    """A place in the queue, taken before the request is prepared."""
+
+    @property
+    def open(self) -> bool: ...
+
+    def submit(self, group: list[Any], callback: Callable[[RequestOutput], None]
+               ) -> list[str]: ...
+
+    def release(self) -> None: ...
+
+
+class Backend(Protocol):
+    engine: EngineView
+
+    @property
+    def alive(self) -> bool: ...
+
+    def slot(self) -> Submission: ...
+
+    def queue_full(self) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def discard(self, group: Sequence[Any]) -> None: ...
+
+    def metric_lines(self) -> list[str]: ...
+
+    def drain(self, timeout: float) -> bool: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+def local(config: EngineConfig) -> Backend:
+    """One engine, loaded now, on its own thread."""
+    return EngineThread(LLMEngine(config)).start()
