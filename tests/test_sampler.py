@@ -115,14 +115,35 @@ def test_assumed_draft_tokens_count_as_committed_for_penalties():
         assert a == b
 
 
+class _Ban:
+    """A processor that masks one token out (as a grammar would)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def process(self, logits: torch.Tensor, history) -> torch.Tensor:
+        out = logits.clone()
+        out[self.token] = float("-inf")
+        return out
+
+    def commit(self, token: int) -> None:
+        pass
+
+
 def test_greedy_is_the_argmax_after_processors_and_penalties():
-    params = SamplingParams(temperature=0, repetition_penalty=3.0)
-    top = int(LOGITS.argmax())
-    sampler = S.Sampler(params, V, [top])
-    got = S.sample_rows([S.SampleRow(sampler, LOGITS, None, (), 0)])[0][0]
-    penalized = LOGITS.clone()
-    penalized[top] = penalized[top] / 3.0 if penalized[top] > 0 else penalized[top] * 3.0
-    assert got == int(penalized.argmax()) != top
+    """The processor bans the raw argmax; the penalty then demotes the second (it is in
+    the prompt), so only a pipeline that applies both picks the third."""
+    order = LOGITS.argsort(descending=True).tolist()
+    first, second = order[0], order[1]
+    params = SamplingParams(temperature=0, repetition_penalty=9.0)
+    sampler = S.Sampler(params, V, [second], [_Ban(first)])
+    processed = sampler.process(LOGITS, [second])
+    got = S.sample_rows([S.SampleRow(sampler, LOGITS, processed, (), 0)])[0][0]
+    expect = LOGITS.clone()
+    expect[first] = float("-inf")
+    expect[second] = expect[second] / 9.0 if expect[second] > 0 else expect[second] * 9.0
+    assert got == int(expect.argmax())
+    assert got not in (first, second)
 
 
 def test_pipeline_order_top_k_before_temperature_before_top_p():

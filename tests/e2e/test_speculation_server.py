@@ -14,15 +14,29 @@ PARAGRAPH = ("The harbour wall is repaired each spring, the lighthouse is repain
              "the buoys in the channel are checked before the ferries start running.")
 
 
+def _verified(server) -> tuple[float, float]:
+    """Draft tokens verified so far (every source), and the steps that verified."""
+    m = server.metrics()
+    drafted = sum(v for k, v in m.items() if k.startswith("ember_spec_drafted_tokens_total"))
+    return drafted, m.get('ember_spec_steps_total{kind="verify"}', 0)
+
+
 def test_speculation_on_or_off_gives_the_same_reply(smol_server):
+    """The same reply, and the switch is real: with speculation on, drafts of the
+    copied sentence were verified; with it off, none were."""
     client = sdk(smol_server)
     msgs = user(f"Copy this sentence exactly: {PARAGRAPH}")
+    before = _verified(smol_server)
     on = client.chat.completions.create(model=smol_server.model_id, messages=msgs,
                                         max_tokens=40, temperature=0)
+    between = _verified(smol_server)
     off = client.chat.completions.create(model=smol_server.model_id, messages=msgs,
                                          max_tokens=40, temperature=0,
                                          extra_body={"speculation": False})
+    after = _verified(smol_server)
     assert on.choices[0].message.content == off.choices[0].message.content
+    assert between[0] > before[0] and between[1] > before[1], (before, between)
+    assert after == between
 
 
 def test_references_feed_the_reference_source(smol_server):
