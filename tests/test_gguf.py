@@ -455,12 +455,12 @@ def _retype_tensor(data: bytes, name: str, new_type: GGMLType) -> bytes:
 def test_load_model_names_an_unsupported_tensor_type(tmp_path: Path, tiny_gguf: Path) -> None:
     from ember.models.loader import load_model
 
-    # IQ4_NL has the same 32-element blocks as Q8_0, only smaller: the file stays valid.
-    data = _retype_tensor(tiny_gguf.read_bytes(), "blk.1.ffn_down.weight", GGMLType.IQ4_NL)
+    # MXFP4 has the same 32-element blocks as Q8_0, only smaller: the file stays valid.
+    data = _retype_tensor(tiny_gguf.read_bytes(), "blk.1.ffn_down.weight", GGMLType.MXFP4)
     path = _scratch(tmp_path, data)
     with GGUFFile(path) as f:
-        assert f.tensor("blk.1.ffn_down.weight").type_name == "IQ4_NL"
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL") as exc:
+        assert f.tensor("blk.1.ffn_down.weight").type_name == "MXFP4"
+    with pytest.raises(UnsupportedModelError, match="MXFP4") as exc:
         load_model(str(path))
     assert "blk.1.ffn_down.weight" in str(exc.value)
 

@@ -21,13 +21,33 @@ from ember.models.gguf import GGUFFile
 TINY_QWEN: dict[str, dict[str, int]] = {"qwen2": {}, "qwen3": {"head_dim": 32}}
 
 
-def _random_tensors(w: gguf.GGUFWriter, rng: np.random.Generator):  # noqa: ANN202
-    """Writers of random tensors into ``w``: a Q8_0 matrix of N(0, scale^2) weights,
-    and an f32 vector around ``center`` (norm weights by default)."""
+# Types gguf-py cannot quantize, written as random blocks: the f16 fields that scale
+# a block (byte offset, and d as a fraction of the weights' wanted spread, so values
+# stay about that size) — every code and sub-scale bit is random.
+RANDOM_BLOCK_SCALES: dict[gguf.GGMLQuantizationType, tuple[tuple[int, float], ...]] = {
+    gguf.GGMLQuantizationType.Q2_K: ((80, 1 / 20), (82, 1 / 20)),
+    gguf.GGMLQuantizationType.Q3_K: ((108, 1 / 50),),
+    gguf.GGMLQuantizationType.IQ4_NL: ((0, 1 / 64),),
+    gguf.GGMLQuantizationType.IQ4_XS: ((0, 1 / 1000),),
+}
+
+
+def _random_tensors(w: gguf.GGUFWriter, rng: np.random.Generator,  # noqa: ANN202
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0):
+    """Writers of random tensors into ``w``: a ``qtype`` matrix of about N(0, scale^2)
+    weights, and an f32 vector around ``center`` (norm weights by default)."""
     def q8(name: str, out_f: int, in_f: int, scale: float) -> None:
+        if qtype in RANDOM_BLOCK_SCALES:
+            elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = rng.integers(0, 256, size=(out_f, in_f // elems, nbytes), dtype=np.uint8)
+            for at, share in RANDOM_BLOCK_SCALES[qtype]:
+                d = np.full(raw.shape[:2], scale * share, np.float16)
+                raw[..., at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+            w.add_tensor(name, raw.reshape(out_f, -1), raw_dtype=qtype)
+            return
         data = (rng.standard_normal((out_f, in_f)) * scale).astype(np.float32)
-        packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        packed = gguf.quants.quantize(data, qtype)
+        w.add_tensor(name, packed, raw_dtype=qtype)
 
     def f32(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
@@ -50,9 +70,11 @@ def write_tiny_llama(
     head_dim: int | None = None,
     rope_base: float = 10000.0,
     untied: bool = False,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
 ) -> Path:
     """A llama-block model; ``arch`` "qwen2" adds Q/K/V biases, "qwen3" per-head q/k
-    RMSNorms (and may set ``head_dim`` apart from hidden / heads, as Qwen3 does)."""
+    RMSNorms (and may set ``head_dim`` apart from hidden / heads, as Qwen3 does);
+    ``qtype`` is the matrices' block type."""
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
     head_dim = head_dim or hidden // n_heads
@@ -71,7 +93,7 @@ def write_tiny_llama(
     w.add_layer_norm_rms_eps(1e-5)
     _copy_tokenizer(w, tokenizer_source)
 
-    q8, f32 = _random_tensors(w, rng)
+    q8, f32 = _random_tensors(w, rng, qtype)
 
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     q8("token_embd.weight", vocab, hidden, 1.0)

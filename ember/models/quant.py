@@ -42,9 +42,13 @@ SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
         GGMLType.Q4_1,
         GGMLType.Q5_0,
         GGMLType.Q5_1,
+        GGMLType.Q2_K,
+        GGMLType.Q3_K,
         GGMLType.Q4_K,
         GGMLType.Q5_K,
         GGMLType.Q6_K,
+        GGMLType.IQ4_NL,
+        GGMLType.IQ4_XS,
     }
 )
 
@@ -241,6 +245,74 @@ def _q6_k(blk: np.ndarray) -> Unpacked:
     return q.reshape(rows, n_super * 16, 16), scale.reshape(rows, n_super * 16)
 
 
+# Q2_K: 16 bytes of sub-block scales (low nibble: scale, high nibble: min, both 4-bit),
+# 64 bytes of 2-bit codes, then f16 d and dmin; 16 sub-blocks of 16 elements, value =
+# d*sc*q - dmin*mn. The codes come as two 128-element halves of 32 bytes, each byte
+# holding four codes: bits 2s..2s+1 of byte l of half h are element h*128 + s*32 + l.
+
+
+def _k_codes2(qs: np.ndarray) -> np.ndarray:
+    """``[rows, S, 64]`` bytes of 2-bit codes to ``[rows, S, 8, 32]`` in element order."""
+    rows, n_super = qs.shape[:2]
+    q = (qs.reshape(rows, n_super, 2, 1, 32) >> _SHIFTS_2BIT[:, None]) & 3
+    return q.reshape(rows, n_super, 8, 32)
+
+
+def _q2_k(blk: np.ndarray) -> Unpacked:
+    rows, n_super = blk.shape[:2]
+    sc = blk[..., 0:16]
+    q = _k_codes2(blk[..., 16:80])
+    scale = _f16_field(blk, 80)[..., None] * (sc & 0x0F).astype(np.float32)
+    minimum = _f16_field(blk, 82)[..., None] * (sc >> 4).astype(np.float32)
+    groups = n_super * 16
+    return q.reshape(rows, groups, 16), scale.reshape(rows, groups), minimum.reshape(rows, groups)
+
+
+# Q3_K: 32 bytes hmask, 64 bytes of 2-bit low codes (laid out as Q2_K's), 12 bytes of
+# sixteen 6-bit scales, f16 d; value = d*(sc - 32)*q with q = low - 4 where the hmask
+# bit is clear (bit b of hmask byte l belongs to element b*32 + l). Scale i takes its
+# low 4 bits from byte i % 8 (low nibble for i < 8, high for i >= 8) and its top 2 bits
+# from byte 8 + i % 4, bit pair i // 4.
+
+
+def _q3_k(blk: np.ndarray) -> Unpacked:
+    rows, n_super = blk.shape[:2]
+    low = _k_codes2(blk[..., 32:96]).view(np.int8)
+    high = ((blk[..., None, 0:32] >> _SHIFTS_8[:, None]) & 1) ^ 1  # [rows, S, 8, 32]
+    q = low - (high << 2).view(np.int8)
+    field = blk[..., 96:108]
+    lo = (field[..., None, 0:8] >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F
+    hi = (field[..., None, 8:12] >> _SHIFTS_2BIT[:, None]) & 3
+    sc = (lo.reshape(rows, n_super, 16) | (hi.reshape(rows, n_super, 16) << 4)).view(np.int8)
+    scale = _f16_field(blk, 108)[..., None] * (sc - np.int8(32)).astype(np.float32)
+    return q.reshape(rows, n_super * 16, 16), scale.reshape(rows, n_super * 16)
+
+
+# IQ4_NL and IQ4_XS: 4-bit indices into a fixed non-uniform table of 16 int8 values
+# (nibbles laid out as Q4_0's). IQ4_NL: 32-element blocks of f16 d + 16 bytes; value =
+# d * table[q]. IQ4_XS: 256-element super-blocks of f16 d, a u16 of the eight scales'
+# top 2 bits (pair i for sub-block i), 4 bytes of their low nibbles (sub-block i in
+# byte i // 2, low nibble first), then 8 x 16 bytes of indices; value = d*(sc - 32) *
+# table[q] per 32-element sub-block.
+_IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113], dtype=np.int8)
+
+
+def _iq4_nl(blk: np.ndarray) -> Unpacked:
+    return _IQ4_TABLE[_nibbles(blk[..., 2:])], _f16_field(blk, 0)
+
+
+def _iq4_xs(blk: np.ndarray) -> Unpacked:
+    rows, n_super = blk.shape[:2]
+    q = _IQ4_TABLE[_nibbles(blk[..., 8:136].reshape(rows, n_super, 8, 16))]
+    lo = (blk[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [rows, S, 4, 2]
+    top = blk[..., 2].astype(np.uint16) | (blk[..., 3].astype(np.uint16) << 8)
+    hi = ((top[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    sc = (lo.reshape(rows, n_super, 8) | (hi << 4)).view(np.int8)
+    scale = _f16_field(blk, 0)[..., None] * (sc - np.int8(32)).astype(np.float32)
+    return q.reshape(rows, n_super * 8, 32), scale.reshape(rows, n_super * 8)
+
+
 # ------------------------------------------------------------------ public unpackers
 
 # Per format: the unpacker and whether its offset is subtracted (K-quant minimums)
@@ -251,9 +323,13 @@ _FORMATS: dict[GGMLType, tuple[Callable[[np.ndarray], Unpacked], bool]] = {
     GGMLType.Q4_1: (_q4_1, False),
     GGMLType.Q5_0: (_q5_0, False),
     GGMLType.Q5_1: (_q5_1, False),
+    GGMLType.Q2_K: (_q2_k, True),
+    GGMLType.Q3_K: (_q3_k, False),
     GGMLType.Q4_K: (_q4_k, True),
     GGMLType.Q5_K: (_q5_k, True),
     GGMLType.Q6_K: (_q6_k, False),
+    GGMLType.IQ4_NL: (_iq4_nl, False),
+    GGMLType.IQ4_XS: (_iq4_xs, False),
 }
 
 
