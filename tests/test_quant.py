@@ -54,6 +54,7 @@ QUANTIZABLE = [  # the types gguf.quants.quantize can produce
     GGMLType.Q4_1,
     GGMLType.Q5_0,
     GGMLType.Q5_1,
+    GGMLType.MXFP4,
 ]
 
 
@@ -259,7 +260,7 @@ def test_gemma3_tensors_match_reference(gemma3_file: GGUFFile) -> None:
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL,
-                                   GGMLType.IQ4_XS], ids=lambda t: t.name)
+                                   GGMLType.IQ4_XS, GGMLType.MXFP4], ids=lambda t: t.name)
 def test_a_model_of_the_compact_formats_loads_and_generates(qtype, tmp_path, smollm2_file):
     """A random-weight llama whose every matrix is of ``qtype`` loads in both weight
     formats (q4 keeps such tensors dense f32: there is no packed layout for them yet),
@@ -287,3 +288,15 @@ def test_a_model_of_the_compact_formats_loads_and_generates(qtype, tmp_path, smo
             for w in ("f32", "q4")}
     assert len(outs["f32"].token_ids) == 12
     assert outs["f32"].token_ids == outs["q4"].token_ids
+
+
+def test_mxfp4_every_exponent_and_code_match_reference() -> None:
+    """Random MXFP4 blocks with every E8M0 exponent (the subnormal halves below 2
+    included) and every code: bit for bit as gguf-py."""
+    rng = np.random.default_rng(39)
+    raw = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    shape = (16, 16 * 32)
+    with np.errstate(over="ignore"):  # 2^127 x 12 is inf here as in the reference
+        assert_bit_equal(dequantize(raw, GGMLType.MXFP4, shape),
+                         reference(raw, GGMLType.MXFP4, shape))

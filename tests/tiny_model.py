@@ -29,6 +29,7 @@ RANDOM_BLOCK_SCALES: dict[gguf.GGMLQuantizationType, tuple[tuple[int, float], ..
     gguf.GGMLQuantizationType.Q3_K: ((108, 1 / 50),),
     gguf.GGMLQuantizationType.IQ4_NL: ((0, 1 / 64),),
     gguf.GGMLQuantizationType.IQ4_XS: ((0, 1 / 1000),),
+    gguf.GGMLQuantizationType.IQ2_XXS: ((0, 1 / 100),),  # no dequantizer: refused at load
 }
 
 

@@ -49,6 +49,7 @@ SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
         GGMLType.Q6_K,
         GGMLType.IQ4_NL,
         GGMLType.IQ4_XS,
+        GGMLType.MXFP4,
     }
 )
 
@@ -313,6 +314,24 @@ def _iq4_xs(blk: np.ndarray) -> Unpacked:
     return q.reshape(rows, n_super * 8, 32), scale.reshape(rows, n_super * 8)
 
 
+# MXFP4 (gpt-oss's experts): 32-element blocks of one E8M0 exponent byte e and 16
+# bytes of 4-bit E2M1 codes (nibbles as Q4_0's). The table holds twice the E2M1
+# values, so the scale is half of 2^(e - 127): for e >= 2 the float with exponent
+# field e - 1, below that the subnormal 2^(e - 128) (0x00200000 << e).
+_MXFP4_TABLE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                        dtype=np.int8)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mxfp4(blk: np.ndarray) -> Unpacked:
+    return _MXFP4_TABLE[_nibbles(blk[..., 1:])], _e8m0_half(blk[..., 0])
+
+
 # ------------------------------------------------------------------ public unpackers
 
 # Per format: the unpacker and whether its offset is subtracted (K-quant minimums)
@@ -330,6 +349,7 @@ _FORMATS: dict[GGMLType, tuple[Callable[[np.ndarray], Unpacked], bool]] = {
     GGMLType.Q6_K: (_q6_k, False),
     GGMLType.IQ4_NL: (_iq4_nl, False),
     GGMLType.IQ4_XS: (_iq4_xs, False),
+    GGMLType.MXFP4: (_mxfp4, False),
 }
 
 
