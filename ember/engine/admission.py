@@ -5,7 +5,7 @@ is predicted to miss its TTFT objective (``rejected`` with a ``retry_after``), s
 waiting requests that can no longer make theirs, applies cancellations, and tracks
 the siblings (``n > 1``) that wait to be forked from their first request. The
 prediction asks the scheduler, whose prefix lookups are made once per waiting request
-per step (the KV manager keeps each until the cache changes).
+per step (the KV manager keeps each for the step, unless the cache changes).
 """
 
 from __future__ import annotations

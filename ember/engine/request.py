@@ -129,7 +129,7 @@ class Request:
         back until it either completes the stop string or turns out not to.
         """
         end = len(self.text)
-        if self.params.stop and not self.is_finished:
+        if self.stops.strings and not self.is_finished:
             end -= self.stops.held_back(self.text)
         delta = self.text[self.emitted_chars : end]
         self.emitted_chars = max(self.emitted_chars, end)
