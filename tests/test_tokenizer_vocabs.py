@@ -2,33 +2,25 @@
 
 llama.cpp keeps vocab-only GGUFs with inputs and the token ids its tokenizer gives
 them (``models/ggml-vocab-*.gguf`` + ``.inp`` / ``.out``, checked by its
-``test-tokenizer-0``: no BOS, no special-token parsing). They are taken from the
-llama-cpp-python 0.3.36 sdist (``pip download``, ~75 MB, once), cached under
-``$EMBER_HOME/llama-vocab``; ``EMBER_LLAMA_VOCAB_DIR`` may point at a llama.cpp
-``models`` directory instead. A vocabulary ember supports must give exactly
-llama.cpp's ids for every input; one it does not support must be refused by name
-when it is loaded, never tokenized wrongly.
+``test-tokenizer-0``: no BOS, no special-token parsing), fetched once with the rest
+of the llama.cpp source the tests use (``tests/llamacpp_source.py``). A vocabulary
+ember supports must give exactly llama.cpp's ids for every input; one it does not
+support must be refused by name when it is loaded, never tokenized wrongly.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
+from llamacpp_source import llamacpp_source
 
 from ember.errors import TokenizerError
 from ember.models.gguf import GGUFFile
-from ember.models.registry import ember_home
 from ember.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-SDIST_VERSION = "0.3.36"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 # Vocabularies ember tokenizes exactly as llama.cpp does (every input of its test).
@@ -36,30 +28,9 @@ EXACT = {"gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2", "mpt", "refact", "
          "command-r", "deepseek-coder", "deepseek-llm", "falcon"}
 
 
-def _download(dest: Path) -> None:
-    """The vocab tests out of llama-cpp-python's sdist, fetched by pip."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--no-binary", ":all:", f"llama-cpp-python=={SDIST_VERSION}",
-                        "-d", tmp], check=True)
-        [sdist] = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        dest.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(sdist) as tar:
-            for member in tar.getmembers():
-                name = Path(member.name).name
-                if "/vendor/llama.cpp/models/" in member.name and name.startswith("ggml-vocab-"):
-                    (dest / name).write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
-
-
 @pytest.fixture(scope="session")
 def vocab_dir() -> Path:
-    given = os.environ.get("EMBER_LLAMA_VOCAB_DIR")
-    if given:
-        return Path(given)
-    cache = ember_home() / "llama-vocab"
-    if not any(cache.glob("ggml-vocab-*.gguf.out")):
-        _download(cache)
-    return cache
+    return llamacpp_source() / "models"
 
 
 def _cases(vocab_dir: Path, name: str) -> list[tuple[str, list[int]]]:

@@ -118,10 +118,28 @@ class DecoderStack {
 #endif
   }
 
+  // What some families change in every block (set before forward): pre_norms false:
+  // sublayers read the residual stream itself, add_layer takes empty norm weights
+  // (OLMo 2); qk_norm_full: q and k are normed across all their heads at once (OLMo 2);
+  // residual_scale: sublayer outputs are multiplied by it before the add (Granite);
+  // attn_softcap > 0: scores soft-capped before the softmax (Gemma 2).
+  void set_block_options(bool pre_norms, bool qk_norm_full, double residual_scale,
+                         double attn_softcap) {
+    TORCH_CHECK(attn_softcap >= 0, "DecoderStack: negative attention softcap");
+    pre_norms_ = pre_norms;
+    qk_norm_full_ = qk_norm_full;
+    residual_scale_ = static_cast<float>(residual_scale);
+    softcap_ = static_cast<float>(attn_softcap);
+  }
+
   void add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
                  const PackedLinear& qkv, const PackedLinear& o, const PackedLinear& gate_up,
                  const PackedLinear& down) {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    TORCH_CHECK(pre_norms_ ? attn_norm.numel() == hidden_ && ffn_norm.numel() == hidden_
+                           : attn_norm.numel() == 0 && ffn_norm.numel() == 0,
+                "DecoderStack: pre-norm weights must have hidden elements (none without "
+                "pre-norms)");
     LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
                    linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_),
                    linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_),
@@ -157,12 +175,15 @@ class DecoderStack {
     layers_.back().rope = rope;
   }
 
-  // The last added layer's per-head RMSNorm weights of q and k [head_dim] (Qwen 3).
+  // The last added layer's RMSNorm weights of q and k: per head [head_dim] (Qwen 3),
+  // or across all heads [heads * head_dim], [kv_heads * head_dim] (qk_norm_full).
   void set_qk_norm(const at::Tensor& q_norm, const at::Tensor& k_norm) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
     const at::Tensor q = norm_weight(q_norm), k = norm_weight(k_norm);
-    TORCH_CHECK(q.numel() == head_dim_ && k.numel() == head_dim_,
-                "DecoderStack: q/k norm weights must have head_dim elements");
+    const int64_t qn = qk_norm_full_ ? heads_ * head_dim_ : head_dim_;
+    const int64_t kn = qk_norm_full_ ? kv_heads_ * head_dim_ : head_dim_;
+    TORCH_CHECK(q.numel() == qn && k.numel() == kn,
+                "DecoderStack: q/k norm weights must have ", qn, " and ", kn, " elements");
     layers_.back().q_norm = q;
     layers_.back().k_norm = k;
   }
@@ -202,25 +223,34 @@ class DecoderStack {
     for (int64_t i = 0; i < num_layers(); ++i) {
       const LayerWeights& L = layers_[i];
       const PoolLayer kv = pool_layer(pool, i);
-      rms_norm_rows(xp, L.attn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+      const float* attn_in = xp;
+      if (pre_norms_) {
+        rms_norm_rows(xp, L.attn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+        attn_in = hp;
+      }
       clock.lap(kNorms);
-      L.qkv.matmul_into(hp, T, qkvp);
+      L.qkv.matmul_into(attn_in, T, qkvp);
       clock.lap(kProjections);
       rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
                      kv);
       clock.lap(kRopeStore);
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
-             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window);
+             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window,
+             softcap_);
       clock.lap(kAttention);
       L.o.matmul_into(attp, T, yp);
       clock.lap(kProjections);
       if (L.post_attn_norm.defined()) {
         rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
       }
-      add_rows(xp, yp, T * hidden_);
-      rms_norm_rows(xp, L.ffn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+      add_scaled_rows(xp, yp, T * hidden_);
+      const float* ffn_in = xp;
+      if (pre_norms_) {
+        rms_norm_rows(xp, L.ffn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
+        ffn_in = hp;
+      }
       clock.lap(kNorms);
-      L.gate_up.matmul_into(hp, T, gup);
+      L.gate_up.matmul_into(ffn_in, T, gup);
       clock.lap(kProjections);
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -238,7 +268,7 @@ class DecoderStack {
       if (L.post_ffn_norm.defined()) {
         rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
       }
-      add_rows(xp, yp, T * hidden_);
+      add_scaled_rows(xp, yp, T * hidden_);
       clock.lap(kNorms);
     }
     if (profiling_) ++stage_calls_;
@@ -263,6 +293,7 @@ class DecoderStack {
 
  private:
   static at::Tensor norm_weight(const at::Tensor& w) {
+    if (w.numel() == 0) return at::Tensor();  // none: a family without pre-norms
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1,
                 "norm weights must be CPU float32 [K]");
     return w.contiguous();
@@ -335,10 +366,14 @@ class DecoderStack {
         float* row = qkv + t * width;
         const float* cs = rope + t * rope_dim_;
         if (bias != nullptr) add_rows(row, bias, width);
+        if (qk_norm_full_ && qn != nullptr && kn != nullptr) {
+          rms_norm_row(row, qn, q_dim, eps_, row);
+          rms_norm_row(row + q_dim, kn, kv_dim, eps_, row + q_dim);
+        }
         for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
           float* x = row + hd * head_dim_;
           const float* norm = hd < heads_ ? qn : kn;
-          if (norm != nullptr) rms_norm_row(x, norm, head_dim_, eps_, x);
+          if (norm != nullptr && !qk_norm_full_) rms_norm_row(x, norm, head_dim_, eps_, x);
           const int64_t step = neox_ ? 1 : 2, other = neox_ ? half : 1;
           for (int64_t i = 0; i < half; ++i) {
             float* a = x + i * step;
@@ -359,10 +394,19 @@ class DecoderStack {
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
 
+  // x += residual_scale * y: the residual add (the multiply only where a family has
+  // one, so every other family adds exactly as before)
+  void add_scaled_rows(float* x, const float* y, int64_t n) const {
+    if (residual_scale_ == 1.0f) return add_rows(x, y, n);
+    for (int64_t i = 0; i < n; ++i) x[i] += residual_scale_ * y[i];
+  }
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
   double eps_;
   bool neox_, gelu_;
   float scale_;
+  bool pre_norms_ = true, qk_norm_full_ = false;
+  float residual_scale_ = 1.0f, softcap_ = 0.0f;
   std::vector<LayerWeights> layers_;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};

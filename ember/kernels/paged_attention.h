@@ -421,10 +421,12 @@ inline void head_values(float* const* acc, const float* r, const float* const* w
 // window > 0: a sliding-window layer, token t attends to positions
 // max(0, pos[t] - window + 1) .. pos[t] only (blocks before that are not read; the
 // first block read is entered at the window's start).
+// softcap > 0: each score s becomes softcap * tanh(s / softcap) before the softmax
+// (Gemma 2's soft-capped attention).
 template <KVType KT>
 void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
                   const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-                  const int64_t* pos, float scale, int64_t window) {
+                  const int64_t* pos, float scale, int64_t window, float softcap) {
   using Elem = KVElem<KT>;
   const int64_t D = kv.d, W = kv.row, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * W;
   const int64_t padded = (bs + 7) / 8 * 8;
@@ -487,6 +489,11 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
             ah[g] = acc.data() + g * D;
           }
           head_scores<KT>(qh.data() + i, krow.data(), end - i, padded, D, scale, sh.data() + i);
+          if (softcap > 0.0f) {
+            for (int64_t g = i; g < end; ++g) {
+              for (int64_t j = 0; j < n; ++j) sh[g][j] = softcap * std::tanh(sh[g][j] / softcap);
+            }
+          }
           for (int64_t g = i; g < end; ++g) {
             float bmax = -INFINITY;
             for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[g][j]);
@@ -514,23 +521,23 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
 
 void attend(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
             const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-            const int64_t* pos, float scale, int64_t window = 0) {
+            const int64_t* pos, float scale, int64_t window = 0, float softcap = 0.0f) {
   switch (kv.type) {
     case KVType::F32:
       attend_typed<KVType::F32>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                window);
+                                window, softcap);
       break;
     case KVType::F16:
       attend_typed<KVType::F16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                window);
+                                window, softcap);
       break;
     case KVType::BF16:
       attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                 window);
+                                 window, softcap);
       break;
     case KVType::Q8_0:
       attend_typed<KVType::Q8_0>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                 window);
+                                 window, softcap);
       break;
   }
 }

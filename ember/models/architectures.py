@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import UnsupportedModelError
-from ember.models import gemma3, llama, qwen
-from ember.models.config import ModelConfig
+from ember.models import gemma2, gemma3, granite, llama, olmo2, phi3, qwen, smollm3
+from ember.models.config import EXTENDED_ROPE_SCALINGS, ModelConfig
 from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
 
@@ -25,6 +25,7 @@ class Architecture:
     configure: Callable[[GGUFFile, ModelConfig], dict[str, Any]]
     model: type[DecoderModel] = DecoderModel
     chat_template: str | None = None  # used when the GGUF has no tokenizer.chat_template
+    rope_scalings: tuple[str, ...] = ()  # of EXTENDED_ROPE_SCALINGS, those configure reads
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -33,6 +34,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(qwen.configure_qwen3),
     "qwen3moe": Architecture(qwen.configure_qwen3moe),
     "gemma3": Architecture(gemma3.configure, chat_template=gemma3.CHAT_TEMPLATE),
+    "gemma2": Architecture(gemma2.configure, chat_template=gemma3.CHAT_TEMPLATE),
+    "phi3": Architecture(phi3.configure, rope_scalings=("longrope",)),
+    "granite": Architecture(granite.configure),
+    "olmo2": Architecture(olmo2.configure),
+    "smollm3": Architecture(smollm3.configure),
 }
 
 
@@ -44,5 +50,9 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(
             f"{gguf.path.name}: architecture {gguf.architecture!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})")
+    scaling = gguf.get(f"{gguf.architecture}.rope.scaling.type")
+    if scaling in EXTENDED_ROPE_SCALINGS and scaling not in family.rope_scalings:
+        raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {scaling!r} is not "
+                                    f"supported for {gguf.architecture}")
     base = ModelConfig.common(gguf)
     return dataclasses.replace(base, **family.configure(gguf, base))

@@ -25,6 +25,7 @@ class LayerAttention:
     rope_base: float
     window: int | None = None  # sliding window (positions attended, itself included); None: all
     rope_scale: float = 1.0  # linear RoPE scaling: positions divided by it
+    rope: bool = True  # False: no rotary embedding at all (SmolLM3's NoPE layers)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ModelConfig:
     head_dim: int
     rope_dim: int  # leading dims of each head that RoPE rotates (llama.cpp's n_rot)
     rope_base: float
+    rope_scale: float  # linear RoPE scaling of the file (1.0: none); families may narrow it
     norm_eps: float
     vocab_size: int
     context_length: int
@@ -51,7 +53,15 @@ class ModelConfig:
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden))
     qkv_bias: bool = False  # Q/K/V projections carry biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_full: bool = False  # that norm spans all heads of q (of k) at once (OLMo 2)
+    pre_norms: bool = True  # False: sublayers read the raw residual stream (OLMo 2)
     post_norms: bool = False  # attention and MLP outputs normed before the residual (Gemma)
+    residual_scale: float = 1.0  # sublayer outputs multiplied by it before the add (Granite)
+    attn_softcap: float = 0.0  # scores s -> c·tanh(s/c) before the softmax; 0: none (Gemma 2)
+    final_softcap: float = 0.0  # the same on the logits
+    logit_scale: float = 1.0  # logits multiplied by it (Granite divides by its logit_scale)
+    rope_factors_tensor: str = "rope_freqs.weight"  # per-frequency RoPE factors, if present
+    rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
     activation: Activation = "silu"  # of the gate in gate * up
     # mixture of experts (every layer's FFN): experts per layer, used per token, FFN size
     n_experts: int = 0
@@ -67,7 +77,8 @@ class ModelConfig:
         return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def layer_attention(self, i: int) -> LayerAttention:
-        return self.layers[i] if self.layers else LayerAttention(self.rope_base)
+        return self.layers[i] if self.layers else LayerAttention(self.rope_base, None,
+                                                                 self.rope_scale)
 
     @classmethod
     def common(cls, gguf: GGUFFile) -> ModelConfig:
@@ -97,6 +108,7 @@ class ModelConfig:
             head_dim=head_dim,
             rope_dim=int(gguf.get(f"{arch}.rope.dimension_count", head_dim)),
             rope_base=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scale=rope_linear_scale(gguf),
             norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             vocab_size=int(vocab),
             context_length=int(gguf.get(f"{arch}.context_length", 2048)),
@@ -107,3 +119,20 @@ class ModelConfig:
             raise UnsupportedModelError(f"{gguf.path.name}: value heads of {value_dim} dims "
                                         f"differ from key heads of {head_dim}")
         return base
+
+
+# RoPE scalings a family may take on beyond "linear" (its configure hook reads them).
+EXTENDED_ROPE_SCALINGS = ("longrope",)
+
+
+def rope_linear_scale(gguf: GGUFFile) -> float:
+    """The file's linear RoPE scaling factor (1.0 without one). YaRN and other scalings
+    are refused by name: rotating by the plain table would run, and be wrong."""
+    arch = gguf.architecture
+    kind = gguf.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none") or kind in EXTENDED_ROPE_SCALINGS:
+        return 1.0
+    if kind == "linear":
+        return float(gguf.require(f"{arch}.rope.scaling.factor"))
+    raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {kind!r} "
+                                f"({arch}.rope.scaling.type) is not supported")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ember import kernels
+from ember.errors import UnsupportedModelError
 from ember.kv.blocks import BlockAllocator, BlockTable, KVStorage, blocks_for
 from ember.kv.dtypes import KVDtype
 from ember.models.config import ModelConfig
@@ -31,7 +32,7 @@ from ember.models.gguf import GGUFFile
 from ember.models.layers.attention import AttentionBatch, RowSpec, paged_attention
 from ember.models.layers.mlp import ACTIVATIONS, gated_mlp
 from ember.models.layers.norm import Norm, norm_for, rms_norm
-from ember.models.layers.rope import RotaryEmbedding, rope_key, rope_keys
+from ember.models.layers.rope import RopeKey, RotaryEmbedding, rope_key, rope_keys
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
 from ember.models.moe import (
     ExpertStore,
@@ -47,15 +48,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecoderLayer:
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: no pre-norms (OLMo 2)
     qkv: Linear  # fused attn_q | attn_k | attn_v
     o: Linear
-    ffn_norm: torch.Tensor
+    ffn_norm: torch.Tensor | None
     gate_up: Linear | None  # fused ffn_gate | ffn_up (None: routed experts instead)
     down: Linear | None
     moe: MoEFeedForward | None = None
     qkv_bias: torch.Tensor | None = None  # q | k | v biases (Qwen2)
-    q_norm: torch.Tensor | None = None  # per-head RMSNorm weights (Qwen3, Gemma 3)
+    q_norm: torch.Tensor | None = None  # RMSNorm weights per head (Qwen3) or of all (OLMo 2)
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # Gemma's norms of each sublayer's output
     post_ffn_norm: torch.Tensor | None = None
@@ -82,11 +83,15 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                              cfg.rope_dim, cfg.ffn_size, cfg.norm_eps, cfg.rope_neox,
                              cfg.activation == "gelu_tanh", cfg.softmax_scale)
+    stack.set_block_options(cfg.pre_norms, cfg.qk_norm_full, cfg.residual_scale,
+                            cfg.attn_softcap)
     ropes = rope_keys(cfg)
+    none = torch.empty(0)
     for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
         # the stack's own handles on the packed bytes (shared, not copied): ``ext`` may
         # be another build of the kernels than the one that packed them
-        stack.add_layer(layer.attn_norm, layer.ffn_norm,
+        stack.add_layer(none if layer.attn_norm is None else layer.attn_norm,
+                        none if layer.ffn_norm is None else layer.ffn_norm,
                         *(ext.PackedLinear(p.in_features, p.packed.segments) for p in parts))
         kind = cfg.layer_attention(i)
         stack.set_attention(kind.window or 0, ropes.index(rope_key(kind)))
@@ -97,6 +102,18 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
         if layer.q_norm is not None and layer.k_norm is not None:
             stack.set_qk_norm(layer.q_norm, layer.k_norm)
     return stack
+
+
+def _names(gguf: GGUFFile, prefix: str, fused: str) -> list[str]:
+    """The tensors of a fused projection: one tensor where the converter fused them
+    (Phi 3's ``attn_qkv``, its ``ffn_up`` holding gate and up), else the parts in order."""
+    if fused == "attn_qkv":
+        if prefix + "attn_qkv.weight" in gguf.tensors:
+            return [prefix + "attn_qkv.weight"]
+        return [prefix + f"attn_{x}.weight" for x in "qkv"]
+    if prefix + "ffn_gate.weight" not in gguf.tensors:
+        return [prefix + "ffn_up.weight"]  # [gate; up] rows (checked by the caller)
+    return [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
 
 
 def _optional(gguf: GGUFFile, name: str, wanted: bool) -> torch.Tensor | None:
@@ -118,13 +135,17 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
         moe = MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts, i,
                              cfg.n_experts_used, ACTIVATIONS[cfg.activation])
     else:
-        gate_up = fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        gate_up = fmt.linear(gguf, _names(gguf, p, "ffn_gate_up"))
+        if gate_up.out_features != 2 * cfg.ffn_size:
+            raise UnsupportedModelError(
+                f"{gguf.path.name}: layer {i}'s MLP has no gate ({p}ffn_gate.weight is "
+                f"missing and {p}ffn_up.weight is not gate and up fused)")
         down = fmt.linear(gguf, [p + "ffn_down.weight"])
     return DecoderLayer(
-        attn_norm=load_dense(gguf, p + "attn_norm.weight"),
-        qkv=fmt.linear(gguf, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+        attn_norm=_optional(gguf, p + "attn_norm.weight", cfg.pre_norms),
+        qkv=fmt.linear(gguf, _names(gguf, p, "attn_qkv")),
         o=fmt.linear(gguf, [p + "attn_output.weight"]),
-        ffn_norm=load_dense(gguf, p + "ffn_norm.weight"),
+        ffn_norm=_optional(gguf, p + "ffn_norm.weight", cfg.pre_norms),
         gate_up=gate_up,
         down=down,
         moe=moe,
@@ -168,7 +189,8 @@ class DecoderModel:
         self.output = output
         # one rotation table per distinct RoPE (Gemma's local and global layers)
         self.ropes = {
-            key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1])
+            key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1],
+                                 key[2], cfg.rope_attn_factor)
             for key in rope_keys(cfg)}
         self.rope = self.ropes[rope_key(cfg.layer_attention(0))]
         self.activation = ACTIVATIONS[cfg.activation]
@@ -190,9 +212,8 @@ class DecoderModel:
         tied = embed.tied_linear() if cfg.tied_embeddings else None
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         output = tied or fmt.linear(gguf, [head_name])  # a tied dense head shares storage
-        freq_factors = (
-            load_dense(gguf, "rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
-        )
+        factors = cfg.rope_factors_tensor
+        freq_factors = load_dense(gguf, factors) if factors in gguf.tensors else None
         model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
                     freq_factors, norm_for(fmt.name), experts)
         if fmt.name == "q4" and not model.batch_invariant:
@@ -252,7 +273,12 @@ class DecoderModel:
             x = x * c.embed_scale
         x = self.decode_layers(x, batch, kv)
         rows = x[batch.row_ends if logits_index is None else logits_index]
-        return self.output(self.norm(rows, self.output_norm, c.norm_eps))
+        logits = self.output(self.norm(rows, self.output_norm, c.norm_eps))
+        if c.logit_scale != 1.0:
+            logits = logits * c.logit_scale
+        if c.final_softcap:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     @torch.inference_mode()
     def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
@@ -271,12 +297,12 @@ class DecoderModel:
         return x
 
     def _layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch,
-               kv: KVStorage, rotations: dict[tuple[float, float], torch.Tensor],
+               kv: KVStorage, rotations: dict[RopeKey, torch.Tensor],
                slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         c, n = self.cfg, x.shape[0]
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         kind = c.layer_attention(i)
-        h = self.norm(x, layer.attn_norm, c.norm_eps)
+        h = x if layer.attn_norm is None else self.norm(x, layer.attn_norm, c.norm_eps)
         qkv = layer.qkv(h)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
@@ -284,18 +310,21 @@ class DecoderModel:
         k = qkv[:, q_dim:q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim:].reshape(n, c.n_kv_heads, c.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = self.norm(q.reshape(-1, c.head_dim), layer.q_norm, c.norm_eps).view(q.shape)
-            k = self.norm(k.reshape(-1, c.head_dim), layer.k_norm, c.norm_eps).view(k.shape)
+            width = -1 if c.qk_norm_full else c.head_dim  # all heads at once, or each
+            q = self.norm(q.reshape(n if c.qk_norm_full else -1, width), layer.q_norm,
+                          c.norm_eps).view(q.shape)
+            k = self.norm(k.reshape(n if c.qk_norm_full else -1, width), layer.k_norm,
+                          c.norm_eps).view(k.shape)
         rope, rotation = self.ropes[rope_key(kind)], rotations[rope_key(kind)]
         q, k = rope.apply(q, rotation), rope.apply(k, rotation)
         kv.write(i, *slots, k, v)
         attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
-                               scale=c.softmax_scale)
+                               scale=c.softmax_scale, softcap=c.attn_softcap)
         out = layer.o(attn.reshape(n, q_dim))
         if layer.post_attn_norm is not None:
             out = self.norm(out, layer.post_attn_norm, c.norm_eps)
-        x = x + out
-        h = self.norm(x, layer.ffn_norm, c.norm_eps)
+        x = x + out if c.residual_scale == 1.0 else x + c.residual_scale * out
+        h = x if layer.ffn_norm is None else self.norm(x, layer.ffn_norm, c.norm_eps)
         if layer.moe is not None:
             out = layer.moe(h)
         else:
@@ -303,4 +332,4 @@ class DecoderModel:
             out = gated_mlp(layer.gate_up, layer.down, self.activation, h)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
-        return x + out
+        return x + out if c.residual_scale == 1.0 else x + c.residual_scale * out

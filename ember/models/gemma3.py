@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ember.errors import UnsupportedModelError
 from ember.models.config import LayerAttention, ModelConfig
 from ember.models.gguf import GGUFFile
 
@@ -47,15 +46,8 @@ CHAT_TEMPLATE = """\
 def configure(gguf: GGUFFile, base: ModelConfig) -> dict[str, Any]:
     arch = base.architecture
     window = int(gguf.require(f"{arch}.attention.sliding_window"))
-    scaling = gguf.get(f"{arch}.rope.scaling.type")
-    global_scale = 1.0
-    if scaling == "linear":
-        global_scale = float(gguf.require(f"{arch}.rope.scaling.factor"))
-    elif scaling not in (None, "none"):
-        raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {scaling!r} is not "
-                                    "supported for gemma3")
     layers = tuple(
-        LayerAttention(base.rope_base, rope_scale=global_scale)
+        LayerAttention(base.rope_base, rope_scale=base.rope_scale)
         if (i + 1) % SLIDING_PATTERN == 0 else LayerAttention(LOCAL_ROPE_BASE, window)
         for i in range(base.n_layers))
     per_head = base.hidden_size // base.n_heads if base.n_layers == 62 else base.head_dim

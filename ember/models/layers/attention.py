@@ -181,9 +181,28 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
     return out.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *out.shape[2:])
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None, softcap: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [soft-capped], masked) · v over (..., H, Q, D) queries and
+    (..., Hkv, L, D) keys; no mask: causal with the queries at the end."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              is_causal=mask is None, enable_gqa=True)
+    # SDPA has no soft cap: the same computation spelled out (Gemma 2)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        qn, kn = q.shape[-2], k.shape[-2]
+        mask = torch.ones(qn, kn, dtype=torch.bool).tril(kn - qn)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    window: int | None = None, scale: float | None = None,
+    window: int | None = None, scale: float | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
@@ -191,7 +210,8 @@ def paged_attention(
     width) views of the KV pool, in any KV dtype (ember/kv/dtypes.py; q8_0 rows are
     dequantized as they are gathered). The batch's new K/V must already be
     written to them. ``window``: a sliding-window layer's span (a query at position p
-    sees positions p - window + 1 .. p); ``scale``: of q·k (default 1/sqrt(head_dim)).
+    sees positions p - window + 1 .. p); ``scale``: of q·k (default 1/sqrt(head_dim));
+    ``softcap`` > 0: scores s become softcap·tanh(s/softcap) before the softmax.
     Returns (T, n_heads, head_dim) in ``q``'s dtype.
     """
     out = torch.empty_like(q)
@@ -201,15 +221,13 @@ def paged_attention(
         ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
         vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)
         mask = g.mask if window is None else g.windowed(window)
-        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                             enable_gqa=True).transpose(1, 2)  # (B, Q, H, D)
+        os_ = _attention(qs, ks, vs, mask, scale, softcap).transpose(1, 2)  # (B, Q, H, D)
         out[g.index[g.valid]] = os_[g.valid]
     for p in batch.prefills:
         qp = q[p.q_index].transpose(0, 1)  # (H, q_len, D)
         kp = _gather(k_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)  # (Hkv, L, D)
         vp = _gather(v_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)
         mask = p.mask if window is None else p.windowed(window)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                            is_causal=mask is None, enable_gqa=True)
+        op = _attention(qp, kp, vp, mask, scale, softcap)
         out[p.q_index] = op.transpose(0, 1)
     return out

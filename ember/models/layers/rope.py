@@ -23,12 +23,16 @@ class RotaryEmbedding:
     """
 
     def __init__(self, rope_dim: int, base: float, freq_factors: torch.Tensor | None = None,
-                 neox: bool = False, scale: float = 1.0) -> None:
+                 neox: bool = False, scale: float = 1.0, enabled: bool = True,
+                 attn_factor: float = 1.0) -> None:
         half = rope_dim // 2
         inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rope_dim) / scale
-        if freq_factors is not None:  # llama3-style long-context scaling (rope_freqs.weight)
+        if freq_factors is not None:  # llama3/LongRoPE per-frequency factors
             inv_freq = inv_freq / freq_factors.double()
-        self.inv_freq = inv_freq
+        # a layer without RoPE rotates by e^0 = 1: the same table shape, so both the
+        # op-by-op path and the native stack run it without a special case
+        self.inv_freq = inv_freq if enabled else torch.zeros_like(inv_freq)
+        self.magnitude = attn_factor if enabled else 1.0
         self.rope_dim = rope_dim
         self.neox = neox
         self._table = torch.empty(0, half, dtype=torch.complex64)
@@ -38,7 +42,8 @@ class RotaryEmbedding:
         if positions.numel() and int(positions.max()) >= self._table.shape[0]:
             n = max(int(positions.max()) + 1, 2 * self._table.shape[0], 256)
             angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self._table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+            magnitude = torch.full_like(angles, self.magnitude)
+            self._table = torch.polar(magnitude, angles).to(torch.complex64)
         return self._table[positions][:, None, :]
 
     def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -55,10 +60,13 @@ class RotaryEmbedding:
         return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
 
 
-def rope_key(kind: LayerAttention) -> tuple[float, float]:
-    return kind.rope_base, kind.rope_scale
+RopeKey = tuple[float, float, bool]
 
 
-def rope_keys(cfg: ModelConfig) -> list[tuple[float, float]]:
+def rope_key(kind: LayerAttention) -> RopeKey:
+    return kind.rope_base, kind.rope_scale, kind.rope
+
+
+def rope_keys(cfg: ModelConfig) -> list[RopeKey]:
     """The distinct RoPEs of the layers, in first-use order (the stack's table list)."""
     return list(dict.fromkeys(rope_key(cfg.layer_attention(i)) for i in range(cfg.n_layers)))

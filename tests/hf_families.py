@@ -1,0 +1,170 @@
+"""Tiny random transformers checkpoints of each family, turned into GGUFs by llama.cpp.
+
+Nothing on either side of a family test is ember's: transformers builds the model
+from its own config class and random weights, llama.cpp's ``convert_hf_to_gguf.py``
+writes the GGUF (tensor names, fused projections, Q/K permutations, norm offsets,
+metadata keys exactly as users' files have them), and the transformers model is the
+logits oracle. Weights are drawn wider than transformers' init (std 0.02 would leave
+every logit near zero and greedy at ties) and every norm weight is perturbed, so a
+norm read at the wrong place or offset shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from llamacpp_source import convert_hf_to_gguf
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+@dataclass(frozen=True)
+class Family:
+    config_class: str  # transformers' class name
+    options: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "gpt2"  # "gpt2": SmolLM2's BPE; "spm": a small SentencePiece model
+    n_layers: int = 2
+
+
+FAMILIES: dict[str, Family] = {
+    # fused qkv and gate|up tensors, NEOX RoPE over 3/4 of each head
+    "phi3": Family("Phi3Config", {"partial_rotary_factor": 0.75, "tie_word_embeddings": False}),
+    # Phi-3.5 / 4-mini's LongRoPE: per-frequency factors (the short set below the
+    # original context), cos/sin scaled by an attention factor
+    "phi3-longrope": Family("Phi3Config", {
+        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0 + 0.5 * i for i in range(6)],
+                            "long_factor": [2.0 + i for i in range(6)]}}),
+    # alternating sliding-window layers, soft-capped attention scores and logits (caps
+    # small enough here to bite), post-norms, GeGLU, sqrt(hidden)-scaled embeddings
+    "gemma2": Family("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                      "sliding_window": 6, "attn_logit_softcapping": 4.0,
+                                      "final_logit_softcapping": 3.0}, "spm", 4),
+    # four scalar multipliers: embeddings, residual branches, attention, logits
+    "granite": Family("GraniteConfig", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3,
+                                        "attention_multiplier": 0.2, "logits_scaling": 4.0}),
+    # no pre-norms, norms after each sublayer, RMSNorm of the whole q and k projections
+    "olmo2": Family("Olmo2Config"),
+    # every fourth layer without RoPE (NoPE)
+    "smollm3": Family("SmolLM3Config", {"no_rope_layer_interval": 4}, n_layers=4),
+}
+
+
+def _gpt2_tokenizer(tokenizer_source: Path, out: Path) -> int:
+    """SmolLM2's BPE tokenizer, rebuilt by transformers from the GGUF: llama.cpp's
+    converter recognises its pre-tokenizer by the ids it gives a fixed text."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_source.parent),
+                                                     gguf_file=tokenizer_source.name)
+    tok.save_pretrained(out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # what Phi-4-style checkpoints say
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(tok)
+
+
+def _spm_tokenizer(out: Path) -> int:
+    """A SentencePiece model trained here on ember's evaluation text (Gemma-style
+    families read ``tokenizer.model``)."""
+    import sentencepiece as spm
+
+    text = Path(__file__).resolve().parents[1] / "ember" / "data" / "eval_text.txt"
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(out / "tokenizer"), vocab_size=512,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        bos_id=2, eos_id=1, unk_id=3, pad_id=0, minloglevel=2)
+    return 512
+
+
+def random_checkpoint(name: str, out: Path, tokenizer: Path, seed: int = 0) -> torch.nn.Module:
+    """Write family ``name`` as a transformers checkpoint in ``out``, with the files of
+    ``tokenizer`` (a directory from :func:`tokenizer_files`); returns the model."""
+    import transformers
+
+    family = FAMILIES[name]
+    shutil.copytree(tokenizer / family.tokenizer, out, dirs_exist_ok=True)
+    vocab = int((tokenizer / family.tokenizer / "vocab_size").read_text())
+    (out / "vocab_size").unlink()
+    config_class: Callable[..., Any] = getattr(transformers, family.config_class)
+    config = config_class(vocab_size=vocab, num_hidden_layers=family.n_layers,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          **{**SHAPE, **family.options})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager").eval()  # eager: soft caps
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norm weights (gemma's are offsets from 1: either way, moved)
+                p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out)
+    return model
+
+
+def tokenizer_files(out: Path, tokenizer_source: Path) -> Path:
+    """Both tokenizers' files, built once: ``out/gpt2`` and ``out/spm``."""
+    for kind, build in (("gpt2", lambda d: _gpt2_tokenizer(tokenizer_source, d)),
+                        ("spm", _spm_tokenizer)):
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        (out / kind / "vocab_size").write_text(str(build(out / kind)))
+    return out
+
+
+@dataclass
+class ConvertedFamily:
+    name: str
+    hf: torch.nn.Module  # the transformers model: the oracle
+    f32: Path  # converted at full precision: compared with ``hf``
+    q8_0: Path  # converted to Q8_0: the fused native stack's packed weights
+
+
+def convert_families(names: list[str], root: Path, tokenizer_source: Path
+                     ) -> dict[str, ConvertedFamily]:
+    """Each family as a checkpoint and its two GGUFs under ``root``; the converter runs
+    (subprocesses) two at a time."""
+    tokenizer = tokenizer_files(root / "tokenizers", tokenizer_source)
+    models = {name: random_checkpoint(name, root / f"{name}-hf", tokenizer) for name in names}
+    jobs = [(name, root / f"{name}-hf", root / f"tiny-{name}-{kind}.gguf", kind)
+            for name in names for kind in ("f32", "q8_0")]
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda job: convert_hf_to_gguf(*job[1:]), jobs))
+    files = {(job[0], job[3]): path for job, path in zip(jobs, paths, strict=True)}
+    return {name: ConvertedFamily(name, models[name], files[name, "f32"], files[name, "q8_0"])
+            for name in names}
+
+
+def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = ()) -> Path:
+    """A copy of ``src`` without some tensors (gguf-py reads and writes it): a file as
+    a broken converter or a hand edit would leave it."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub)
+    for t in reader.tensors:
+        if t.name not in drop_tensors:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
