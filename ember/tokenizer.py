@@ -1,19 +1,27 @@
 """Tokenize and detokenize text with the vocabulary stored in a GGUF file.
 
 llama.cpp is the reference: for the same GGUF and text, ``encode`` aims to return the
-ids llama.cpp's ``llama_tokenize`` returns. Two tokenizer kinds are supported:
+ids llama.cpp's ``llama_tokenize`` returns. Four tokenizer models are supported:
 
 * ``tokenizer.ggml.model == "gpt2"``: byte-level BPE, run by the HuggingFace
   ``tokenizers`` library. The pre-tokenizer regexes are chosen from
   ``tokenizer.ggml.pre`` the way llama.cpp chooses them (e.g. ``smollm`` isolates
   every digit before applying the GPT-2 regex).
+* ``tokenizer.ggml.model == "gemma4"``: the same BPE machinery in SentencePiece
+  style, as llama.cpp's ``gemma4`` pre-type: spaces become ``▁``, merges run on raw
+  UTF-8 characters of whole lines, and a piece that is no token falls back to
+  ``<0xXX>`` byte tokens.
 * ``tokenizer.ggml.model == "llama"``: SentencePiece-style merging by token score
   with ``<0xXX>`` byte fallback (Gemma, Llama 2), implemented here in Python
   because the GGUF carries scores, not merges.
+* ``tokenizer.ggml.model == "bert"``: WordPiece (llama.cpp's WPM): BERT's
+  normalization (lowercase, accents stripped), words split at whitespace and
+  punctuation, then greedy longest-match of ``▁word`` / continuation pieces.
 
-Any other tokenizer model raises ``TokenizerError`` naming it.
+Any other tokenizer model, or a ``tokenizer.ggml.pre`` not listed in
+``_pre_types``, raises ``TokenizerError`` naming it.
 
-Special tokens. Before the BPE/SPM step the text is cut at special-token strings,
+Special tokens. Before the model's own step the text is cut at special-token strings,
 like llama.cpp's ``tokenizer_st_partition``: user-defined tokens (token type 4) are
 always cut out, control and unknown tokens (types 3 and 2) only when
 ``parse_special=True``. So a user typing ``<|im_end|>`` gets ordinary text pieces,
@@ -32,11 +40,17 @@ missing bytes, six are ASCII control characters, 0xF1/0xF2 lead the unassigned
 code points U+40000-U+BFFFF (their continuation bytes still encode, so such a
 character decodes as U+FFFD), and the rest never occur in UTF-8. Lone surrogates
 (which cannot be UTF-8 encoded) are replaced by U+FFFD, also with a warning.
+WordPiece has no byte tokens: as in llama.cpp, a word it cannot cover becomes the
+unknown token (``[UNK]``), and its normalization drops control characters and
+accents, so for it ``decode(encode(text))`` is not ``text``.
 
 Decoding works on bytes: ``token_bytes(id)`` is what a token stands for (as
 llama.cpp's ``token_to_piece`` with ``special=True``), ``decode`` joins them and
-decodes UTF-8 with U+FFFD replacement. ``IncrementalDetokenizer`` streams the same
-text without ever emitting half a character.
+decodes UTF-8 with U+FFFD replacement. (For WordPiece, whose GGUF stores ``▁word``
+and continuation pieces bare, that yields `` hello world`` with continuations
+joined; llama.cpp's ``llama_detokenize`` additionally removes spaces before some
+punctuation, which ember does for no vocabulary.) ``IncrementalDetokenizer`` streams
+the same text without ever emitting half a character.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import codecs
 import functools
 import logging
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
@@ -62,7 +77,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, the
 # special_eog_ids scan). Tokens found by text are also forced to CONTROL. "</s>"
 # included: llama.cpp (0.3.36's) ends on it and makes it control even where it is
-# Gemma's user-defined HTML tag (tests/golden/gemma3_tokens.json).
+# Gemma's user-defined HTML tag (tests/golden/gemma3_tokens.json), except beside
+# _OWN_EOS_MARKERS (see _read_special_ids).
 EOG_TEXTS = frozenset(
     {
         "</s>",
@@ -78,13 +94,19 @@ EOG_TEXTS = frozenset(
         "_<EOT>",
         "<|end_of_text|>",
         "<end_of_utterance>",
+        "<eos>",  # Gemma 4 (its EOS anyway; Gemma 3 names the same token)
+        "<turn|>",  # Gemma 4
+        "<|tool_response>",  # Gemma 4: user-defined there, so this makes it control
     }
 )
+
+# End markers of vocabularies whose "</s>" is ordinary text (llama.cpp: Gemma 4, PLaMo 2).
+_OWN_EOS_MARKERS = frozenset({"<|tool_response>", "<|plamo:eos|>"})
 
 # Fill-in-the-middle markers llama.cpp also stops on (pad, repo and file-separator
 # markers), found by these texts when the GGUF does not give their ids.
 FIM_EOG_TEXTS = {
-    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
@@ -100,6 +122,12 @@ _LLAMA3 = (
 _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# qwen35 (Qwen 3.5): as qwen2, but letter runs also take combining marks (\p{M}), so a
+# base letter and its accents stay one piece (and a mark is never split off as punctuation).
+_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 _CJK = r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
@@ -129,6 +157,12 @@ _DEEPSEEK_LLM = (
 )
 _DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")
 _FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+# gemma4: no word splitting, only lines apart from newline runs (BPE merges then run
+# on whole lines of ▁-escaped text). llama.cpp also takes a newline run that is a token
+# whole instead of merging it (ggml-org/llama.cpp#21343); for Gemma 4's vocabulary the
+# merges give those same tokens (checked against llama.cpp for 1-79 newlines), so
+# ember does not special-case them.
+_NEWLINE_RUNS = r"[^\n]+|\n+"
 
 
 @dataclass(frozen=True)
@@ -136,6 +170,11 @@ class _PreTokenizer:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a word that is itself a token skips merging
     add_bos: bool = False  # llama.cpp's default when the GGUF lacks add_bos_token
+    force_bos: bool = False  # add_bos even where the GGUF says false (llama.cpp: Gemma 4)
+    # SentencePiece-style BPE (llama.cpp's byte_encode=false with escape_whitespaces):
+    # spaces become "▁", tokens are raw UTF-8 text rather than GPT-2's byte-to-character
+    # mapping, and a final piece that is no token falls back to <0xXX> byte tokens.
+    spm_style: bool = False
 
 
 def _pre_types() -> dict[str, _PreTokenizer]:
@@ -153,9 +192,15 @@ def _pre_types() -> dict[str, _PreTokenizer]:
         ),
         (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
         (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
+        (("qwen35",), _PreTokenizer((_QWEN35,))),
         (("deepseek-llm",), _PreTokenizer(_DEEPSEEK_LLM)),
         (("deepseek-coder",), _PreTokenizer(_DEEPSEEK_CODER)),
         (("falcon",), _PreTokenizer(_FALCON)),
+        # Also what tokenizer model "gemma4" always uses, whatever its pre says.
+        (
+            ("gemma4",),
+            _PreTokenizer((_NEWLINE_RUNS,), add_bos=True, force_bos=True, spm_style=True),
+        ),
     )
     return {name: pre for names, pre in groups for name in names}
 
@@ -191,10 +236,11 @@ class Tokenizer:
     def __init__(self, metadata: dict[str, Any]) -> None:
         """Build from GGUF metadata (the ``tokenizer.*`` keys); prefer ``from_gguf``."""
         self.model = str(metadata.get("tokenizer.ggml.model", ""))
-        if self.model not in ("gpt2", "llama"):
+        backend_cls = _BACKENDS.get(self.model)
+        if backend_cls is None:
             raise TokenizerError(
-                f"unsupported tokenizer model {self.model!r} (ember supports 'gpt2' "
-                "byte-level BPE and 'llama' SentencePiece-style vocabularies)"
+                f"unsupported tokenizer model {self.model!r} (ember supports "
+                f"{', '.join(repr(m) for m in _BACKENDS)})"
             )
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
@@ -210,13 +256,11 @@ class Tokenizer:
             )
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
-        self._read_special_ids(metadata)
-        self._backend: _BpeBackend | _SpmBackend
-        if self.model == "gpt2":
-            self._backend = _BpeBackend(self, metadata)
-        else:
-            self._backend = _SpmBackend(self, metadata)
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos))
+        self._read_special_ids(metadata, backend_cls.default_ids)
+        self._backend: _Backend = backend_cls(self, metadata)
+        self.add_bos = self._backend.force_bos or bool(
+            metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos)
+        )
         self._token_bytes = self._backend.token_bytes_table()
         self.unencodable_bytes: frozenset[int] = self._backend.missing_bytes
         self._build_matchers()
@@ -244,15 +288,18 @@ class Tokenizer:
             )
             self._types[tid] = CONTROL
 
-    def _read_special_ids(self, metadata: dict[str, Any]) -> None:
+    def _read_special_ids(self, metadata: dict[str, Any], defaults: dict[str, int]) -> None:
+        """Special ids from the GGUF, else the tokenizer model's llama.cpp defaults."""
+        n = len(self._tokens)
+
         def special(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}_token_id")
-            if value is None:
-                return None
-            if not 0 <= int(value) < len(self._tokens):
+            if value is not None and not 0 <= int(value) < n:
                 log.warning("ignoring out-of-range tokenizer.ggml.%s_token_id=%s", key, value)
-                return None
-            return int(value)
+                value = None
+            if value is None:
+                value = defaults.get(key)
+            return int(value) if value is not None and 0 <= int(value) < n else None
 
         self.bos_id = special("bos")
         self.eos_id = special("eos")
@@ -267,9 +314,17 @@ class Tokenizer:
                 found = next((by_text[t] for t in texts if t in by_text), None)
             if found is not None:
                 eog.add(found)
-        for tid in eog:
-            self._force_control(tid)
+        forced = set(eog)
         eog.update(i for i in (self.eos_id, special("eot"), special("eom")) if i is not None)
+        # Gemma 4 (and PLaMo 2) have an ordinary "</s>": beside their own end markers,
+        # llama.cpp takes it out of the end markers and makes it a normal token.
+        s_id = by_text.get("</s>")
+        if s_id in eog and any(self._tokens[i] in _OWN_EOS_MARKERS for i in eog):
+            eog.discard(s_id)
+            forced.discard(s_id)
+            self._types[s_id] = NORMAL
+        for tid in forced:
+            self._force_control(tid)
         self.eog_ids: frozenset[int] = frozenset(eog)
 
     # ----------------------------------------------------------------- queries
@@ -519,14 +574,22 @@ def _utf8_class(missing: Iterable[int]) -> str:
 
 
 class _BpeBackend:
-    """Byte-level BPE through ``tokenizers`` (no added tokens: plain text only)."""
+    """BPE through ``tokenizers`` (no added tokens: plain text only).
+
+    Byte-level (GPT-2 style) for ``gpt2`` vocabularies; SentencePiece style (raw UTF-8,
+    ``▁`` for spaces, ``<0xXX>`` fallback) for pre-tokenizers with ``spm_style``.
+    """
+
+    default_ids: dict[str, int] = {}  # llama.cpp has none for BPE: all from the GGUF
 
     def __init__(self, owner: Tokenizer, metadata: dict[str, Any]) -> None:
         from tokenizers import Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         pre_name = metadata.get("tokenizer.ggml.pre")
-        if pre_name is None:
+        if owner.model == "gemma4":
+            pre_name = "gemma4"  # llama.cpp ignores the GGUF's pre for this model
+        elif pre_name is None:
             log.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' regexes")
             pre_name = "default"
         pre = _PRE_TYPES.get(str(pre_name))
@@ -539,38 +602,56 @@ class _BpeBackend:
         if merges is None:
             raise TokenizerError("BPE GGUF has no tokenizer.ggml.merges")
         self.owner = owner
+        self.pre = pre
         self.add_bos = pre.add_bos
+        self.force_bos = pre.force_bos
+        vocab = owner._token_to_id
         bpe = models.BPE(
-            vocab=owner._token_to_id,
-            merges=[tuple(m.split(" ", 1)) for m in merges],
+            vocab=vocab,
+            merges=[pair for pair in map(_split_merge, merges) if pair is not None],
             ignore_merges=pre.ignore_merges,
+            byte_fallback=pre.spm_style,
         )
         self.hf = HFTokenizer(bpe)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        self.hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
-        self.hf.decoder = decoders.ByteLevel()
-        vocab = owner._token_to_id
-        self.missing_bytes = frozenset(b for b, c in _BYTE_TO_CHAR.items() if c not in vocab)
+        if pre.spm_style:
+            self.hf.pre_tokenizer = pre_tokenizers.Sequence(splits)
+            self.hf.decoder = decoders.Sequence(
+                [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            )
+            # (Gemma 4 has all 256. Were one missing, tokenizers would drop the whole
+            # character where llama.cpp drops only that byte; either way it is reported.)
+            self.missing_bytes = frozenset(b for b in range(256) if f"<0x{b:02X}>" not in vocab)
+        else:
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            self.hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+            self.hf.decoder = decoders.ByteLevel()
+            self.missing_bytes = frozenset(b for b, c in _BYTE_TO_CHAR.items() if c not in vocab)
         cls = _utf8_class(self.missing_bytes)
         self._suspect = re.compile(cls) if cls else None
 
     def encode(self, text: str, *, after_special: bool) -> list[int]:
+        if self.pre.spm_style:
+            text = text.replace(" ", "\u2581")
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def find_unencodable(self, text: str) -> list[tuple[int, str]]:
         if self._suspect is None:
             return []
-        missing = self.missing_bytes
+        missing, vocab = self.missing_bytes, self.owner._token_to_id
         return [
             (m.start(), m.group())
             for m in self._suspect.finditer(text)
             if any(b in missing for b in m.group().encode())
+            # SentencePiece style: only a character that is no token falls back to bytes.
+            and not (self.pre.spm_style and m.group().replace(" ", "\u2581") in vocab)
         ]
 
     def token_bytes_table(self) -> list[bytes]:
         """Bytes per id: byte-level pieces un-mapped; special tokens' raw text."""
         tokens, types = self.owner._tokens, self.owner._types.tolist()
+        if self.pre.spm_style:
+            return _sentencepiece_token_bytes(tokens, types)
         table = [b"" if ty == UNUSED else t.encode() for t, ty in zip(tokens, types, strict=True)]
         normal = [i for i, ty in enumerate(types) if ty in (NORMAL, BYTE)]
         # Un-map all byte-level pieces in one translate/encode pass (49k tokens in
@@ -590,6 +671,13 @@ class _BpeBackend:
         return table
 
 
+def _split_merge(merge: str) -> tuple[str, str] | None:
+    """A GGUF merge line as its pair, split where llama.cpp splits it: at the first space
+    after the first character (so a left part may itself be a space)."""
+    pos = merge.find(" ", 1)
+    return (merge[:pos], merge[pos + 1 :]) if pos >= 0 else None
+
+
 def _unmap_piece(piece: str) -> bytes:
     try:
         return piece.translate(_BYTE_DECODE).encode("latin-1")
@@ -601,9 +689,13 @@ class _SpmBackend:
     """llama.cpp's SPM algorithm: merge the adjacent pair whose result has the best
     score, repeatedly; pieces that are not tokens fall back to ``<0xXX>`` tokens."""
 
+    # Only what the GGUF names: llama.cpp's fallbacks (BOS 1, EOS 2, UNK 0) are not applied.
+    default_ids: dict[str, int] = {}
+
     def __init__(self, owner: Tokenizer, metadata: dict[str, Any]) -> None:
         self.owner = owner
         self.add_bos = True
+        self.force_bos = False
         self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
         scores = metadata.get("tokenizer.ggml.scores")
         n = len(owner._tokens)
@@ -687,18 +779,170 @@ class _SpmBackend:
         ]
 
     def token_bytes_table(self) -> list[bytes]:
-        """Bytes per id: ``▁`` → space, ``<0xXX>`` → that byte, others their text."""
-        table: list[bytes] = []
-        for text, ttype in zip(self.owner._tokens, self.owner._types.tolist(), strict=True):
-            if ttype == NORMAL:
-                table.append(text.replace("\u2581", " ").encode())
-            elif ttype == BYTE and len(text) == 6 and text.startswith("<0x"):
-                table.append(bytes([int(text[3:5], 16)]))
-            elif ttype == UNUSED:
-                table.append(b"")
-            else:
-                table.append(text.encode())
-        return table
+        return _sentencepiece_token_bytes(self.owner._tokens, self.owner._types.tolist())
+
+
+def _sentencepiece_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
+    """Bytes per id for ``▁``-escaped vocabularies (SPM, gemma4 BPE, WPM), as llama.cpp's
+    ``token_to_piece``: normal tokens with ``▁`` → space, ``<0xXX>`` byte tokens → that
+    byte, unused tokens → nothing, control and user-defined tokens → their text."""
+    table: list[bytes] = []
+    for text, ttype in zip(tokens, types, strict=True):
+        if ttype == NORMAL:
+            table.append(text.replace("\u2581", " ").encode())
+        elif ttype == BYTE and len(text) == 6 and text.startswith("<0x"):
+            table.append(bytes([int(text[3:5], 16)]))
+        elif ttype == UNUSED:
+            table.append(b"")
+        else:
+            table.append(text.encode())
+    return table
+
+
+# WPM word splitting, per (NFD-mapped) character: what llama.cpp's
+# llm_tokenizer_wpm_session::preprocess does with it.
+_WPM_SPACE, _WPM_DROP, _WPM_ALONE, _WPM_APPEND = range(4)
+# llama.cpp's whitespace set (its unicode-data's Unicode White_Space list): unlike
+# str.isspace(), not U+001C-U+001F (control characters, so dropped instead).
+_WPM_WHITESPACE = frozenset(
+    [*map(chr, range(0x09, 0x0E)), *map(chr, range(0x2000, 0x200B)),
+     " ", "\x85", "\xa0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000"]
+)
+
+
+# Marks, punctuation and format controls new in Unicode 15.0/15.1, the version of
+# llama.cpp's tables; Python 3.11's unicodedata (Unicode 14) calls them unassigned,
+# which would keep them inside words. (Exhaustively checked: with these, every code
+# point is treated as llama.cpp 0.3.36 treats it.)
+_UNICODE15_CATEGORIES = (
+    (
+        "Mn",
+        re.compile(
+            "[\u0cf3\u0ece\U00010efd-\U00010eff\U00011241\U00011f00\U00011f01\U00011f03"
+            "\U00011f34-\U00011f3a\U00011f3e-\U00011f42\U00013440\U00013447-\U00013455"
+            "\U0001e08f\U0001e4ec-\U0001e4ef]"
+        ),
+    ),
+    ("Po", re.compile("[\U00011b00-\U00011b09\U00011f43-\U00011f4f]")),
+    ("Cf", re.compile("[\U00013439-\U0001343f]")),
+)
+
+
+def _wpm_category(ch: str) -> str:
+    cat = unicodedata.category(ch)
+    if cat == "Cn":  # maybe assigned after this Python's Unicode database
+        return next((new for new, chars in _UNICODE15_CATEGORIES if chars.match(ch)), cat)
+    return cat
+
+
+def _wpm_is_chinese(cp: int) -> bool:
+    """llama.cpp's (and BERT's) CJK ideograph ranges, including its 0x2B920 quirk."""
+    return (
+        0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
+        or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF
+        or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _wpm_char(ch: str, lowercase: bool, strip_accents: bool) -> tuple[int, str]:
+    """(what to do, text to emit) for one character of WPM input."""
+    if strip_accents:
+        # llama.cpp's "NFD" keeps only the first code point of the decomposition
+        # (é → e, and a Hangul syllable → its leading jamo); the mark is not kept.
+        ch = unicodedata.normalize("NFD", ch)[0]
+    if ch in _WPM_WHITESPACE:
+        return _WPM_SPACE, ""
+    cat = _wpm_category(ch)
+    if ch in ("\0", "\ufffd") or cat in ("Cc", "Cf", "Co", "Cs"):
+        return _WPM_DROP, ""
+    if strip_accents and cat[0] == "M":
+        return _WPM_DROP, ""
+    out = ch
+    if lowercase:
+        # Simple (one code point) lowercase, as llama.cpp's table: str.lower() differs
+        # only for U+0130 İ, whose full lowercase is two code points.
+        out = "i" if ch == "\u0130" else ch.lower()
+    if cat[0] == "P" or (cat[0] == "S" and ord(ch) < 0x7F) or _wpm_is_chinese(ord(ch)):
+        return _WPM_ALONE, out
+    return _WPM_APPEND, out
+
+
+class _WpmBackend:
+    """WordPiece as llama.cpp's WPM tokenizer: normalize, split into words at whitespace
+    and around punctuation / CJK characters, then cover ``"▁" + word`` left to right by
+    the longest tokens; a word that cannot be covered becomes the unknown token.
+
+    The GGUF stores BERT's ``word`` as ``▁word`` and its ``##piece`` continuations as
+    ``piece``, so decoding (``▁`` → space) joins continuations to the word before them.
+    """
+
+    default_ids = {"bos": 101, "unknown": 100, "padding": 0}  # llama.cpp's for "bert"
+
+    def __init__(self, owner: Tokenizer, metadata: dict[str, Any]) -> None:
+        self.owner = owner
+        self.add_bos = True  # BERT's [CLS] (llama.cpp also appends [SEP]; ember does not)
+        self.force_bos = False
+        self.missing_bytes: frozenset[int] = frozenset()  # nothing dropped: [UNK] instead
+        self.lowercase = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
+        self.strip_accents = bool(
+            metadata.get("tokenizer.ggml.normalizer.strip_accents", self.lowercase)
+        )
+        if owner.unk_id is None:
+            raise TokenizerError("WPM vocabulary without an unknown token")
+        self._unk = owner.unk_id
+        self._max_len = max(len(t) for t in owner._tokens)
+
+    def _words(self, text: str) -> list[str]:
+        words: list[str] = []
+        word: list[str] = []
+        for ch in text:
+            action, out = _wpm_char(ch, self.lowercase, self.strip_accents)
+            if action == _WPM_APPEND:
+                word.append(out)
+            elif action != _WPM_DROP:  # whitespace ends the word, punctuation stands alone
+                if word:
+                    words.append("".join(word))
+                    word = []
+                if action == _WPM_ALONE:
+                    words.append(out)
+        if word:
+            words.append("".join(word))
+        return words
+
+    def encode(self, text: str, *, after_special: bool) -> list[int]:
+        vocab, ids = self.owner._token_to_id, []
+        for word in self._words(text):
+            piece, n, pos = "\u2581" + word, len(word) + 1, 0
+            word_ids: list[int] = []
+            while pos < n:
+                for end in range(min(n, pos + self._max_len), pos, -1):
+                    tid = vocab.get(piece[pos:end])
+                    if tid is not None:
+                        word_ids.append(tid)
+                        pos = end
+                        break
+                else:  # no token starts here: the whole word is unknown
+                    word_ids = [self._unk]
+                    break
+            ids.extend(word_ids)
+        return ids
+
+    def find_unencodable(self, text: str) -> list[tuple[int, str]]:
+        return []  # nothing is dropped byte-wise: an uncoverable word becomes [UNK]
+
+    def token_bytes_table(self) -> list[bytes]:
+        return _sentencepiece_token_bytes(self.owner._tokens, self.owner._types.tolist())
+
+
+# tokenizer.ggml.model → implementation; "gemma4" is BPE with its own pre-tokenizer.
+_Backend = _BpeBackend | _SpmBackend | _WpmBackend
+_BACKENDS: dict[str, type[_Backend]] = {
+    "gpt2": _BpeBackend,
+    "gemma4": _BpeBackend,
+    "llama": _SpmBackend,
+    "bert": _WpmBackend,
+}
 
 
 class IncrementalDetokenizer:
