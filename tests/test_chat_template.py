@@ -94,12 +94,23 @@ def test_tojson_is_hf_style() -> None:
 
 def test_raise_exception() -> None:
     t = _t(
-        "{% if messages[0]['role'] != 'user' %}"
-        "{{ raise_exception('first must be user') }}{% endif %}ok"
+        "{% if messages[-1]['role'] != 'user' %}"
+        "{{ raise_exception('last must be user') }}{% endif %}ok"
     )
     assert t.render([{"role": "user", "content": ""}]) == "ok"
-    with pytest.raises(ChatTemplateError, match="first must be user"):
-        t.render([{"role": "system", "content": ""}])
+    with pytest.raises(ChatTemplateError, match="last must be user"):
+        t.render([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
+
+
+def test_a_template_without_a_system_role_gets_it_in_the_first_user_turn() -> None:
+    """Gemma 2's templates raise for a system message; llama.cpp (and ember) put its
+    text at the head of the first user turn instead of failing the request."""
+    t = _t("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+           "{% endif %}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")
+    assert not t.caps.system
+    out = t.render([{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"}])
+    assert out == "[user:Be brief.\n\nHi]"
 
 
 def test_loop_controls() -> None:
@@ -138,9 +149,13 @@ def test_render_errors_are_chat_template_errors() -> None:
         _t("{{ messages[5]['content'] | upper }}{{ messages.x.y }}").render([])
 
 
-def test_sandbox_blocks_mutation_and_internals() -> None:
-    with pytest.raises(ChatTemplateError):
-        _t("{{ messages.append(1) }}").render([])
+def test_sandbox_keeps_the_callers_messages_and_blocks_internals() -> None:
+    """Templates may build their own lists (Kimi's append to them), but what they do
+    to the messages never reaches the caller's; Python internals stay out of reach."""
+    messages = [{"role": "user", "content": "hi"}]
+    out = _t("{% set xs = [] %}{% for m in messages %}{{ xs.append(m.content) or '' }}"
+             "{% endfor %}{{ messages.append(1) or '' }}{{ xs | join(',') }}").render(messages)
+    assert out == "hi" and messages == [{"role": "user", "content": "hi"}]
     with pytest.raises(ChatTemplateError):
         _t("{{ ''.__class__.__mro__[1].__subclasses__() }}").render([])
 

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ember.chat_template import ChatTemplate
 from ember.errors import ChatTemplateError
@@ -45,12 +46,14 @@ class LoadedModel:
             return self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos)
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render the chat template; its control tokens (and none typed in messages) count."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        """Render the chat template (``variables``: e.g. ``tools``); its control tokens
+        (and none typed in messages) count."""
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.name} has no chat template; use a raw prompt")
         segments = self.chat_template.render_segments(
-            messages, add_generation_prompt=add_generation_prompt)
+            messages, add_generation_prompt=add_generation_prompt, **variables)
         return self.tokenizer.encode_segments(segments)
 
     def fingerprint(self) -> str:
@@ -80,13 +83,21 @@ def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
 
 
 def _chat_template(gguf: GGUFFile, config: ModelConfig) -> ChatTemplate | None:
-    """The GGUF's chat template, else its family's; None for a base model without one
-    (it can still complete raw text)."""
+    """The GGUF's chat template, else its family's; None for a base model without one,
+    or with one that cannot render a user turn (said at load, by the template's own
+    error): the model can still complete raw text."""
     try:
-        return ChatTemplate.from_gguf(gguf, default=ARCHITECTURES[config.architecture]
-                                      .chat_template)
+        template = ChatTemplate.from_gguf(gguf, default=ARCHITECTURES[config.architecture]
+                                          .chat_template)
     except ChatTemplateError:
         return None
+    try:
+        template.caps  # noqa: B018 - probed now: a broken template is refused at load
+    except ChatTemplateError as e:
+        log.warning("%s: chat template refused (%s); chat requests are refused, raw "
+                    "completions work", gguf.path.name, e)
+        return None
+    return template
 
 
 def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) -> LoadedModel:

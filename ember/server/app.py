@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import hmac
@@ -46,7 +47,7 @@ from ember.engine.request import Request as EngineRequest
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import open_in_prompt
-from ember.server import backend, openapi
+from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
 from ember.server.backend import Backend, EngineView, Submission
@@ -233,6 +234,11 @@ class Server:
         assert self.thread is not None
         return self.thread
 
+    @functools.cached_property
+    def tool_style(self) -> tools.ToolStyle:
+        """How the served model takes tools (its template, probed once)."""
+        return tools.tool_style(self.engine.loaded.chat_template)
+
     def model_names(self) -> list[str]:
         engine = self.engine
         names = [self.config.served_model_name or engine.loaded.name]
@@ -366,10 +372,11 @@ class Server:
                              f"characters); the context window is {limit} tokens",
                              param=param, code="context_length_exceeded")
 
-    def chat_ids(self, messages: list[dict[str, Any]], param: str) -> list[int]:
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), param)
+    def chat_ids(self, messages: list[dict[str, Any]], param: str,
+                 variables: dict[str, Any] | None = None) -> list[int]:
+        self.check_prompt_chars(sum(len(m["content"] or "") for m in messages), param)
         try:
-            return self.engine.loaded.encode_chat(messages)
+            return self.engine.loaded.encode_chat(messages, **(variables or {}))
         except EmberError as e:
             where = getattr(e, "param", None)
             if where and where.startswith("messages"):
@@ -572,7 +579,8 @@ class _Timing:
 
 # ====================================================================== routes' prompts
 def _chat_prompts(server: Server, req: P.ChatCompletionRequest) -> Built:
-    prompt_ids = server.chat_ids(req.template_messages(), "messages")
+    req.bind_tools(server.tool_style)
+    prompt_ids = server.chat_ids(req.template_messages(), "messages", req.template_variables())
     params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
     budget, split = _reasoning(server, req, prompt_ids, req.thinking_budget)
     if budget is not None:

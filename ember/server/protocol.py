@@ -7,6 +7,7 @@ the server cannot honour (tools, logit_bias, audio, ...), is refused with an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -71,11 +72,26 @@ class _Conversation(_Request):
     it may offer tools and get a reasoning part."""
 
     _tool_plan: Any = PrivateAttr(None)
+    _tool_style: Any = PrivateAttr(tools.FALLBACK)
 
     @property
     def tool_plan(self) -> Any:
         """The :class:`ember.server.tools.ToolPlan`, or None without tools."""
         return self._tool_plan
+
+    def bind_tools(self, style: tools.ToolStyle) -> None:
+        """Take tools as the served model does (its template's :class:`ToolStyle`): the
+        plan's call format and grammar follow it. Called once, before templating."""
+        self._tool_style = style
+        if self._tool_plan is not None:
+            self._tool_plan = dataclasses.replace(self._tool_plan, style=style)
+            self._structured = self._tool_plan.grammar()
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the template is given beside the messages: the tools, where it takes them."""
+        if self._tool_plan is None or not self._tool_plan.style.native:
+            return {}
+        return {"tools": self._tool_plan.template_tools()}
 
 
 class _Sampling(_Request):
@@ -230,15 +246,25 @@ class ChatCompletionRequest(_Sampling, _Conversation):
             content = _text_content(m.content, where)
             if not content and m.refusal:
                 content = m.refusal  # what the assistant said, as a refusal
-            if m.tool_calls:
-                content = tools.history_text(content, m.tool_calls, where)
-            if role == "tool":  # as the Hermes format returns results: in a user turn
-                role, content = "user", tools.tool_result_text(content)
-            msg = {"role": role, "content": content}
+            msg: dict[str, Any]
+            if self._tool_style.native:  # calls and results as the template renders them
+                msg = {"role": role, "content": content}
+                if m.tool_calls:
+                    msg["tool_calls"] = tools.native_calls(m.tool_calls, where,
+                                                           self._tool_style)
+                if role == "tool":
+                    msg["tool_call_id"] = tools.call_id(m.tool_call_id or "")
+            else:
+                if m.tool_calls:
+                    content = tools.history_text(content, m.tool_calls, where)
+                if role == "tool":  # as the Hermes format returns results: in a user turn
+                    role, content = "user", tools.tool_result_text(content)
+                msg = {"role": role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
             out.append(msg)
-        if self._tool_plan is not None:  # the tools, told as the template cannot
+        if self._tool_plan is not None and not self._tool_plan.style.native:
+            # the tools, told as the template cannot
             offer = self._tool_plan.system_text()
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + offer}

@@ -155,7 +155,7 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                           "logprobs": None, "finish_reason": None}])
         if req.tool_plan is not None and i not in texting:
             # a reply that may be tool calls is held back until it is known to be text
-            if not out.text.lstrip() or out.text.lstrip().startswith("<"):
+            if req.tool_plan.may_be_calls(out.text):
                 if not out.finished:
                     continue
             else:

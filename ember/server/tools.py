@@ -1,10 +1,15 @@
 """Function calling: the tools a request offers, how the prompt presents them, the
 grammar that makes every call well-formed, and the parser of the reply.
 
-The wire format is the Hermes/Qwen convention, which many chat models are trained on:
-each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; tool results
-come back as ``<tool_response>...</tool_response>``. A model whose chat template knows
-no tools (SmolLM2's) gets them described in the system message (:func:`system_text`).
+A model whose chat template takes tools and renders calls and results in the history
+(probed at load, :class:`ember.chat_template.TemplateCaps`), in a call format ember
+knows (:mod:`ember.server.tool_formats`: Hermes, Llama 3 JSON, Mistral, Qwen3-Coder
+XML), gets them natively: the template presents the tools and past calls as the model
+was trained to see them, and the reply is constrained to that format. Any other
+model (SmolLM2's template knows no tools) gets them in the Hermes convention, described
+in the system message (:meth:`ToolPlan.system_text`): each call is
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, results come back as
+``<tool_response>...</tool_response>`` in a user turn.
 
 Generation is constrained (llguidance, through ``StructuredOutput.lark``):
 
@@ -21,19 +26,44 @@ error naming ``max_tokens``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from ember.chat_template import ChatTemplate
 from ember.sampling.constraints import StructuredOutput
 from ember.server.errors import APIError, unsupported
+from ember.server.tool_formats import HERMES, ToolFormat, detect
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = HERMES.open, HERMES.close
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolStyle:
+    """How a model takes tools: natively through its template in ``fmt``, or (native
+    False) described by ember in Hermes."""
+
+    fmt: ToolFormat = HERMES
+    native: bool = False
+    object_arguments: bool = True  # the template wants calls' arguments as objects
+
+
+FALLBACK = ToolStyle()
+
+
+def tool_style(template: ChatTemplate | None) -> ToolStyle:
+    if template is None or not template.caps.tools:
+        return FALLBACK
+    past = template.past_call_text()
+    fmt = None if past is None else detect(past, *template.PROBE_CALL)
+    if fmt is None:
+        return FALLBACK
+    return ToolStyle(fmt, True, template.caps.object_arguments)
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     choice: str  # "auto", "required", or the name of the one tool to call
     parallel: bool
+    style: ToolStyle = FALLBACK
 
     @property
     def callable(self) -> tuple[Tool, ...]:
@@ -74,18 +105,21 @@ class ToolPlan:
         return tuple(t for t in self.tools if t.name == self.choice)
 
     def grammar(self) -> StructuredOutput:
-        schemas = [t.call_schema() for t in self.callable]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        calls = 'call ("\\n" call)*' if self.parallel else "call"
-        lines = [f"calls: {calls}",
-                 f'call: "{OPEN}" body "{CLOSE}"',
-                 f"body: %json {json.dumps(schema)}"]
-        if self.choice == "auto":
-            lines.insert(0, "start: calls | TEXT")
-            lines.append("TEXT: /([^<][\\s\\S]*)?/")
-        else:
-            lines.insert(0, "start: calls")
-        return StructuredOutput.lark("\n".join(lines) + "\n")
+        schemas = {t.name: t.parameters for t in self.callable}
+        return StructuredOutput.lark(self.style.fmt.grammar(schemas, self.parallel,
+                                                            self.choice == "auto"))
+
+    def may_be_calls(self, text: str) -> bool:
+        """Whether a reply beginning with ``text`` may still turn out to be calls (a
+        streamed reply is held back until it cannot)."""
+        head = text.lstrip()
+        return not head or head.startswith(self.style.fmt.lead[0])
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as a template takes them (the API's function objects)."""
+        return [{"type": "function", "function": {"name": t.name, "description":
+                                                  t.description, "parameters": t.parameters}}
+                for t in self.tools]
 
     def system_text(self) -> str:
         """The tools, described for a model whose template does not take them."""
@@ -103,18 +137,11 @@ class ToolPlan:
     def parse(self, text: str) -> list[ToolCall] | None:
         """The calls in a reply, or None if it is text. Grammar-built replies always
         parse; a reply cut short by ``max_tokens`` inside a call does not."""
-        if not text.lstrip().startswith(OPEN):
+        calls = self.style.fmt.parse(text, {t.name: t.parameters for t in self.tools})
+        if calls is None:
             return None
-        calls = []
-        for body in _CALL.findall(text):
-            try:
-                call = json.loads(body)
-                name, arguments = call["name"], call["arguments"]
-            except (ValueError, KeyError, TypeError):
-                return None
-            calls.append(ToolCall(f"call_{secrets.token_hex(12)}", name,
-                                  json.dumps(arguments, ensure_ascii=False)))
-        return calls or None
+        return [ToolCall(f"call_{secrets.token_hex(12)}", name,
+                         json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
 
 
 def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
@@ -183,9 +210,9 @@ def _choice(choice: Any, tools: list[Tool]) -> str:
     return name
 
 
-def history_text(content: str, calls: list[Any] | None, where: str) -> str:
-    """An assistant turn that called tools, as the model would have written it."""
-    parts = [content] if content else []
+def _checked_calls(calls: list[Any] | None, where: str) -> list[tuple[str, Any, Any]]:
+    """(name, parsed arguments, id) of each of an assistant message's ``tool_calls``."""
+    out = []
     for k, call in enumerate(calls or []):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -197,9 +224,34 @@ def history_text(content: str, calls: list[Any] | None, where: str) -> str:
         except ValueError:
             raise APIError(400, f"'{where}.tool_calls[{k}].function.arguments' is not JSON",
                            param=f"{where}.tool_calls[{k}].function.arguments") from None
-        parts.append(OPEN + json.dumps({"name": fn["name"], "arguments": parsed},
+        out.append((fn["name"], parsed, call.get("id")))
+    return out
+
+
+def history_text(content: str, calls: list[Any] | None, where: str) -> str:
+    """An assistant turn that called tools, as a Hermes model would have written it."""
+    parts = [content] if content else []
+    for name, arguments, _ in _checked_calls(calls, where):
+        parts.append(OPEN + json.dumps({"name": name, "arguments": arguments},
                                        ensure_ascii=False) + CLOSE)
     return "\n".join(parts)
+
+
+def native_calls(calls: list[Any] | None, where: str, style: ToolStyle) -> list[dict[str, Any]]:
+    """An assistant message's calls as a template takes them: ids made nine letters and
+    digits (Mistral's templates refuse any other; the mapping is stable, so a result's
+    ``tool_call_id`` maps the same way), arguments objects or JSON text as it wants."""
+    return [{"id": call_id(cid or f"{where}.{k}"), "type": "function",
+             "function": {"name": name, "arguments": arguments if style.object_arguments
+                          else json.dumps(arguments, ensure_ascii=False)}}
+            for k, (name, arguments, cid) in enumerate(_checked_calls(calls, where))]
+
+
+def call_id(given: str) -> str:
+    """A tool call id as nine letters and digits (kept when it already is)."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", given):
+        return given
+    return hashlib.sha256(given.encode()).hexdigest()[:9]
 
 
 def tool_result_text(content: str) -> str:

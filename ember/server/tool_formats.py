@@ -1,0 +1,289 @@
+"""How model families write tool calls: one class per wire format.
+
+A format gives the grammar of a reply made of calls (llguidance Lark, each call's
+arguments constrained by its tool's JSON schema through ``%json``), the parser of
+such a reply, and the text a reply of calls starts with (a streamed reply is held back
+while it may still become calls). Which format a model writes is read off its chat
+template, as llama.cpp's ``common/chat`` does (:func:`detect`):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call
+  (Qwen 2.5 / 3, Hermes 2 / 3, SmolLM3, and ember's fallback for any template);
+- ``llama3_json``: one ``{"name": ..., "parameters": {...}}`` object (Llama 3.1-3.3);
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Nemo);
+- ``mistral_args``: ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2,
+  Devstral, Ministral 3);
+- ``qwen3_xml``: ``<tool_call><function=name><parameter=p>value</parameter>...``
+  (Qwen3-Coder, Qwen 3.5): string values raw, other values JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+Call = tuple[str, Any]  # (tool name, arguments object)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _text_not_starting_with(lead: str) -> str:
+    """A Lark terminal for a text reply: empty, or whose first character after any
+    whitespace is not ``lead``'s first (so a reply is either text or calls, decided by
+    its first visible character, as the parser and the stream decide it)."""
+    return f"TEXT: /(\\s*[^\\s{re.escape(lead[0])}][\\s\\S]*)?/"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """Hermes: the default, and ember's fallback for templates that take no tools."""
+
+    name: str = "hermes"
+    lead: str = "<tool_call>"  # what a reply of calls starts with
+    open: str = "<tool_call>"
+    close: str = "</tool_call>"
+
+    def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
+        """Lark for a reply of calls (``auto``: or text) to the tools ``schemas``
+        (name -> the JSON schema of its arguments)."""
+        rules = self.call_rules(schemas)
+        sep = self.separator
+        calls = f"call ({_lark_string(sep)} call)*" if parallel else "call"
+        head = "start: calls | TEXT" if auto else "start: calls"
+        lines = [head, f"calls: {self.prefix}{calls}{self.suffix}", *rules]
+        if auto:
+            lines.append(_text_not_starting_with(self.lead))
+        return "\n".join(lines) + "\n"
+
+    separator = "\n"
+    prefix = ""  # Lark before the calls (Mistral's list opener)
+    suffix = ""
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        schema = _one_of([_named(name, "arguments", s) for name, s in schemas.items()])
+        return [f"call: {_lark_string(self.open)} body {_lark_string(self.close)}",
+                f"body: %json {json.dumps(schema)}"]
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        """One call as this format writes it (whitespace aside)."""
+        return self.open + json.dumps({"name": name, "arguments": arguments}) + self.close
+
+    def shown_in(self, rendered: str, name: str, arguments: dict[str, str]) -> bool:
+        """Whether ``rendered`` (whitespace removed) holds the call as this format
+        writes it."""
+        return re.sub(r"\s+", "", self.example(name, arguments)) in rendered
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        """The calls of a reply to the tools ``schemas``, or None when it is text (or
+        cut short). Text after the last call is ignored (a grammar-built reply has none;
+        a template's rendering of a past call goes on with the turn's end)."""
+        if not text.lstrip().startswith(self.lead):
+            return None
+        pattern = re.escape(self.open) + r"\s*(.*?)\s*" + re.escape(self.close)
+        return _objects(re.findall(pattern, text, re.S), "arguments")
+
+
+def _named(name: str, key: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": name}, key: parameters},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _objects(bodies: list[str], key: str) -> list[Call] | None:
+    calls = []
+    for body in bodies:
+        try:
+            call = json.loads(body)
+            calls.append((call["name"], call[key]))
+        except (ValueError, KeyError, TypeError):
+            return None
+    return calls or None
+
+
+@dataclass(frozen=True)
+class Llama3Json(ToolFormat):
+    """Llama 3.x: the reply is one JSON object naming the function and its
+    ``parameters`` (its templates ask for exactly one call)."""
+
+    name: str = "llama3_json"
+    lead: str = "{"
+
+    def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
+        return super().grammar(schemas, False, auto)
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        schema = _one_of([_named(name, "parameters", s) for name, s in schemas.items()])
+        return [f"call: %json {json.dumps(schema)}"]
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        return json.dumps({"name": name, "parameters": arguments})
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        if not text.lstrip().startswith(self.lead):
+            return None
+        try:
+            call, _ = json.JSONDecoder().raw_decode(text.lstrip())
+        except ValueError:
+            return None
+        return _objects([json.dumps(call)], "parameters")
+
+
+@dataclass(frozen=True)
+class MistralList(ToolFormat):
+    """Mistral Nemo: ``[TOOL_CALLS]`` then a JSON list of calls."""
+
+    name: str = "mistral"
+    lead: str = "[TOOL_CALLS]"
+
+    def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
+        calls = {"type": "array", "minItems": 1,
+                 "items": _one_of([_named(n, "arguments", s) for n, s in schemas.items()])}
+        if not parallel:
+            calls["maxItems"] = 1
+        head = "start: calls | TEXT" if auto else "start: calls"
+        lines = [head, f"calls: {_lark_string(self.lead)} %json {json.dumps(calls)}"]
+        if auto:
+            lines.append(_text_not_starting_with(self.lead))
+        return "\n".join(lines) + "\n"
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        # a prefix: templates append the call's id after its arguments
+        return self.lead + "[" + json.dumps({"name": name, "arguments": arguments})[:-1]
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        stripped = text.lstrip()
+        if not stripped.startswith(self.lead):
+            return None
+        try:
+            items, _ = json.JSONDecoder().raw_decode(stripped[len(self.lead):])
+            return [(c["name"], c["arguments"]) for c in items] or None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class MistralArgs(ToolFormat):
+    """Mistral Small 3.2 / Devstral / Ministral 3: ``[TOOL_CALLS]name[ARGS]{...}`` for
+    each call, one after another."""
+
+    name: str = "mistral_args"
+    lead: str = "[TOOL_CALLS]"
+    separator = ""
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        return f"{self.lead}{name}[ARGS]{json.dumps(arguments)}"
+
+    def shown_in(self, rendered: str, name: str, arguments: dict[str, str]) -> bool:
+        # Mistral Small 3.2's templates write the call's id between: [CALL_ID]id
+        args = re.escape(re.sub(r"\s+", "", json.dumps(arguments)))
+        pattern = re.escape(self.lead + name) + r"(\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]" + args
+        return re.search(pattern, rendered) is not None
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
+        rules = [f"call: {alternatives}"]
+        for i, (name, schema) in enumerate(schemas.items()):
+            rules.append(f"call_{i}: {_lark_string(self.lead + name + '[ARGS]')} "
+                         f"%json {json.dumps(schema)}")
+        return rules
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        stripped = text.strip()
+        if not stripped.startswith(self.lead):
+            return None
+        calls = []
+        decoder = json.JSONDecoder()
+        parts = stripped.split(self.lead)[1:]
+        for k, part in enumerate(parts):
+            name, sep, rest = part.partition("[ARGS]")
+            name = name.partition("[CALL_ID]")[0]
+            try:
+                arguments, end = decoder.raw_decode(rest)
+            except ValueError:
+                return None
+            if not sep or (k < len(parts) - 1 and rest[end:].strip()):
+                return None  # text between calls (after the last one ends the reply)
+            calls.append((name, arguments))
+        return calls or None
+
+
+@dataclass(frozen=True)
+class Qwen3Xml(ToolFormat):
+    """Qwen3-Coder / Qwen 3.5: each call an XML-ish block of parameters; a string value
+    is written raw, any other value as JSON."""
+
+    name: str = "qwen3_xml"
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        params = "".join(f"<parameter={k}>{v}</parameter>" for k, v in arguments.items())
+        return f"{self.open}<function={name}>{params}</function>{self.close}"
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
+        # a raw (string) value: any text without "</", its last newline the block's (the
+        # schema's other string constraints but enum are not enforced on raw values)
+        rules = [f"call: {alternatives}", "RAW: /([^<]|<[^\\/])*/"]
+        for i, (name, schema) in enumerate(schemas.items()):
+            parts = [_lark_string(f"{self.open}\n<function={name}>\n")]
+            props = schema.get("properties") or {}
+            required = set(schema.get("required") or [])
+            for j, (param, sub) in enumerate(props.items()):
+                rule, end = f"p_{i}_{j}", "</parameter>\n"
+                if _is_string(sub) and sub.get("enum"):  # raw, but one of the choices
+                    choices = " | ".join(_lark_string(str(v)) for v in sub["enum"])
+                    value = f"({choices}) {_lark_string(chr(10) + end)}"
+                elif _is_string(sub):
+                    value = f"RAW {_lark_string(end)}"
+                else:
+                    value = f"%json {json.dumps(sub)} {_lark_string(chr(10) + end)}"
+                rules.append(f"{rule}: {_lark_string(f'<parameter={param}>' + chr(10))} {value}")
+                parts.append(rule if param in required else f"{rule}?")
+            parts.append(_lark_string(f"</function>\n{self.close}"))
+            rules.append(f"call_{i}: " + " ".join(parts))
+        return rules
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        if not text.lstrip().startswith(self.lead):
+            return None
+        calls = []
+        for body in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
+            m = re.match(r"<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", body, re.S)
+            if m is None or m.group(1) not in schemas:
+                return None
+            props = schemas[m.group(1)].get("properties") or {}
+            arguments: dict[str, Any] = {}
+            for param, raw in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>",
+                                         m.group(2), re.S):
+                if _is_string(props.get(param, {})):
+                    arguments[param] = raw
+                    continue
+                try:
+                    arguments[param] = json.loads(raw)
+                except ValueError:
+                    return None
+            calls.append((m.group(1), arguments))
+        return calls or None
+
+
+def _is_string(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "string"
+
+
+HERMES = ToolFormat()
+FORMATS = {f.name: f for f in (HERMES, Llama3Json(), MistralList(), MistralArgs(), Qwen3Xml())}
+
+
+def detect(past_call: str, name: str, arguments: dict[str, str]) -> ToolFormat | None:
+    """The format of the call ``name(arguments)`` in ``past_call``, a template's
+    rendering of it in the history (whitespace ignored): the format the template
+    teaches its model; None when it is none ember knows (ember then describes the
+    tools itself, in Hermes). Reading the rendering, not the template's source, keeps
+    look-alikes apart (GLM's ``<tool_call>name<arg_key>`` is not Hermes)."""
+    seen = re.sub(r"\s+", "", past_call)
+    return next((f for f in FORMATS.values() if f.shown_in(seen, name, arguments)), None)

@@ -1,0 +1,161 @@
+"""The call formats of the chat templates ember takes tools natively for.
+
+Two oracles that are not ember's own output:
+
+- the templates themselves: llama.cpp's corpus renders a past call (written by each
+  model's vendor), and the format ember reads off that template must parse the
+  rendering back into the same call;
+- JSON Schema: replies generated under each format's grammar (by SmolLM2, sampled,
+  so the grammar is exercised well off the likeliest path) must parse into calls
+  whose arguments validate against their tool's schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from llamacpp_source import llamacpp_source
+
+from ember.chat_template import ChatTemplate
+from ember.sampling.constraints import StructuredOutput
+from ember.sampling.params import SamplingParams
+from ember.server import tools
+from ember.server.tool_formats import FORMATS, HERMES
+
+NATIVE = []
+for _path in sorted((llamacpp_source() / "models" / "templates").glob("*.jinja")):
+    _t = ChatTemplate(_path.read_text(encoding="utf-8"), bos_token="<s>", eos_token="</s>")
+    if tools.tool_style(_t).native:
+        NATIVE.append((_path.stem, _t))
+
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city"]},
+    "convert": {"type": "object", "properties": {
+        "amount": {"type": "number"}, "to": {"type": "string", "enum": ["EUR", "USD"]}},
+        "required": ["amount", "to"]},
+}
+
+
+def test_templates_of_every_format_are_in_the_corpus() -> None:
+    found = {tools.tool_style(t).fmt.name for _, t in NATIVE}
+    assert found == set(FORMATS), found
+
+
+@pytest.mark.parametrize(("stem", "template"), NATIVE, ids=[s for s, _ in NATIVE])
+def test_the_templates_own_rendering_of_a_call_parses_back(stem: str, template) -> None:
+    fmt = tools.tool_style(template).fmt
+    name, arguments = template.PROBE_CALL
+    rendered = template.past_call_text()
+    # the call itself: the format's opener last seen before the call's name (the tools'
+    # instructions before it may show the opener too)
+    start = rendered.rindex(fmt.lead, 0, rendered.rindex(name))
+    schema = {"type": "object", "properties": {"probe_arg": {"type": "string"}}}
+    assert fmt.parse(rendered[start:], {name: schema}) == [(name, arguments)]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import ember
+
+    return ember.LLM("smollm2-135m", weights="f32")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS), ids=str)
+def test_replies_under_each_grammar_parse_into_valid_calls(smollm2, fmt: str) -> None:
+    """Sampled replies until one finishes, at most four (each grammar step is a mask
+    over 49k tokens; a reply still inside a call at ``max_tokens`` proves nothing).
+    One call each: with parallel calls allowed SmolLM2 goes on calling until the cap
+    (the parallel grammars are checked on written replies below)."""
+    f, parallel = FORMATS[fmt], False
+    grammar = StructuredOutput.lark(f.grammar(SCHEMAS, parallel=parallel, auto=False))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Weather in Paris for 3 "
+                                   "days, and 20 dollars in euros?"}])
+    finished = 0
+    for seed in range(4):
+        if finished:
+            break
+        (out,) = smollm2.generate([prompt], SamplingParams(
+            temperature=0.7, seed=seed, max_tokens=200, structured=grammar))
+        if out.finish_reason != "stop":
+            continue  # cut short inside a call: nothing to parse
+        finished += 1
+        calls = f.parse(out.text, SCHEMAS)
+        assert calls, out.text
+        assert parallel or len(calls) == 1
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[name])
+    assert finished, "no reply finished within max_tokens: nothing was checked"
+
+
+TWO_CALLS = {
+    "hermes": '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+              '<tool_call>{"name": "convert", "arguments": {"amount": 2, "to": "EUR"}}'
+              '</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+               '{"name": "convert", "arguments": {"amount": 2, "to": "EUR"}}]',
+    "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
+                    '[TOOL_CALLS]convert[ARGS]{"amount": 2, "to": "EUR"}',
+    "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                 "</function>\n</tool_call>\n<tool_call>\n<function=convert>\n"
+                 "<parameter=amount>\n2\n</parameter>\n<parameter=to>\nEUR\n</parameter>\n"
+                 "</function>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(TWO_CALLS), ids=str)
+def test_two_calls_are_what_the_parallel_grammar_accepts_and_the_parser_reads(
+        smollm2, fmt: str) -> None:
+    """A reply of two calls, written as the model would: llguidance accepts every token
+    of it under the parallel grammar, refuses it under the single-call one, and the
+    parser reads both calls."""
+    from ember.sampling.constraints import GrammarCompiler
+
+    f, text = FORMATS[fmt], TWO_CALLS[fmt]
+    tokenizer = smollm2.tokenizer
+    ids = tokenizer.encode(text, add_bos=False)
+    compiler = GrammarCompiler(tokenizer)
+    for parallel in (True, False):
+        spec = StructuredOutput.lark(f.grammar(SCHEMAS, parallel=parallel, auto=True))
+        accepted = compiler.processor(spec).valid_prefix_len(ids)
+        assert (accepted == len(ids)) == parallel, (parallel, accepted, len(ids))
+    assert f.parse(text, SCHEMAS) == [("get_weather", {"city": "Rome"}),
+                                      ("convert", {"amount": 2, "to": "EUR"})]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS), ids=str)
+def test_auto_lets_text_through_and_text_is_not_calls(fmt: str) -> None:
+    f = FORMATS[fmt]
+    assert f.parse("The weather is fine.", SCHEMAS) is None
+    assert "start: calls | TEXT" in f.grammar(SCHEMAS, parallel=False, auto=True)
+
+
+def test_a_hermes_call_the_way_qwen_writes_it() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert HERMES.parse(text, SCHEMAS) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_qwen3_xml_keeps_string_values_raw_and_reads_the_rest_as_json() -> None:
+    text = ("<tool_call>\n<function=convert>\n<parameter=amount>\n20.5\n</parameter>\n"
+            "<parameter=to>\nEUR\n</parameter>\n</function>\n</tool_call>")
+    assert FORMATS["qwen3_xml"].parse(text, SCHEMAS) == [("convert", {"amount": 20.5,
+                                                                     "to": "EUR"})]
+    text = text.replace("EUR", "123")  # a string of digits stays a string
+    assert FORMATS["qwen3_xml"].parse(text, SCHEMAS)[0][1]["to"] == "123"
+
+
+def test_mistral_calls_with_and_without_ids() -> None:
+    f = FORMATS["mistral_args"]
+    assert f.parse('[TOOL_CALLS]convert[CALL_ID]a1b2c3d4e[ARGS]{"amount": 1, "to": "USD"}',
+                   SCHEMAS) == [("convert", {"amount": 1, "to": "USD"})]
+    assert f.parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]convert[ARGS]'
+                   '{"amount": 2, "to": "EUR"}', SCHEMAS) == [
+        ("get_weather", {"city": "Rome"}), ("convert", {"amount": 2, "to": "EUR"})]
+    assert FORMATS["mistral"].parse(
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+        SCHEMAS) == [("get_weather", {"city": "Rome"})]
+    assert json.loads(json.dumps(SCHEMAS))  # schemas stay plain JSON
