@@ -45,6 +45,12 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("models", help="list registered and installed models")
     s.set_defaults(func=cmd_models)
 
+    s = sub.add_parser("inspect", help="what ember makes of a GGUF: architecture, tokenizer, "
+                       "formats, native paths, chat template, KV bytes (no weights loaded)")
+    s.add_argument("model", help="alias or path to a .gguf")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(func=cmd_inspect)
+
     s = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
     s.add_argument("model", help="alias or path to a .gguf file")
     s.add_argument("text", nargs="?")
@@ -592,6 +598,19 @@ def cmd_models(args: argparse.Namespace) -> int:
         size = f"{m.size / 1e6:8.1f} MB" if m.size is not None else "       - "
         where = str(m.path) if m.path else "not installed (ember pull)"
         print(f"{m.name:<16} {size}  {m.description:<52} {where}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from ember.models.gguf import GGUFFile
+    from ember.models.inspect import format_report, inspect_gguf
+    from ember.models.registry import ensure_model
+
+    with GGUFFile(ensure_model(args.model)) as gguf:
+        report = inspect_gguf(gguf)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
     return 0
 
 
