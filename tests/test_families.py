@@ -164,3 +164,17 @@ def test_an_mlp_without_its_gate_is_refused_naming_the_tensor(converted, tmp_pat
                         drop_tensors=("blk.1.ffn_gate.weight",))
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_gate\.weight"):
         load_model(str(path), "f32")
+
+
+def test_a_missing_or_misshapen_tensor_is_refused_naming_it(converted, tmp_path: Path
+                                                            ) -> None:
+    """An inconsistent file (a tensor gone, as a broken converter leaves it) fails at
+    load with an error naming the tensor, before any request."""
+    from hf_families import rewrite_gguf
+
+    from ember.errors import EmberError
+
+    path = rewrite_gguf(converted["granite"].f32, tmp_path / "no-k.gguf",
+                        drop_tensors=("blk.1.attn_k.weight",))
+    with pytest.raises(EmberError, match=r"blk\.1\.attn_k\.weight"):
+        load_model(str(path), "f32")

@@ -315,3 +315,10 @@ def test_gemma_byte_fallback(gemma: Tokenizer) -> None:
     ids = gemma.encode(text)
     assert all(gemma.token_type(i) == 6 for i in ids)  # BYTE tokens
     assert gemma.decode(ids) == text
+
+
+def test_a_bpe_vocabulary_without_merges_is_refused_naming_the_key() -> None:
+    metadata = _tiny_bpe()
+    del metadata["tokenizer.ggml.merges"]
+    with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.merges"):
+        Tokenizer(metadata)
