@@ -31,7 +31,7 @@ def _families() -> list[str]:
     converted = sorted({name.split("-")[0] for name in FAMILIES})
     for name in converted:
         checked[name] = ("transformers and llama.cpp on a converted random model "
-                         "(tests/test_families.py)")
+                         "(tests/test_converted_families.py)")
     return [f"| `{arch}` | {checked[arch]} |" for arch in ARCHITECTURES]
 
 
