@@ -63,6 +63,8 @@ GEMM_PATH = 0  # gemm_min_m that sends every M to the dequantize + GEMM path
 REL_TOL_INT8 = 2e-2
 LEGACY = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+IQ_TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS]  # table-valued indices, per-32 activations
+ALL_TYPES = LEGACY + K_TYPES + IQ_TYPES
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +100,24 @@ def random_kquant_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.nd
     return blk.reshape(-1)
 
 
+def random_block_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random blocks of a type gguf-py cannot quantize (IQ4_*): random index and
+    sub-scale bytes, the f16 scale set as tests/tiny_model.py sets it."""
+    from tiny_model import RANDOM_BLOCK_SCALES
+
+    rng = np.random.default_rng(seed)
+    elems, size = BLOCK_GEOMETRY[qtype]
+    blk = rng.integers(0, 256, (rows * cols // elems, size), dtype=np.uint8)
+    for at, share in RANDOM_BLOCK_SCALES[gguf.GGMLQuantizationType(int(qtype))]:
+        d = rng.uniform(0.5, 1.5, len(blk)) * 0.05 * share
+        blk[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blk.reshape(-1)
+
+
 def any_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
-    return (random_kquant_raw if qtype in K_TYPES else random_raw)(qtype, rows, cols, seed)
+    make = (random_kquant_raw if qtype in K_TYPES else
+            random_block_raw if qtype in IQ_TYPES else random_raw)
+    return make(qtype, rows, cols, seed)
 
 
 def gguf_py_weight(parts) -> torch.Tensor:
@@ -231,7 +249,7 @@ def test_kquant_activation_quantization_matches_emulation(ext) -> None:
 # -------------------------------------------------------------------- random blocks
 
 
-@pytest.mark.parametrize("qtype", LEGACY + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", MS)
 def test_random_blocks(ext, qtype: GGMLType, m: int) -> None:
     # odd row count: exercises padded groups and row-tile tails; K: two super-blocks
@@ -243,7 +261,7 @@ def test_random_blocks(ext, qtype: GGMLType, m: int) -> None:
     check_linear(lin, parts, torch.randn(m, cols))
 
 
-@pytest.mark.parametrize("qtype", LEGACY + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_packed_weights_hold_the_gguf_bytes(ext, qtype: GGMLType) -> None:
     """Layouts read no more bytes than the GGUF: a whole number of 16-row groups holds
     exactly the file's bytes (the scalar/SIMD kernels read nothing else)."""
@@ -446,7 +464,7 @@ def test_float_matrices_stay_dense() -> None:
 
 
 def test_every_packed_type_is_tested() -> None:
-    assert set(PACKED_TYPES) == set(LEGACY + K_TYPES)
+    assert set(PACKED_TYPES) == set(ALL_TYPES)
 
 
 def test_unavailable_kernel_raises_clearly(monkeypatch, smollm2_file: GGUFFile) -> None:
@@ -484,7 +502,7 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_mo
     cols = 512
     torch.manual_seed(0)
     xs = [torch.randn(m, cols) for m in MS]
-    for qtype in LEGACY + K_TYPES:
+    for qtype in ALL_TYPES:
         raw = any_raw(qtype, 75, cols, 9)
         lin = QuantLinear.from_raw([(raw, qtype, (75, cols))])
         (t, rows, blob), = lin.packed.segments

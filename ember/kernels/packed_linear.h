@@ -49,7 +49,7 @@ class PackedLinear {
                   " needs a contiguous uint8 tensor of ", groups_of(rows) * g.stride,
                   " bytes, got ", blob.sizes());
       views_.push_back(SegView{g, rows, n_, blob.data_ptr<uint8_t>()});
-      (g.sb == 256 ? kquant_ : legacy_) = true;
+      (kquant_activations(g.type) ? kquant_ : legacy_) = true;
       blobs_.push_back(blob);
       types_.push_back(type);
       n_ += rows;

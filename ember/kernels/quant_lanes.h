@@ -80,6 +80,11 @@ struct Lanes {
     return dot(dot(acc, w0, x0), w1, x1);
   }
   static B s8_prep(B w) { return _mm512_xor_si512(w, set8(0x80)); }
+  // every byte (< 16) replaced by table[byte]
+  static B lut16(B v, const int8_t* table) {
+    return _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
   static I dot_s8(I acc, B w, const int8_t* x) { return dot(acc, w, x); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -134,6 +139,10 @@ struct Lanes {
     return and_(_mm256_srli_epi16(v, N), set8(mask));
   }
   static B high_nibbles(B v) { return shr<4>(v, 0x0F); }
+  static B lut16(B v, const int8_t* table) {
+    return _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
   template <int N> static B shl(B v, uint8_t mask) {
     return and_(_mm256_slli_epi16(v, N), set8(mask));
   }
@@ -244,6 +253,10 @@ struct Lanes {
     return a;
   }
   static B high_nibbles(B v) { return shr<4>(v, 0x0F); }
+  static B lut16(B v, const int8_t* table) {
+    for (int i = 0; i < 32; ++i) v.v[i] = static_cast<uint8_t>(table[v.v[i]]);
+    return v;
+  }
   static B or_bits(B a, const uint8_t* bits, uint8_t value) {
     for (int i = 0; i < 32; ++i) {
       if ((bits[i / 8] >> (i % 8)) & 1) a.v[i] |= value;

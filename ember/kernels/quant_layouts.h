@@ -32,16 +32,25 @@
 //   dmin    Q4_K/Q5_K: 16 halves d, then 16 halves dmin.
 //   scale8  Q6_K: 16 int8 scales (one per 16 elements) of every row, scale k of row
 //           r at 16 k + r.
+//   iscale  IQ4_XS: the GGUF's 6 scale bytes of every row (u16 of the eight scales'
+//           top bits, 4 bytes of their low nibbles), byte i of row r at 16 i + r.
 //
 // Values (as gguf-py computes them, with f32 arithmetic and one rounding per step):
 //   Q4_0 (q - 8) d    Q4_1 q d + m    Q5_0 (q - 16) d    Q5_1 q d + m    Q8_0 q d
 //   Q4_K / Q5_K  q (d sc_j) - (dmin mn_j)   (sub-block j of 32)
 //   Q6_K  (q - 32) (d sc_k)                 (sub-block k of 16)
+//   IQ4_NL  d t[q]    IQ4_XS  (d (ls_j - 32)) t[q] (sub-block j of 32), t the 16-value
+//           non-uniform int8 table; the codes4 section holds the 4-bit indices
 
 // ggml type numbers (ember.models.gguf.GGMLType) of the packed layouts.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
+
+// IQ4_NL / IQ4_XS: the values the 4-bit indices stand for (ggml's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIQ4Table[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                              1,    13,   25,  38,  53,  69,  89,  113};
 
 constexpr int64_t RG = 16;   // rows per group
 constexpr int64_t QK = 32;   // elements per activation block (and per legacy block)
@@ -66,9 +75,15 @@ struct Geom {
 inline bool packable(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     default: return false;
   }
+}
+
+// Whether a type's kernel takes activations quantized per 256 (the K-quants' integer
+// sub-block scales) rather than per 32 (every other type, IQ4_XS's float scales too).
+inline bool kquant_activations(int type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
 }
 
 inline Geom geom_of(int type, int64_t K) {
@@ -82,6 +97,10 @@ inline Geom geom_of(int type, int64_t K) {
     case kQ5_1:
       g.gguf_block = 24; g.size[kCodes] = 256; g.size[kHi] = 64; g.size[kScales] = 64; break;
     case kQ8_0: g.gguf_block = 34; g.size[kCodes] = 512; g.size[kScales] = 32; break;
+    case kIQ4_NL: g.gguf_block = 18; g.size[kCodes] = 256; g.size[kScales] = 32; break;
+    case kIQ4_XS:
+      g.sb = 256; g.gguf_block = 136;
+      g.size[kCodes] = 2048; g.size[kScales] = 32; g.size[kExtra] = 96; break;
     case kQ4_K:
       g.sb = 256; g.gguf_block = 144;
       g.size[kCodes] = 2048; g.size[kScales] = 64; g.size[kExtra] = 192; break;
@@ -127,14 +146,23 @@ inline uint32_t rd32(const uint8_t* p) {
 // in element order, and where the block's f16 fields sit.
 inline void gguf_codes(int type, const uint8_t* blk, uint8_t* codes) {
   switch (type) {
-    case kQ4_0: case kQ4_1: {
-      const uint8_t* qs = blk + (type == kQ4_0 ? 2 : 4);
+    case kQ4_0: case kQ4_1: case kIQ4_NL: {
+      const uint8_t* qs = blk + (type == kQ4_1 ? 4 : 2);
       for (int j = 0; j < 16; ++j) {
         codes[j] = qs[j] & 0x0F;
         codes[j + 16] = qs[j] >> 4;
       }
       break;
     }
+    case kIQ4_XS:  // 8 sub-blocks of 16 bytes, each in Q4_0's nibble order
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* qs = blk + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          codes[32 * j + i] = qs[i] & 0x0F;
+          codes[32 * j + 16 + i] = qs[i] >> 4;
+        }
+      }
+      break;
     case kQ5_0: case kQ5_1: {
       const int at = type == kQ5_0 ? 2 : 4;
       const uint32_t qh = rd32(blk + at);
@@ -180,6 +208,20 @@ inline void gguf_codes(int type, const uint8_t* blk, uint8_t* codes) {
       break;
     }
     default: TORCH_CHECK(false, "no packed layout for ggml type ", type);
+  }
+}
+
+// IQ4_XS: the 8 sub-block scales ls - 32 of 16 rows, out[16 j + r], from their six
+// packed bytes per row (byte i of row r at 16 i + r; bytes 0-1: the u16 of the top two
+// bits, pair j at bit 2j; bytes 2-5: the low nibbles, sub-block j in byte 2 + j / 2).
+// The row loop is 16 independent bytes: compilers vectorize it.
+inline void decode_iq4xs_scales(const uint8_t* xb, int8_t* out) {
+  for (int j = 0; j < 8; ++j) {
+    for (int r = 0; r < 16; ++r) {
+      const int lo = (xb[16 * (2 + j / 2) + r] >> (4 * (j % 2))) & 0x0F;
+      const int hi = (xb[16 * (j / 4) + r] >> (2 * (j % 4))) & 3;
+      out[16 * j + r] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+    }
   }
 }
 
@@ -259,6 +301,11 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
           halves[r] = rd16(blk + 208);
           for (int i = 0; i < 16; ++i) xb[16 * i + r] = blk[192 + i];
           break;
+        case kIQ4_NL: halves[r] = rd16(blk); break;
+        case kIQ4_XS:
+          halves[r] = rd16(blk);
+          for (int i = 0; i < 6; ++i) xb[16 * i + r] = blk[2 + i];
+          break;
         default: break;
       }
     }
@@ -289,6 +336,8 @@ void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
     const uint8_t* xb = grp + g.at(kExtra, b);
     uint8_t s12[12];
     for (int i = 0; i < 12 && g.size[kExtra] == 192; ++i) s12[i] = xb[16 * i + r];
+    int8_t iscales[128];
+    if (g.type == kIQ4_XS) decode_iq4xs_scales(xb, iscales);
     for (int64_t j = 0; j < nsub; ++j) {
       float* o = out + b * g.sb + QK * j;
       for (int e = 0; e < QK; ++e) {
@@ -310,6 +359,12 @@ void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
         float v;
         switch (g.type) {
           case kQ4_0: v = static_cast<float>(q - 8) * h2f(halves[r]); break;
+          case kIQ4_NL: v = h2f(halves[r]) * static_cast<float>(kIQ4Table[q]); break;
+          case kIQ4_XS: {
+            const float scale = h2f(halves[r]) * static_cast<float>(iscales[16 * j + r]);
+            v = scale * static_cast<float>(kIQ4Table[q]);
+            break;
+          }
           case kQ5_0: v = static_cast<float>(q - 16) * h2f(halves[r]); break;
           case kQ8_0: v = static_cast<float>(q) * h2f(halves[r]); break;
           case kQ4_1: case kQ5_1:

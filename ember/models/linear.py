@@ -154,7 +154,7 @@ _NEVER = 1 << 62
 
 # Block types with a packed layout (ember/kernels/quant_layouts.h).
 PACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+                GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS)
 PACK_CHUNK_BYTES = 8 << 20  # GGUF bytes packed per call (then their pages are released)
 
 RawPart = tuple[np.ndarray, int, tuple[int, ...]]  # (raw bytes, ggml type, torch shape)
