@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 # module's layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ember.errors",),
-    ("ember.kernels", "ember.tokenizer", "ember.chat_template"),
+    ("ember.kernels", "ember.tokenizer", "ember.chat_template", "ember.tool_formats"),
     ("ember.kv",),
     ("ember.models",),
     ("ember.sampling",),

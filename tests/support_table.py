@@ -54,7 +54,7 @@ def _templates() -> tuple[int, str]:
     from llamacpp_source import llamacpp_source
 
     from ember.chat_template import ChatTemplate
-    from ember.server.tools import tool_style
+    from ember.tool_formats import tool_style
 
     paths = sorted((llamacpp_source() / "models" / "templates").glob("*.jinja"))
     kinds: Counter[str] = Counter()

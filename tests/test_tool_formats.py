@@ -22,7 +22,7 @@ from ember.chat_template import ChatTemplate
 from ember.sampling.constraints import StructuredOutput
 from ember.sampling.params import SamplingParams
 from ember.server import tools
-from ember.server.tool_formats import FORMATS, HERMES
+from ember.tool_formats import FORMATS, HERMES
 
 NATIVE = []
 for _path in sorted((llamacpp_source() / "models" / "templates").glob("*.jinja")):

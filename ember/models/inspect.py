@@ -15,6 +15,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+from ember.chat_template import ChatTemplate
 from ember.errors import EmberError
 from ember.kv.dtypes import KV_DTYPES
 from ember.models.architectures import ARCHITECTURES, model_config
@@ -24,6 +25,7 @@ from ember.models.gguf import GGMLType, GGUFFile
 from ember.models.linear import PACKED_TYPES
 from ember.models.quant import SUPPORTED_TYPES
 from ember.tokenizer import Tokenizer
+from ember.tool_formats import tool_style
 
 _DEFAULTS = ModelConfig("", 0, 0, 0, 0, 0, 0, 0, 0.0, 1.0, 0.0, 0, 0, False)
 _SHAPE = ("architecture", "n_layers", "hidden_size", "ffn_size", "n_heads", "n_kv_heads",
@@ -108,9 +110,6 @@ def _text(tokenizer: Tokenizer, token: int | None) -> str | None:
 
 
 def _template(gguf: GGUFFile, config: ModelConfig | None) -> dict[str, Any]:
-    from ember.chat_template import ChatTemplate
-    from ember.server.tools import tool_style
-
     family = ARCHITECTURES.get(gguf.architecture)
     default = family.chat_template if family is not None else None
     source = "gguf" if "tokenizer.chat_template" in gguf.metadata else (

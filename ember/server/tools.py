@@ -3,7 +3,7 @@ grammar that makes every call well-formed, and the parser of the reply.
 
 A model whose chat template takes tools and renders calls and results in the history
 (probed at load, :class:`ember.chat_template.TemplateCaps`), in a call format ember
-knows (:mod:`ember.server.tool_formats`: Hermes, Llama 3 JSON, Mistral, Qwen3-Coder
+knows (:mod:`ember.tool_formats`: Hermes, Llama 3 JSON, Mistral, Qwen3-Coder
 XML), gets them natively: the template presents the tools and past calls as the model
 was trained to see them, and the reply is constrained to that format. Any other
 model (SmolLM2's template knows no tools) gets them in the Hermes convention, described
@@ -33,37 +33,17 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ember.chat_template import ChatTemplate
 from ember.sampling.constraints import StructuredOutput
 from ember.server.errors import APIError, unsupported
-from ember.server.tool_formats import HERMES, ToolFormat, detect
+from ember.tool_formats import FALLBACK, HERMES, ToolStyle, tool_style
+
+__all__ = ["FALLBACK", "ToolStyle", "tool_style"]  # the server takes them from here too
 
 OPEN, CLOSE = HERMES.open, HERMES.close
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-@dataclass(frozen=True)
-class ToolStyle:
-    """How a model takes tools: natively through its template in ``fmt``, or (native
-    False) described by ember in Hermes."""
-
-    fmt: ToolFormat = HERMES
-    native: bool = False
-    object_arguments: bool = True  # the template wants calls' arguments as objects
-
-
-FALLBACK = ToolStyle()
-
-
-def tool_style(template: ChatTemplate | None) -> ToolStyle:
-    if template is None or not template.caps.tools:
-        return FALLBACK
-    past = template.past_call_text()
-    fmt = None if past is None else detect(past, *template.PROBE_CALL)
-    if fmt is None:
-        return FALLBACK
-    return ToolStyle(fmt, True, template.caps.object_arguments)
 
 
 @dataclass(frozen=True)

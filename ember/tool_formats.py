@@ -1,4 +1,5 @@
-"""How model families write tool calls: one class per wire format.
+"""How model families write tool calls: one class per wire format, and which one a
+chat template teaches its model (:func:`tool_style`).
 
 A format gives the grammar of a reply made of calls (llguidance Lark, each call's
 arguments constrained by its tool's JSON schema through ``%json``), the parser of
@@ -22,6 +23,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from ember.chat_template import ChatTemplate
 
 Call = tuple[str, Any]  # (tool name, arguments object)
 
@@ -287,3 +290,28 @@ def detect(past_call: str, name: str, arguments: dict[str, str]) -> ToolFormat |
     look-alikes apart (GLM's ``<tool_call>name<arg_key>`` is not Hermes)."""
     seen = re.sub(r"\s+", "", past_call)
     return next((f for f in FORMATS.values() if f.shown_in(seen, name, arguments)), None)
+
+
+@dataclass(frozen=True)
+class ToolStyle:
+    """How a model takes tools: natively through its template in ``fmt``, or (native
+    False) described by ember in Hermes."""
+
+    fmt: ToolFormat = HERMES
+    native: bool = False
+    object_arguments: bool = True  # the template wants calls' arguments as objects
+
+
+FALLBACK = ToolStyle()
+
+
+def tool_style(template: ChatTemplate | None) -> ToolStyle:
+    """The template's way with tools: native when it takes tools and its rendering of a
+    past call is in a format above; else ember's Hermes fallback."""
+    if template is None or not template.caps.tools:
+        return FALLBACK
+    past = template.past_call_text()
+    fmt = None if past is None else detect(past, *template.PROBE_CALL)
+    if fmt is None:
+        return FALLBACK
+    return ToolStyle(fmt, True, template.caps.object_arguments)
