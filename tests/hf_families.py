@@ -59,6 +59,13 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("Olmo2Config"),
     # every fourth layer without RoPE (NoPE)
     "smollm3": Family("SmolLM3Config", {"no_rope_layer_interval": 4}, n_layers=4),
+    # YaRN context extension (any family whose layers share one RoPE): an original
+    # context small enough that the ramp between kept and divided frequencies is inside
+    # the head
+    "smollm3-yarn": Family("SmolLM3Config", {
+        "no_rope_layer_interval": 4,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 64}}, n_layers=4),
 }
 
 

@@ -106,14 +106,15 @@ def test_fused_native_stack_is_batch_invariant(converted, name: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "change", "named"), [
-    ("smollm3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+    ("granite", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                      "original_max_position_embeddings": 128}}, "'yarn'"),
     ("olmo2", {"sliding_window": 8}, "sliding-window"),
 ])
 def test_what_a_family_does_not_implement_is_refused_at_load(
         converted, tmp_path: Path, name: str, change: dict, named: str) -> None:
-    """A checkpoint the converter writes with a feature ember lacks (YaRN RoPE, OLMo 3's
-    sliding windows) is refused by name when loaded, never run with a plain table."""
+    """A checkpoint the converter writes with a feature ember lacks for that family
+    (YaRN where it is not implemented, OLMo 3's sliding windows) is refused by name when
+    loaded, never run with a plain table."""
     import json
     import shutil
 

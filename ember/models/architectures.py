@@ -15,7 +15,7 @@ from typing import Any
 
 from ember.errors import UnsupportedModelError
 from ember.models import gemma2, gemma3, granite, llama, olmo2, phi3, qwen, smollm3
-from ember.models.config import EXTENDED_ROPE_SCALINGS, ModelConfig
+from ember.models.config import EXTENDED_ROPE_SCALINGS, ModelConfig, rope_yarn
 from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
 
@@ -29,16 +29,16 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(llama.configure),
-    "qwen2": Architecture(qwen.configure_qwen2),
-    "qwen3": Architecture(qwen.configure_qwen3),
-    "qwen3moe": Architecture(qwen.configure_qwen3moe),
+    "llama": Architecture(llama.configure, rope_scalings=("yarn",)),
+    "qwen2": Architecture(qwen.configure_qwen2, rope_scalings=("yarn",)),
+    "qwen3": Architecture(qwen.configure_qwen3, rope_scalings=("yarn",)),
+    "qwen3moe": Architecture(qwen.configure_qwen3moe, rope_scalings=("yarn",)),
     "gemma3": Architecture(gemma3.configure, chat_template=gemma3.CHAT_TEMPLATE),
     "gemma2": Architecture(gemma2.configure, chat_template=gemma3.CHAT_TEMPLATE),
     "phi3": Architecture(phi3.configure, rope_scalings=("longrope",)),
     "granite": Architecture(granite.configure),
     "olmo2": Architecture(olmo2.configure),
-    "smollm3": Architecture(smollm3.configure),
+    "smollm3": Architecture(smollm3.configure, rope_scalings=("yarn",)),
 }
 
 
@@ -54,5 +54,5 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     if scaling in EXTENDED_ROPE_SCALINGS and scaling not in family.rope_scalings:
         raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {scaling!r} is not "
                                     f"supported for {gguf.architecture}")
-    base = ModelConfig.common(gguf)
+    base = dataclasses.replace(ModelConfig.common(gguf), **rope_yarn(gguf))
     return dataclasses.replace(base, **family.configure(gguf, base))

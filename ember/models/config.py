@@ -19,6 +19,19 @@ Activation = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN's frequency blend (as transformers and ggml compute it): dims that turn
+    more than ``beta_fast`` times over the original context keep their frequency, those
+    turning fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp
+    between; cos and sin are scaled by the attention factor (``rope_attn_factor``)."""
+
+    factor: float
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
 class LayerAttention:
     """One layer's attention kind: how far back it looks and its RoPE base."""
 
@@ -61,6 +74,7 @@ class ModelConfig:
     final_softcap: float = 0.0  # the same on the logits
     logit_scale: float = 1.0  # logits multiplied by it (Granite divides by its logit_scale)
     rope_factors_tensor: str = "rope_freqs.weight"  # per-frequency RoPE factors, if present
+    rope_yarn: Yarn | None = None  # YaRN context extension (rope.scaling.type "yarn")
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
     activation: Activation = "silu"  # of the gate in gate * up
     # mixture of experts (every layer's FFN): experts per layer, used per token, FFN size
@@ -121,8 +135,9 @@ class ModelConfig:
         return base
 
 
-# RoPE scalings a family may take on beyond "linear" (its configure hook reads them).
-EXTENDED_ROPE_SCALINGS = ("longrope",)
+# RoPE scalings a family may take on beyond "linear" (read by its configure hook, or
+# for "yarn" by :func:`rope_yarn`, for families whose layers share one RoPE).
+EXTENDED_ROPE_SCALINGS = ("longrope", "yarn")
 
 
 def rope_linear_scale(gguf: GGUFFile) -> float:
@@ -136,3 +151,18 @@ def rope_linear_scale(gguf: GGUFFile) -> float:
         return float(gguf.require(f"{arch}.rope.scaling.factor"))
     raise UnsupportedModelError(f"{gguf.path.name}: RoPE scaling {kind!r} "
                                 f"({arch}.rope.scaling.type) is not supported")
+
+
+def rope_yarn(gguf: GGUFFile) -> dict[str, object]:
+    """The ModelConfig fields of a YaRN file: its blend and its attention factor (the
+    file's ``yarn_attn_factor`` if given, else transformers' default 0.1 ln(factor) + 1)."""
+    arch = gguf.architecture
+    if gguf.get(f"{arch}.rope.scaling.type") != "yarn":
+        return {}
+    factor = float(gguf.require(f"{arch}.rope.scaling.factor"))
+    yarn = Yarn(factor, int(gguf.require(f"{arch}.rope.scaling.original_context_length")),
+                float(gguf.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                float(gguf.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
+    attn = gguf.get(f"{arch}.rope.scaling.yarn_attn_factor")
+    default = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return {"rope_yarn": yarn, "rope_attn_factor": float(attn) if attn else default}

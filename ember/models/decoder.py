@@ -190,7 +190,7 @@ class DecoderModel:
         # one rotation table per distinct RoPE (Gemma's local and global layers)
         self.ropes = {
             key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1],
-                                 key[2], cfg.rope_attn_factor)
+                                 key[2], cfg.rope_attn_factor, cfg.rope_yarn)
             for key in rope_keys(cfg)}
         self.rope = self.ropes[rope_key(cfg.layer_attention(0))]
         self.activation = ACTIVATIONS[cfg.activation]

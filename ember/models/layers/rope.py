@@ -8,9 +8,11 @@ one silently scrambles attention; the transformers oracle tests guard both.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ember.models.config import LayerAttention, ModelConfig
+from ember.models.config import LayerAttention, ModelConfig, Yarn
 
 
 class RotaryEmbedding:
@@ -24,9 +26,11 @@ class RotaryEmbedding:
 
     def __init__(self, rope_dim: int, base: float, freq_factors: torch.Tensor | None = None,
                  neox: bool = False, scale: float = 1.0, enabled: bool = True,
-                 attn_factor: float = 1.0) -> None:
+                 attn_factor: float = 1.0, yarn: Yarn | None = None) -> None:
         half = rope_dim // 2
         inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rope_dim) / scale
+        if yarn is not None:
+            inv_freq = _yarn_blend(inv_freq, rope_dim, base, yarn)
         if freq_factors is not None:  # llama3/LongRoPE per-frequency factors
             inv_freq = inv_freq / freq_factors.double()
         # a layer without RoPE rotates by e^0 = 1: the same table shape, so both the
@@ -58,6 +62,22 @@ class RotaryEmbedding:
             pairs = head.contiguous().unflatten(-1, (-1, 2))
             rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
         return rotated if d == x.shape[-1] else torch.cat((rotated, x[..., d:]), dim=-1)
+
+
+def _yarn_blend(inv_freq: torch.Tensor, dim: int, base: float, yarn: Yarn) -> torch.Tensor:
+    """YaRN: each frequency between itself (dims turning often over the original
+    context) and itself / factor (dims turning rarely), by a ramp over the dims between
+    the two correction dims (floored and ceiled, as transformers and ggml do)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(yarn.original_context / (rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    span = (high - low) or 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / span).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it is), 0: interpolate
+    return inv_freq / yarn.factor * (1 - keep) + inv_freq * keep
 
 
 RopeKey = tuple[float, float, bool]
