@@ -141,22 +141,26 @@ class ConvertedFamily:
 
 def convert_families(names: list[str], root: Path, tokenizer_source: Path
                      ) -> dict[str, ConvertedFamily]:
-    """Each family as a checkpoint and its two GGUFs under ``root``; the converter runs
-    (subprocesses) two at a time."""
+    """Each family as a checkpoint and its two GGUFs under ``root``: llama.cpp's
+    converter writes the f32 file (subprocesses, two at a time), gguf-py quantizes its
+    matrices to Q8_0 for the native stack (as the converter's ``--outtype q8_0`` does,
+    without a second conversion)."""
     tokenizer = tokenizer_files(root / "tokenizers", tokenizer_source)
     models = {name: random_checkpoint(name, root / f"{name}-hf", tokenizer) for name in names}
-    jobs = [(name, root / f"{name}-hf", root / f"tiny-{name}-{kind}.gguf", kind)
-            for name in names for kind in ("f32", "q8_0")]
     with ThreadPoolExecutor(2) as pool:
-        paths = list(pool.map(lambda job: convert_hf_to_gguf(*job[1:]), jobs))
-    files = {(job[0], job[3]): path for job, path in zip(jobs, paths, strict=True)}
-    return {name: ConvertedFamily(name, models[name], files[name, "f32"], files[name, "q8_0"])
-            for name in names}
+        f32 = dict(zip(names, pool.map(
+            lambda n: convert_hf_to_gguf(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf"), names),
+            strict=True))
+    return {n: ConvertedFamily(n, models[n], f32[n],
+                               rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True))
+            for n in names}
 
 
-def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = ()) -> Path:
-    """A copy of ``src`` without some tensors (gguf-py reads and writes it): a file as
-    a broken converter or a hand edit would leave it."""
+def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
+                 q8_0: bool = False) -> Path:
+    """A copy of ``src`` (gguf-py reads and writes it) without some tensors — a file as
+    a broken converter or a hand edit would leave it — or (``q8_0``) with its f32
+    matrices quantized to Q8_0 by gguf-py."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -167,8 +171,13 @@ def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = ()) -> Pa
             continue
         sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, f.contents(), f.types[0], sub)
+    q8 = gguf.GGMLQuantizationType.Q8_0
     for t in reader.tensors:
-        if t.name not in drop_tensors:
+        if t.name in drop_tensors:
+            continue
+        if q8_0 and len(t.data.shape) == 2 and t.data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(t.data, q8), raw_dtype=q8)
+        else:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
