@@ -354,6 +354,24 @@ inline void tile_legacy(const Geom& g, const uint8_t* grp, int h, const QuantX& 
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
+// Signed 8-bit code blocks (Q8_0, IQ4_*) sum their dots in this many partials per
+// activation row: short dependency chains when the rows are few (as in block_dots).
+constexpr int s8_partials(int MT) { return MT == 1 ? 4 : MT == 2 ? 2 : 1; }
+
+// One block of signed 8-bit codes into a row's accumulator: its P partial dots summed
+// in a fixed order, the codes' bias taken back (kS8Bias sum x_q), then scaled by the
+// weights' dv and the activations' d_x: acc + dv d_x sum(w_q x_q).
+template <int P>
+inline Lanes::F add_s8_block(const Lanes::I* part, Lanes::F dv, const QuantX& a, int64_t xi,
+                             Lanes::F acc) {
+  using L = Lanes;
+  L::I sum = part[0];
+  if constexpr (P >= 2) sum = L::add(sum, part[1]);
+  if constexpr (P == 4) sum = L::add(sum, L::add(part[2], part[3]));
+  const L::I isum = L::sub(sum, L::seti(L::kS8Bias * a.qsum[xi]));
+  return L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc);
+}
+
 // The same for Q8_0's int8 codes.
 template <int MT>
 inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, int64_t K,
@@ -368,8 +386,7 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
     const uint8_t* cb = grp + g.at(kCodes, b) + 4 * L::W * h;
     const F dv = L::halves(
         reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b)) + L::W * h);
-    // partial sums per row as in block_dots: short chains when the rows are few
-    constexpr int P = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+    constexpr int P = s8_partials(MT);
     I part[MT][P];
     for (int m = 0; m < MT; ++m) {
       for (int p = 0; p < P; ++p) part[m][p] = L::zero();
@@ -381,12 +398,7 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
       }
     }
     for (int m = 0; m < MT; ++m) {
-      const int64_t xi = (m0 + m) * nb + b;
-      I sum = part[m][0];
-      if constexpr (P >= 2) sum = L::add(sum, part[m][1]);
-      if constexpr (P == 4) sum = L::add(sum, L::add(part[m][2], part[m][3]));
-      const I isum = L::sub(sum, L::seti(L::kS8Bias * a.qsum[xi]));
-      acc[m] = L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc[m]);
+      acc[m] = add_s8_block<P>(part[m], dv, a, (m0 + m) * nb + b, acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
@@ -395,7 +407,8 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
 // The same for IQ4_NL / IQ4_XS: each 4-bit index becomes its table value (one byte
 // shuffle), a signed 8-bit code met by the activation codes as Q8_0's are; one float
 // step per 32 elements with the block's scale (IQ4_XS: d times the sub-block's six-bit
-// ls - 32, decoded per super-block for the group's 16 rows; exact in f32). Per 32: sum w x-hat = scale d_x sum(t[q] x_q).
+// ls - 32, decoded per super-block for the group's 16 rows; exact in f32).
+// Per 32: sum w x-hat = scale d_x sum(t[q] x_q).
 template <int T, int MT>
 inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, int64_t K,
                      int64_t m0, const Out& out) {
@@ -414,7 +427,7 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
       const uint8_t* cb = grp + g.at(kCodes, b) + 256 * j + 4 * L::W * h;
       F dv = d;
       if constexpr (T == kIQ4_XS) dv = L::mul(d, L::i8f(scales + 16 * j + L::W * h));
-      constexpr int P = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+      constexpr int P = s8_partials(MT);
       I part[MT][P];
       for (int m = 0; m < MT; ++m) {
         for (int p = 0; p < P; ++p) part[m][p] = L::zero();
@@ -430,12 +443,7 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
         }
       }
       for (int m = 0; m < MT; ++m) {
-        const int64_t xi = (m0 + m) * nb + b * kSubs + j;
-        I sum = part[m][0];
-        if constexpr (P >= 2) sum = L::add(sum, part[m][1]);
-        if constexpr (P == 4) sum = L::add(sum, L::add(part[m][2], part[m][3]));
-        const I isum = L::sub(sum, L::seti(L::kS8Bias * a.qsum[xi]));
-        acc[m] = L::fma(dv, L::mul(L::cvt(isum), L::set1(a.d[xi])), acc[m]);
+        acc[m] = add_s8_block<P>(part[m], dv, a, (m0 + m) * nb + b * kSubs + j, acc[m]);
       }
     }
   }
