@@ -38,3 +38,17 @@ def build_variant(variant: str, flags: list[str]) -> Any:
         pytest.skip(f"the {variant} variant is an x86 build; this is {platform.machine()}")
     name = f"ember_qmm_test_{variant}"
     return kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
+
+
+def fused_vs_op_by_op(model: Any, ids: list[int]) -> tuple[Any, float]:
+    """A q4 model's teacher-forced logits through its fused native stack, and their
+    relative distance from the op-by-op PyTorch path on the same packed weights (the
+    stack is put back afterwards). The stack must be the model's: asserted here."""
+    assert model.native is not None and model.batch_invariant
+    fused = model.score(ids)
+    stack, model.native = model.native, None
+    try:
+        op_by_op = model.score(ids)
+    finally:
+        model.native = stack
+    return fused, ((fused - op_by_op).norm() / op_by_op.norm()).item()

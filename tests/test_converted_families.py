@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_families import FAMILIES, ConvertedFamily, convert_families
-from native import require_kernels
+from native import fused_vs_op_by_op, require_kernels
 
 from ember.models.loader import load_model
 from ember.sampling.params import SamplingParams
@@ -73,12 +73,7 @@ def test_fused_native_stack_runs_the_family(converted, name: str) -> None:
     quantize activations to int8, so a last-bit difference may flip a code: observed
     ≤ 1e-2 relative; a missing family option costs far more)."""
     require_kernels()
-    q = load_model(str(converted[name].q8_0), "q4")
-    assert q.model.native is not None and q.model.batch_invariant
-    fused = q.model.score(IDS)
-    q.model.native = None
-    op_by_op = q.model.score(IDS)
-    rel = ((fused - op_by_op).norm() / op_by_op.norm()).item()
+    _, rel = fused_vs_op_by_op(load_model(str(converted[name].q8_0), "q4").model, IDS)
     print(f"{name}: fused vs op-by-op relative error {rel:.2e}")
     assert rel < 0.05, rel
 
