@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_gguf import rewrite_gguf
 from llamacpp_source import convert_hf_to_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,33 +155,3 @@ def convert_families(names: list[str], root: Path, tokenizer_source: Path
     return {n: ConvertedFamily(n, models[n], f32[n],
                                rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True))
             for n in names}
-
-
-def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
-                 q8_0: bool = False) -> Path:
-    """A copy of ``src`` (gguf-py reads and writes it) without some tensors — a file as
-    a broken converter or a hand edit would leave it — or (``q8_0``) with its f32
-    matrices quantized to Q8_0 by gguf-py."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, f.contents(), f.types[0], sub)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for t in reader.tensors:
-        if t.name in drop_tensors:
-            continue
-        if q8_0 and len(t.data.shape) == 2 and t.data.shape[-1] % 32 == 0:
-            writer.add_tensor(t.name, gguf.quants.quantize(t.data, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hf_gguf import transformers_from_gguf
 from native import fused_vs_op_by_op, require_kernels
 
 from ember.models.config import LayerAttention
@@ -128,12 +128,9 @@ def long_ids(tok) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_logits(gemma3_llm, long_ids) -> torch.Tensor:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    path = gemma3_llm.engine.loaded.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers_from_gguf(gemma3_llm.engine.loaded.path)
     with torch.no_grad():
         return model(torch.tensor([long_ids])).logits[0].float()
 
@@ -198,14 +195,12 @@ def tiny_gemma(tmp_path_factory: pytest.TempPathFactory, smollm2_file) -> Path:
 
 def test_tiny_gemma_matches_transformers(tiny_gemma: Path) -> None:
     """Observed max |Δlogit| 5e-6 (|logits| ~5) with the window crossed five times."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from ember.models.loader import load_model
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_gemma.parent), gguf_file=tiny_gemma.name, dtype=torch.float32,
-        query_pre_attn_scalar=32)  # transformers does not read it from the GGUF
+    # transformers does not read query_pre_attn_scalar from the GGUF
+    hf = transformers_from_gguf(tiny_gemma, query_pre_attn_scalar=32)
     with torch.no_grad():
         theirs = hf(torch.tensor([TINY_IDS])).logits[0]
     ours = load_model(str(tiny_gemma), "f32").model.score(TINY_IDS)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_gguf import transformers_from_gguf
 from native import require_kernels
 
 from ember.config import EngineConfig
@@ -73,12 +74,9 @@ def outcomes(path: Path, weights: str = "f32", **options) -> tuple[list, LLMEngi
 # ------------------------------------------------------------------ resident vs transformers
 @pytest.mark.slow
 def test_resident_logits_and_greedy_match_transformers(moe_gguf: Path, resident) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(moe_gguf.parent), gguf_file=moe_gguf.name, dtype=torch.float32,
-        moe_intermediate_size=128, norm_topk_prob=True)
+    hf = transformers_from_gguf(moe_gguf, moe_intermediate_size=128, norm_topk_prob=True)
     with torch.no_grad():
         theirs = hf(torch.tensor([IDS])).logits[0]
     ours = resident.model.score(IDS)

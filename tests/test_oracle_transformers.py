@@ -35,6 +35,8 @@ pytest.importorskip(
     "accelerate", reason="accelerate is not installed (transformers needs it to load a GGUF)"
 )
 
+from hf_gguf import transformers_from_gguf  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-3  # see module docstring
@@ -75,18 +77,10 @@ GREEDY_PROMPT = "The old lighthouse keeper climbed the stairs every evening to"
 def hf_model(smollm2_gguf: Path):
     """transformers' own LlamaForCausalLM, dequantized from the same GGUF (float32).
 
-    Loaded once (~15 s: gguf-py parses the file twice in pure Python) and dropped
+    Loaded once (a few seconds, from a copy without the vocabulary) and dropped
     when this module is done, so its ~0.6 GB does not outlive the tests that use it.
     """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent),
-        gguf_file=smollm2_gguf.name,
-        dtype=torch.float32,
-        local_files_only=True,
-    )
-    return model.eval()
+    return transformers_from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

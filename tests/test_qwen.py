@@ -9,11 +9,11 @@ biases, the q/k norms or NEOX RoPE does (checked by breaking each).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from hf_gguf import transformers_from_gguf
 from native import fused_vs_op_by_op, require_kernels
 from tiny_model import TINY_QWEN
 
@@ -27,13 +27,11 @@ families = pytest.mark.parametrize("arch", sorted(TINY_QWEN))
 
 
 def transformers_model(path: Path, arch: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     # transformers' GGUF reader does not map key_length: say the head size (Qwen3)
     extra = {"head_dim": TINY_QWEN[arch]["head_dim"]} if "head_dim" in TINY_QWEN[arch] else {}
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra)
+    return transformers_from_gguf(path, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -58,38 +58,28 @@ def test_the_templates_own_rendering_of_a_call_parses_back(stem: str, template) 
     assert fmt.parse(rendered[start:], {name: schema}) == [(name, arguments)]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    import ember
-
-    return ember.LLM("smollm2-135m", weights="f32")
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS), ids=str)
-def test_replies_under_each_grammar_parse_into_valid_calls(smollm2, fmt: str) -> None:
+def test_replies_under_each_grammar_parse_into_valid_calls(smollm2_llm, fmt: str) -> None:
     """Sampled replies until one finishes, at most four (each grammar step is a mask
     over 49k tokens; a reply still inside a call at ``max_tokens`` proves nothing).
     One call each: with parallel calls allowed SmolLM2 goes on calling until the cap
     (the parallel grammars are checked on written replies below)."""
     f, parallel = FORMATS[fmt], False
     grammar = StructuredOutput.lark(f.grammar(SCHEMAS, parallel=parallel, auto=False))
-    prompt = smollm2.encode_chat([{"role": "user", "content": "Weather in Paris for 3 "
-                                   "days, and 20 dollars in euros?"}])
-    finished = 0
+    prompt = smollm2_llm.encode_chat([{"role": "user", "content": "Weather in Paris for 3 "
+                                       "days, and 20 dollars in euros?"}])
     for seed in range(4):
-        if finished:
+        (out,) = smollm2_llm.generate([prompt], SamplingParams(
+            temperature=0.7, seed=seed, max_tokens=160, structured=grammar))
+        if out.finish_reason == "stop":
             break
-        (out,) = smollm2.generate([prompt], SamplingParams(
-            temperature=0.7, seed=seed, max_tokens=200, structured=grammar))
-        if out.finish_reason != "stop":
-            continue  # cut short inside a call: nothing to parse
-        finished += 1
-        calls = f.parse(out.text, SCHEMAS)
-        assert calls, out.text
-        assert parallel or len(calls) == 1
-        for name, arguments in calls:
-            jsonschema.validate(arguments, SCHEMAS[name])
-    assert finished, "no reply finished within max_tokens: nothing was checked"
+    else:
+        pytest.fail("no reply finished within max_tokens: nothing was checked")
+    calls = f.parse(out.text, SCHEMAS)
+    assert calls, out.text
+    assert parallel or len(calls) == 1
+    for name, arguments in calls:
+        jsonschema.validate(arguments, SCHEMAS[name])
 
 
 TWO_CALLS = {
@@ -109,14 +99,14 @@ TWO_CALLS = {
 
 @pytest.mark.parametrize("fmt", sorted(TWO_CALLS), ids=str)
 def test_two_calls_are_what_the_parallel_grammar_accepts_and_the_parser_reads(
-        smollm2, fmt: str) -> None:
+        smollm2_llm, fmt: str) -> None:
     """A reply of two calls, written as the model would: llguidance accepts every token
     of it under the parallel grammar, refuses it under the single-call one, and the
     parser reads both calls."""
     from ember.sampling.constraints import GrammarCompiler
 
     f, text = FORMATS[fmt], TWO_CALLS[fmt]
-    tokenizer = smollm2.tokenizer
+    tokenizer = smollm2_llm.tokenizer
     ids = tokenizer.encode(text, add_bos=False)
     compiler = GrammarCompiler(tokenizer)
     for parallel in (True, False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,18 @@ def client(native) -> openai.OpenAI:
                          timeout=120)
 
 
+def _ask_together(client, server, questions: list[str], **kw: Any) -> list[Any]:
+    """The questions asked at once (the server batches them), replies in order; the
+    k-th with seed k."""
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(lambda kq: ask(client, server, kq[1], seed=kq[0], **kw),
+                             enumerate(questions)))
+
+
 def test_required_replies_are_valid_calls_in_the_models_format(client, native) -> None:
     server, _ = native
-    for k, question in enumerate(QUESTIONS[:3]):
-        r = ask(client, server, question, tool_choice="required", seed=k, temperature=0.9,
-                parallel_tool_calls=False)
+    for r in _ask_together(client, server, QUESTIONS[:3], tool_choice="required",
+                           temperature=0.9, parallel_tool_calls=False):
         assert r.choices[0].finish_reason == "tool_calls"
         assert len(check_calls(r.choices[0].message, set(SCHEMAS))) == 1
 
@@ -71,8 +79,8 @@ def test_streamed_calls_equal_the_whole_reply(client, native) -> None:
 
 def test_auto_text_never_starts_like_a_call(client, native) -> None:
     server, lead = native
-    for k, question in enumerate([*QUESTIONS[:2], "Say hello."]):
-        r = ask(client, server, question, tool_choice="auto", seed=k, temperature=0.9)
+    for r in _ask_together(client, server, [*QUESTIONS[:2], "Say hello."],
+                           tool_choice="auto", temperature=0.9):
         message = r.choices[0].message
         if message.tool_calls:
             check_calls(message, set(SCHEMAS))
