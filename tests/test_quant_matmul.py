@@ -3,8 +3,8 @@
 Oracles: gguf-py's dequantizer (an implementation nobody here wrote) for the packed
 layouts, and ``F.linear`` in float32 over those weights for the products.
 
-Every block type with a packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-is checked the same ways:
+Every block type with a packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K,
+Q6_K, IQ4_NL, IQ4_XS) is checked the same ways:
 
 * Layout: packing moves bits, never values: the packed weight dequantizes to exactly
   gguf-py's floats, and it holds the GGUF's bytes (no more: rows padded to 16 only).
@@ -62,8 +62,10 @@ INT_PATH = 10**9  # gemm_min_m that keeps every M on the integer path (the defau
 GEMM_PATH = 0  # gemm_min_m that sends every M to the dequantize + GEMM path
 REL_TOL_INT8 = 2e-2
 LEGACY = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
-K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+K_TYPES = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 IQ_TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS]  # table-valued indices, per-32 activations
+# types whose random blocks are random bytes with sane f16 scales (tests/tiny_model.py)
+RANDOM_BLOCK_TYPES = [*IQ_TYPES, GGMLType.Q3_K]
 ALL_TYPES = LEGACY + K_TYPES + IQ_TYPES
 
 
@@ -101,7 +103,7 @@ def random_kquant_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.nd
 
 
 def random_block_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random blocks of a type gguf-py cannot quantize (IQ4_*): random index and
+    """Random blocks of a type gguf-py cannot quantize (IQ4_*, Q3_K): random code and
     sub-scale bytes, the f16 scale set as tests/tiny_model.py sets it."""
     from tiny_model import RANDOM_BLOCK_SCALES
 
@@ -115,8 +117,8 @@ def random_block_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.nda
 
 
 def any_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
-    make = (random_kquant_raw if qtype in K_TYPES else
-            random_block_raw if qtype in IQ_TYPES else random_raw)
+    make = (random_block_raw if qtype in RANDOM_BLOCK_TYPES else
+            random_kquant_raw if qtype in K_TYPES else random_raw)
     return make(qtype, rows, cols, seed)
 
 

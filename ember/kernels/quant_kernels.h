@@ -237,11 +237,13 @@ template <int T>
 struct Kind {
   static constexpr bool kHi1 = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
   static constexpr bool kHi2 = T == kQ6_K;
-  static constexpr bool kKQuant = T == kQ4_K || T == kQ5_K || T == kQ6_K;
+  static constexpr bool kKQuant = T == kQ3_K || T == kQ4_K || T == kQ5_K || T == kQ6_K;
   static constexpr bool kOffset = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
   static constexpr int kSub = kKQuant ? 8 : 1;  // 32-element blocks per super-block
-  // two integer sums per block and row (Q6_K's scales are per 16) or one
-  static constexpr bool kHalves = T == kQ6_K;
+  // two integer sums per block and row (Q6_K's and Q3_K's signed scales are per 16,
+  // their codes centred, no minimums) or one
+  static constexpr bool kHalves = T == kQ6_K || T == kQ3_K;
+  static constexpr int32_t kKCentre = T == kQ3_K ? 4 : 32;  // (kHalves K-quants)
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
   // activation rows per tile: what fits the registers
@@ -255,6 +257,15 @@ inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lane
                         Lanes::B* hi0, Lanes::B* lo1, Lanes::B* hi1) {
   using L = Lanes;
   using KT = Kind<T>;
+  if constexpr (T == kQ3_K) {  // bits 0-1 from the hi2-laid codes, bit 2 from masks
+    const L::B v = L::load(cj + SUBV * (u / 2));
+    const uint8_t* mb = hj + L::W / 2 * h;
+    *lo0 = L::or_bits(L::and_(v, L::set8(0x03)), mb + 8 * (2 * u), 0x04);
+    *hi0 = L::or_bits(L::template shr<2>(v, 0x03), mb + 8 * (2 * u + 1), 0x04);
+    *lo1 = L::or_bits(L::template shr<4>(v, 0x03), mb + 8 * (2 * u + 2), 0x04);
+    *hi1 = L::or_bits(L::template shr<6>(v, 0x03), mb + 8 * (2 * u + 3), 0x04);
+    return;
+  }
   const L::B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
   *lo0 = L::and_(r0, L::set8(0x0F));
   *hi0 = L::high_nibbles(r0);
@@ -450,10 +461,11 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
-// The same for K-quants (Q4_K, Q5_K, Q6_K), with per-256 activations: sub-block dots
-// times their integer scales summed in int32, one float step per super-block.
+// The same for K-quants (Q3_K, Q4_K, Q5_K, Q6_K), with per-256 activations: sub-block
+// dots times their integer scales summed in int32, one float step per super-block.
 //   Q4_K/Q5_K: sum w x-hat = d d_x sum_j sc_j (q . x_q)_j - dmin d_x sum_j mn_j (sum x_q)_j
 //   Q6_K:      sum w x-hat = d d_x sum_k sc_k ((q . x_q)_k - 32 (sum x_q)_k), k per 16
+//   Q3_K:      the same with centre 4 and sc_k the decoded six-bit scale - 32
 // Bounds: |q . x_q| <= 32 * 31 * 127 per sub-block, times 63, times 8 (Q5_K: < 2^26);
 // Q6_K 16 * 32 * 127 * 128 * 16 < 2^28: int32 never overflows.
 template <int T, int MT>
@@ -462,10 +474,12 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
   using L = Lanes;
   using I = L::I;
   using F = L::F;
+  using KT = Kind<T>;
   const int64_t nsb = K / 256;
   F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
   alignas(64) uint8_t scb[128], mnb[128];
+  alignas(64) uint8_t q3sc[256];
   for (int64_t sb = 0; sb < g.nsb; ++sb) {
     const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
     const uint8_t* hb = grp + g.at(kHi, sb);
@@ -473,21 +487,29 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
         reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) +
         L::W * h;
     const uint8_t* xb = grp + g.at(kExtra, sb);
-    if constexpr (T != kQ6_K) decode_kscales(xb, scb, mnb);
+    if constexpr (!KT::kHalves) decode_kscales(xb, scb, mnb);
+    if constexpr (T == kQ3_K) decode_q3k_scales(xb, q3sc);
     I isc[MT], imn[MT];  // this super-block's scaled dots and scaled minimum sums
     for (int m = 0; m < MT; ++m) isc[m] = imn[m] = L::zero();
     for (int j = 0; j < 8; ++j) {
       const uint8_t* hj = hb + (T == kQ6_K ? 128 : 64) * j;
       I lo[MT], hi[MT];
-      block_dots<T, MT>(cb + 256 * j, hj, h, a.q, K, m0, sb * 256 + QK * j, lo, hi);
-      if constexpr (T == kQ6_K) {
-        const int8_t* sc6 = reinterpret_cast<const int8_t*>(xb);
-        const I slo = L::i8i(sc6 + 16 * (2 * j) + L::W * h);
-        const I shi = L::i8i(sc6 + 16 * (2 * j + 1) + L::W * h);
+      block_dots<T, MT>(cb + (T == kQ3_K ? 128 : 256) * j, hj, h, a.q, K, m0,
+                        sb * 256 + QK * j, lo, hi);
+      if constexpr (KT::kHalves) {
+        I slo, shi;  // the two sub-blocks' signed scales
+        if constexpr (T == kQ3_K) {
+          slo = L::sub(L::u8i(q3sc + 16 * (2 * j) + L::W * h), L::seti(32));
+          shi = L::sub(L::u8i(q3sc + 16 * (2 * j + 1) + L::W * h), L::seti(32));
+        } else {
+          const int8_t* sc6 = reinterpret_cast<const int8_t*>(xb);
+          slo = L::i8i(sc6 + 16 * (2 * j) + L::W * h);
+          shi = L::i8i(sc6 + 16 * (2 * j + 1) + L::W * h);
+        }
         for (int m = 0; m < MT; ++m) {
           const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
-          const I l = L::sub(lo[m], L::seti(32 * bs[0]));
-          const I u = L::sub(hi[m], L::seti(32 * bs[1]));
+          const I l = L::sub(lo[m], L::seti(KT::kKCentre * bs[0]));
+          const I u = L::sub(hi[m], L::seti(KT::kKCentre * bs[1]));
           isc[m] = L::add(isc[m], L::add(L::mullo(l, slo), L::mullo(u, shi)));
         }
       } else {
@@ -504,7 +526,7 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
     for (int m = 0; m < MT; ++m) {
       const F dx = L::set1(a.d[(m0 + m) * nsb + sb]);
       acc[m] = L::fma(L::mul(dv, dx), L::cvt(isc[m]), acc[m]);
-      if constexpr (T != kQ6_K) {
+      if constexpr (!KT::kHalves) {
         acc[m] = L::fnma(L::mul(L::halves(hv + RG), dx), L::cvt(imn[m]), acc[m]);
       }
     }
@@ -592,6 +614,7 @@ void run_segment_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, 
     case kQ5_0: run_groups<kQ5_0>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kQ5_1: run_groups<kQ5_1>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kQ8_0: run_groups<kQ8_0>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kQ3_K: run_groups<kQ3_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kQ4_K: run_groups<kQ4_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kQ5_K: run_groups<kQ5_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kQ6_K: run_groups<kQ6_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;

@@ -26,6 +26,8 @@
 //   hi2     per 32 elements, 2 vectors of 64 bytes; vector k, byte 4r + p: bits 4-5 of
 //           the codes of vectors u = 2k (low nibble: bits 0-1, high: 2-3) and 2k + 1
 //           (low: 4-5, high: 6-7) in byte 4r + p (Q6_K).
+//   Q3_K's three-bit codes have no codes4 section: their bits 0-1 are a section laid
+//           out as hi2 (where the codes section sits), bit 2 one laid out as hi1.
 //   f16     16 halves, one per row (Q4_0/Q5_0/Q8_0 d, Q4_1/Q5_1 d and m, Q6_K d).
 //   kscale  Q4_K/Q5_K: the 12 bytes of six-bit scales and mins of every row, byte b of
 //           row r at 16 b + r (decoded by the kernel per super-block).
@@ -34,18 +36,21 @@
 //           r at 16 k + r.
 //   iscale  IQ4_XS: the GGUF's 6 scale bytes of every row (u16 of the eight scales'
 //           top bits, 4 bytes of their low nibbles), byte i of row r at 16 i + r.
+//   q3scale Q3_K: the GGUF's 12 bytes of sixteen six-bit scales of every row, byte i of
+//           row r at 16 i + r (decoded by the kernel per super-block).
 //
 // Values (as gguf-py computes them, with f32 arithmetic and one rounding per step):
 //   Q4_0 (q - 8) d    Q4_1 q d + m    Q5_0 (q - 16) d    Q5_1 q d + m    Q8_0 q d
 //   Q4_K / Q5_K  q (d sc_j) - (dmin mn_j)   (sub-block j of 32)
 //   Q6_K  (q - 32) (d sc_k)                 (sub-block k of 16)
+//   Q3_K  (q - 4) (d (sc_k - 32))           (sub-block k of 16; q the three-bit code)
 //   IQ4_NL  d t[q]    IQ4_XS  (d (ls_j - 32)) t[q] (sub-block j of 32), t the 16-value
 //           non-uniform int8 table; the codes4 section holds the 4-bit indices
 
 // ggml type numbers (ember.models.gguf.GGMLType) of the packed layouts.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 // IQ4_NL / IQ4_XS: the values the 4-bit indices stand for (ggml's kvalues_iq4nl).
@@ -75,7 +80,7 @@ struct Geom {
 inline bool packable(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
+    case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     default: return false;
   }
 }
@@ -83,7 +88,7 @@ inline bool packable(int type) {
 // Whether a type's kernel takes activations quantized per 256 (the K-quants' integer
 // sub-block scales) rather than per 32 (every other type, IQ4_XS's float scales too).
 inline bool kquant_activations(int type) {
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
+  return type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K;
 }
 
 inline Geom geom_of(int type, int64_t K) {
@@ -101,6 +106,10 @@ inline Geom geom_of(int type, int64_t K) {
     case kIQ4_XS:
       g.sb = 256; g.gguf_block = 136;
       g.size[kCodes] = 2048; g.size[kScales] = 32; g.size[kExtra] = 96; break;
+    case kQ3_K:
+      g.sb = 256; g.gguf_block = 110;
+      g.size[kCodes] = 1024; g.size[kHi] = 512; g.size[kScales] = 32; g.size[kExtra] = 192;
+      break;
     case kQ4_K:
       g.sb = 256; g.gguf_block = 144;
       g.size[kCodes] = 2048; g.size[kScales] = 64; g.size[kExtra] = 192; break;
@@ -191,6 +200,22 @@ inline void gguf_codes(int type, const uint8_t* blk, uint8_t* codes) {
       }
       break;
     }
+    case kQ3_K: {
+      // two halves of 128 elements: bits 0-1 of element 32 j + l of half n are bit pair
+      // j of qs[32 n + l]; bit 2 is bit 4 n + j of hmask[l] (the GGUF stores it
+      // inverted: set means the code is not lowered by 4, i.e. q = low + 4)
+      const uint8_t* hm = blk;
+      const uint8_t* qs = blk + 32;
+      for (int n = 0; n < 2; ++n) {
+        for (int j = 0; j < 4; ++j) {
+          for (int l = 0; l < 32; ++l) {
+            codes[128 * n + 32 * j + l] = static_cast<uint8_t>(
+                ((qs[32 * n + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2));
+          }
+        }
+      }
+      break;
+    }
     case kQ6_K: {
       // two halves of 128: ql low nibbles are elements 0-63 of the half, high nibbles
       // 64-127; qh[l] holds bits 4-5 of elements l, l + 32, l + 64, l + 96
@@ -222,6 +247,26 @@ inline void decode_iq4xs_scales(const uint8_t* xb, int8_t* out) {
       const int hi = (xb[16 * (j / 4) + r] >> (2 * (j % 4))) & 3;
       out[16 * j + r] = static_cast<int8_t>((lo | (hi << 4)) - 32);
     }
+  }
+}
+
+// Q3_K: the 16 six-bit sub-block scales sc (unsigned; the value's scale is sc - 32) of
+// 16 rows, out[16 k + r], from their 12 packed bytes per row (byte i of row r at
+// 16 i + r): scale k's low nibble is nibble k / 8 of byte k % 8, its top two bits pair
+// k / 4 of byte 8 + k % 4. Whole vectors at a time: bytes 0-3 of the 16 rows (a) hold
+// the low nibbles of scales 0-3 and 8-11, bytes 4-7 (b) of 4-7 and 12-15, bytes 8-11
+// (c) the top bits of all (the 16-bit shifts' bits from the neighbouring byte are
+// masked off).
+inline void decode_q3k_scales(const uint8_t* s, uint8_t* out) {
+  using L = Lanes;
+  constexpr int V = static_cast<int>(sizeof(L::B));
+  for (int o = 0; o < 64; o += V) {
+    const L::B a = L::load(s + o), b = L::load(s + 64 + o), c = L::load(s + 128 + o);
+    const L::B low = L::set8(0x0F), top = L::set8(0x30);
+    L::store_b(L::or_(L::and_(a, low), L::template shl<4>(c, 0x30)), out + o);
+    L::store_b(L::or_(L::and_(b, low), L::template shl<2>(c, 0x30)), out + 64 + o);
+    L::store_b(L::or_(L::template shr<4>(a, 0x0F), L::and_(c, top)), out + 128 + o);
+    L::store_b(L::or_(L::template shr<4>(b, 0x0F), L::template shr<2>(c, 0x30)), out + 192 + o);
   }
 }
 
@@ -284,6 +329,16 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
           put_codes8(c, r, cb);
           continue;
         }
+        if (g.type == kQ3_K) {  // bits 0-1 as a hi2 section, bit 2 as a hi1 section
+          uint8_t low[32], top[32];
+          for (int i = 0; i < 32; ++i) {
+            low[i] = static_cast<uint8_t>((c[i] & 3) << 4);
+            top[i] = static_cast<uint8_t>(((c[i] >> 2) & 1) << 4);
+          }
+          put_hi2(low, r, cb + 128 * j);
+          put_hi1(top, r, hb + 64 * j);
+          continue;
+        }
         put_codes4(c, r, cb + 256 * j);
         if (g.type == kQ5_0 || g.type == kQ5_1 || g.type == kQ5_K) put_hi1(c, r, hb + 64 * j);
         if (g.type == kQ6_K) put_hi2(c, r, hb + 128 * j);
@@ -300,6 +355,10 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
         case kQ6_K:
           halves[r] = rd16(blk + 208);
           for (int i = 0; i < 16; ++i) xb[16 * i + r] = blk[192 + i];
+          break;
+        case kQ3_K:
+          halves[r] = rd16(blk + 108);
+          for (int i = 0; i < 12; ++i) xb[16 * i + r] = blk[96 + i];
           break;
         case kIQ4_NL: halves[r] = rd16(blk); break;
         case kIQ4_XS:
@@ -338,12 +397,18 @@ void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
     for (int i = 0; i < 12 && g.size[kExtra] == 192; ++i) s12[i] = xb[16 * i + r];
     int8_t iscales[128];
     if (g.type == kIQ4_XS) decode_iq4xs_scales(xb, iscales);
+    uint8_t q3scales[256];
+    if (g.type == kQ3_K) decode_q3k_scales(xb, q3scales);
     for (int64_t j = 0; j < nsub; ++j) {
       float* o = out + b * g.sb + QK * j;
       for (int e = 0; e < QK; ++e) {
         int q;
         if (g.type == kQ8_0) {
           q = static_cast<int8_t>(cb[SUBV * (e / 4) + 4 * r + e % 4]);
+        } else if (g.type == kQ3_K) {
+          const int u = (e % 16) / 4, p = e % 4, k = e / 16, bit = 4 * r + p;
+          q = (cb[128 * j + SUBV * (u / 2) + 4 * r + p] >> (4 * (u % 2) + 2 * k)) & 3;
+          q |= ((hb[64 * j + 8 * (2 * u + k) + bit / 8] >> (bit % 8)) & 1) << 2;
         } else {
           const int u = (e % 16) / 4, p = e % 4, k = e / 16;
           const uint8_t byte = cb[256 * j + SUBV * u + 4 * r + p];
@@ -376,6 +441,11 @@ void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
             const float scale = h2f(halves[r]) * static_cast<float>(sc);
             const float minimum = h2f(halves[16 + r]) * static_cast<float>(mn);
             v = static_cast<float>(q) * scale - minimum;
+            break;
+          }
+          case kQ3_K: {
+            const int sc = q3scales[16 * (2 * j + e / 16) + r] - 32;
+            v = static_cast<float>(q - 4) * (h2f(halves[r]) * static_cast<float>(sc));
             break;
           }
           default: {  // Q6_K
