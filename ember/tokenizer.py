@@ -163,6 +163,14 @@ _FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
 # merges give those same tokens (checked against llama.cpp for 1-79 newlines), so
 # ember does not special-case them.
 _NEWLINE_RUNS = r"[^\n]+|\n+"
+# tekken (Mistral Nemo, Small 3, Ministral 3): words split at case changes. llama.cpp
+# runs its own spelling of tokenizer.json's regex (upper: a letter not a-z, lower: a
+# letter not A-Z, so other scripts' letters are both), and so does ember.
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,7 @@ def _pre_types() -> dict[str, _PreTokenizer]:
         (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
         (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
         (("qwen35",), _PreTokenizer((_QWEN35,))),
+        (("tekken",), _PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
         (("deepseek-llm",), _PreTokenizer(_DEEPSEEK_LLM)),
         (("deepseek-coder",), _PreTokenizer(_DEEPSEEK_CODER)),
         (("falcon",), _PreTokenizer(_FALCON)),

@@ -67,6 +67,15 @@ FAMILIES: dict[str, Family] = {
         "no_rope_layer_interval": 4,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                             "original_max_position_embeddings": 64}}, n_layers=4),
+    # Ministral 3: YaRN with transformers' mscale / mscale_all_dim, and Llama 4's
+    # attention temperature, which grows every 16 positions here (a real file: 16k)
+    "mistral3": Family("Ministral3Config", {
+        "head_dim": 16,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16,
+                            "max_position_embeddings": 512, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "llama_4_scaling_beta": 0.5}}),
 }
 
 

@@ -77,6 +77,9 @@ def table() -> str:
              f"| other weight types | {other} | tests/test_quant.py |",
              f"| tokenizers (llama.cpp's vocab tests, every case exact) | {_vocabularies()} "
              "| tests/test_tokenizer_vocabs.py |",
+             "| pre-tokenizers without a llama.cpp vocab test | tekken (llama.cpp's ids on "
+             "SmolLM2's vocabulary, tests/golden/tekken_tokens.json) | "
+             "tests/test_tokenizer_vocabs.py |",
              f"| chat templates (llama.cpp's models/templates) | all {n_templates} render; "
              f"tool calls: {kinds} | tests/test_chat_templates.py, "
              "tests/test_tool_formats.py |", "", END]

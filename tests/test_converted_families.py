@@ -152,7 +152,7 @@ def test_logits_match_llama_cpp(converted, loaded_f32, tmp_path: Path, name: str
 
 def test_an_mlp_without_its_gate_is_refused_naming_the_tensor(converted, tmp_path: Path
                                                                ) -> None:
-    from hf_families import rewrite_gguf
+    from hf_gguf import rewrite_gguf
 
     from ember.errors import UnsupportedModelError
 
@@ -162,11 +162,25 @@ def test_an_mlp_without_its_gate_is_refused_naming_the_tensor(converted, tmp_pat
         load_model(str(path), "f32")
 
 
+def test_a_mistral3_mixture_of_experts_is_refused_naming_the_key(converted, tmp_path: Path
+                                                                ) -> None:
+    """Mistral 3's MoE variant (expert tensors, multi-head latent attention in Mistral 4)
+    is not implemented: its expert count is named, nothing runs as a dense model."""
+    from hf_gguf import rewrite_gguf
+
+    from ember.errors import UnsupportedModelError
+
+    path = rewrite_gguf(converted["mistral3"].f32, tmp_path / "moe.gguf",
+                        add_keys={"mistral3.expert_count": 8})
+    with pytest.raises(UnsupportedModelError, match=r"mistral3\.expert_count"):
+        load_model(str(path), "f32")
+
+
 def test_a_missing_or_misshapen_tensor_is_refused_naming_it(converted, tmp_path: Path
                                                             ) -> None:
     """An inconsistent file (a tensor gone, as a broken converter leaves it) fails at
     load with an error naming the tensor, before any request."""
-    from hf_families import rewrite_gguf
+    from hf_gguf import rewrite_gguf
 
     from ember.errors import EmberError
 

@@ -132,6 +132,14 @@ class DecoderStack {
     softcap_ = static_cast<float>(attn_softcap);
   }
 
+  // Llama 4's attention temperature (Mistral 3): every query is multiplied by
+  // 1 + scale ln(1 + floor(position / floor)) after RoPE; scale 0: none.
+  void set_attn_temperature(double scale, int64_t floor) {
+    TORCH_CHECK(scale == 0 || floor > 0, "DecoderStack: attention temperature needs a floor");
+    temp_scale_ = scale;
+    temp_floor_ = floor;
+  }
+
   void add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
                  const PackedLinear& qkv, const PackedLinear& o, const PackedLinear& gate_up,
                  const PackedLinear& down) {
@@ -232,7 +240,7 @@ class DecoderStack {
       L.qkv.matmul_into(attn_in, T, qkvp);
       clock.lap(kProjections);
       rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
-                     kv);
+                     positions.data_ptr<int64_t>(), kv);
       clock.lap(kRopeStore);
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
              rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window,
@@ -350,10 +358,12 @@ class DecoderStack {
   }
 
   // Per token: add the Q/K/V biases, norm each q and k head, rotate them by the
-  // token's position (adjacent pairs, or NEOX pairs i, i + rope_dim/2), then store
-  // its k and v at its slot in the pool (rounded or quantized to the pool's type).
+  // token's position (adjacent pairs, or NEOX pairs i, i + rope_dim/2), scale q by the
+  // attention temperature where there is one, then store its k and v at its slot in
+  // the pool (rounded or quantized to the pool's type).
   void rope_and_store(const LayerWeights& L, float* qkv, int64_t T, const float* rope,
-                      const int64_t* slots, const PoolLayer& kv) const {
+                      const int64_t* slots, const int64_t* positions,
+                      const PoolLayer& kv) const {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     const int64_t half = rope_dim_ / 2, width = q_dim + 2 * kv_dim;
     void* kbase = const_cast<void*>(kv.k);
@@ -382,6 +392,12 @@ class DecoderStack {
             a[other] = x0 * s + x1 * c;
           }
         }
+        if (temp_scale_ != 0) {
+          const float f = static_cast<float>(
+              1.0 + temp_scale_ * std::log1p(std::floor(static_cast<double>(positions[t]) /
+                                                        static_cast<double>(temp_floor_))));
+          for (int64_t i = 0; i < q_dim && f != 1.0f; ++i) row[i] *= f;
+        }
         const int64_t slot = slots[t];
         const int64_t at = (slot / kv.bs) * kv.block_stride + (slot % kv.bs) * kv.hkv * kv.row;
         narrow_to(row + q_dim, kv_dim, kv.type, kbase, at);
@@ -407,6 +423,8 @@ class DecoderStack {
   float scale_;
   bool pre_norms_ = true, qk_norm_full_ = false;
   float residual_scale_ = 1.0f, softcap_ = 0.0f;
+  double temp_scale_ = 0.0;
+  int64_t temp_floor_ = 0;
   std::vector<LayerWeights> layers_;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};

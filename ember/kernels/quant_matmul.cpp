@@ -197,6 +197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            pybind11::arg("attn_scale") = 0.0)
       .def("set_block_options", &DecoderStack::set_block_options,
            "(pre_norms, qk_norm_full, residual_scale, attn_softcap) for every block")
+      .def("set_attn_temperature", &DecoderStack::set_attn_temperature,
+           "(scale, floor): queries times 1 + scale ln(1 + floor(pos / floor))")
       .def("set_post_norms", &DecoderStack::set_post_norms,
            "the last layer's norms of the attention and MLP outputs")
       .def("set_attention", &DecoderStack::set_attention,

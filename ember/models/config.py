@@ -76,6 +76,10 @@ class ModelConfig:
     rope_factors_tensor: str = "rope_freqs.weight"  # per-frequency RoPE factors, if present
     rope_yarn: Yarn | None = None  # YaRN context extension (rope.scaling.type "yarn")
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    # Llama 4's attention temperature (Mistral 3): queries multiplied by
+    # 1 + scale·ln(1 + ⌊position / floor⌋), i.e. 1 within the first ``floor`` positions
+    attn_temperature_scale: float = 0.0  # 0: none
+    attn_temperature_floor: int = 0
     activation: Activation = "silu"  # of the gate in gate * up
     # mixture of experts (every layer's FFN): experts per layer, used per token, FFN size
     n_experts: int = 0
@@ -155,7 +159,7 @@ def rope_linear_scale(gguf: GGUFFile) -> float:
 
 def rope_yarn(gguf: GGUFFile) -> dict[str, object]:
     """The ModelConfig fields of a YaRN file: its blend and its attention factor (the
-    file's ``yarn_attn_factor`` if given, else transformers' default 0.1 ln(factor) + 1)."""
+    file's ``yarn_attn_factor`` if given, else as transformers derives it)."""
     arch = gguf.architecture
     if gguf.get(f"{arch}.rope.scaling.type") != "yarn":
         return {}
@@ -164,5 +168,16 @@ def rope_yarn(gguf: GGUFFile) -> dict[str, object]:
                 float(gguf.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
                 float(gguf.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
     attn = gguf.get(f"{arch}.rope.scaling.yarn_attn_factor")
-    default = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return {"rope_yarn": yarn, "rope_attn_factor": float(attn) if attn else default}
+    if attn:
+        return {"rope_yarn": yarn, "rope_attn_factor": float(attn)}
+    # transformers' mscale / mscale_all_dim when the file gives the latter (as
+    # yarn_log_multiplier; mscale taken as 1, as llama.cpp does), else mscale alone
+    log_mul = float(gguf.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+    mscale = _yarn_mscale(factor, 1.0)
+    if log_mul:
+        mscale /= _yarn_mscale(factor, log_mul)
+    return {"rope_yarn": yarn, "rope_attn_factor": mscale}
+
+
+def _yarn_mscale(factor: float, multiplier: float) -> float:
+    return 0.1 * multiplier * math.log(factor) + 1.0 if factor > 1 else 1.0

@@ -32,7 +32,13 @@ from ember.models.gguf import GGUFFile
 from ember.models.layers.attention import AttentionBatch, RowSpec, paged_attention
 from ember.models.layers.mlp import ACTIVATIONS, gated_mlp
 from ember.models.layers.norm import Norm, norm_for, rms_norm
-from ember.models.layers.rope import RopeKey, RotaryEmbedding, rope_key, rope_keys
+from ember.models.layers.rope import (
+    RopeKey,
+    RotaryEmbedding,
+    attention_temperature,
+    rope_key,
+    rope_keys,
+)
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
 from ember.models.moe import (
     ExpertStore,
@@ -85,6 +91,8 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
                              cfg.activation == "gelu_tanh", cfg.softmax_scale)
     stack.set_block_options(cfg.pre_norms, cfg.qk_norm_full, cfg.residual_scale,
                             cfg.attn_softcap)
+    if cfg.attn_temperature_scale:
+        stack.set_attn_temperature(cfg.attn_temperature_scale, cfg.attn_temperature_floor)
     ropes = rope_keys(cfg)
     none = torch.empty(0)
     for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
@@ -291,14 +299,16 @@ class DecoderModel:
                                 batch.token_rows, batch.positions)
             return x
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
+        q_scale = attention_temperature(self.cfg, batch.positions)
         slots = (batch.slot_mapping // batch.block_size, batch.slot_mapping % batch.block_size)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, batch, kv, rotations, slots)
+            x = self._layer(i, layer, x, batch, kv, rotations, slots, q_scale)
         return x
 
     def _layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch,
                kv: KVStorage, rotations: dict[RopeKey, torch.Tensor],
-               slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               slots: tuple[torch.Tensor, torch.Tensor],
+               q_scale: torch.Tensor | None) -> torch.Tensor:
         c, n = self.cfg, x.shape[0]
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         kind = c.layer_attention(i)
@@ -317,6 +327,8 @@ class DecoderModel:
                           c.norm_eps).view(k.shape)
         rope, rotation = self.ropes[rope_key(kind)], rotations[rope_key(kind)]
         q, k = rope.apply(q, rotation), rope.apply(k, rotation)
+        if q_scale is not None:  # Llama 4's attention temperature
+            q = q * q_scale[:, None, None]
         kv.write(i, *slots, k, v)
         attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
                                scale=c.softmax_scale, softcap=c.attn_softcap)

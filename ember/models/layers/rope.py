@@ -90,3 +90,14 @@ def rope_key(kind: LayerAttention) -> RopeKey:
 def rope_keys(cfg: ModelConfig) -> list[RopeKey]:
     """The distinct RoPEs of the layers, in first-use order (the stack's table list)."""
     return list(dict.fromkeys(rope_key(cfg.layer_attention(i)) for i in range(cfg.n_layers)))
+
+
+def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor | None:
+    """What each token's queries are multiplied by under Llama 4's attention temperature
+    (Mistral 3): 1 + scale·ln(1 + ⌊position / floor⌋), shape (T,); None without one.
+    Longer-range tokens get sharper attention; within the first ``floor`` positions
+    (the original context) the factor is 1."""
+    if not cfg.attn_temperature_scale:
+        return None
+    steps = torch.floor(positions.double() / cfg.attn_temperature_floor)
+    return (1.0 + cfg.attn_temperature_scale * torch.log1p(steps)).float()
