@@ -85,8 +85,10 @@ EOG_TEXTS = frozenset(
         "<|eot_id|>",
         "<|im_end|>",
         "<|end|>",
-        "<|return|>",
+        "<|return|>",  # o200k_harmony (gpt-oss)
         "<|call|>",
+        "<|flush|>",  # solar-open
+        "<|calls|>",
         "<end_of_turn>",
         "<|endoftext|>",
         "<|eom_id|>",
@@ -97,6 +99,10 @@ EOG_TEXTS = frozenset(
         "<eos>",  # Gemma 4 (its EOS anyway; Gemma 3 names the same token)
         "<turn|>",  # Gemma 4
         "<|tool_response>",  # Gemma 4: user-defined there, so this makes it control
+        "[EOT]",  # Kimi K2
+        "[EOS]",
+        "<｜end▁of▁sentence｜>",  # DeepSeek-OCR
+        "[e~[",  # MiniMax M2
     }
 )
 
@@ -166,6 +172,14 @@ _NEWLINE_RUNS = r"[^\n]+|\n+"
 # tekken (Mistral Nemo, Small 3, Ministral 3): words split at case changes. llama.cpp
 # runs its own spelling of tokenizer.json's regex (upper: a letter not a-z, lower: a
 # letter not A-Z, so other scripts' letters are both), and so does ember.
+# gpt-4o (o200k: gpt-oss, Llama 4): tekken's splitting with English contractions kept on
+# the word and digits in runs of up to three (llama.cpp's spelling again).
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
     r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
@@ -202,6 +216,7 @@ def _pre_types() -> dict[str, _PreTokenizer]:
         (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
         (("qwen35",), _PreTokenizer((_QWEN35,))),
         (("tekken",), _PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
+        (("gpt-4o", "llama4", "kanana2", "talkie"), _PreTokenizer((_GPT4O,))),
         (("deepseek-llm",), _PreTokenizer(_DEEPSEEK_LLM)),
         (("deepseek-coder",), _PreTokenizer(_DEEPSEEK_CODER)),
         (("falcon",), _PreTokenizer(_FALCON)),
@@ -332,6 +347,16 @@ class Tokenizer:
             eog.discard(s_id)
             forced.discard(s_id)
             self._types[s_id] = NORMAL
+        # o200k_harmony (gpt-oss), solar-open: "<|end|>" closes a message, not the reply,
+        # where the calls' and returns' markers end it; llama.cpp then takes "<|end|>"
+        # out of the end markers and makes it user-defined (rendered as text).
+        texts = {self._tokens[i] for i in eog}
+        end_id = by_text.get("<|end|>")
+        if end_id in eog and ({"<|return|>", "<|call|>"} <= texts
+                              or ({"<|call|>", "<|calls|>"} & texts and "<|flush|>" in texts)):
+            eog.discard(end_id)
+            forced.discard(end_id)
+            self._types[end_id] = USER_DEFINED
         for tid in forced:
             self._force_control(tid)
         self.eog_ids: frozenset[int] = frozenset(eog)

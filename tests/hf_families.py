@@ -36,6 +36,7 @@ class Family:
     options: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "gpt2"  # "gpt2": SmolLM2's BPE; "spm": a small SentencePiece model
     n_layers: int = 2
+    moe: bool = False  # routed experts: no fused native stack; a second file in MXFP4
 
 
 FAMILIES: dict[str, Family] = {
@@ -76,6 +77,16 @@ FAMILIES: dict[str, Family] = {
                             "max_position_embeddings": 512, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "llama_4_scaling_beta": 0.5}}),
+    # gpt-oss: attention sinks, biases on every projection, alternating sliding windows,
+    # YaRN (truncated to whole dims, as the GGUF runs it: llama.cpp has no "truncate"),
+    # a router with a bias over experts with biases and OpenAI's clamped SwiGLU
+    "gpt-oss": Family("GptOssConfig", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 6,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": True,
+                            "original_max_position_embeddings": 64, "rope_theta": 10000.0}},
+        moe=True),
 }
 
 
@@ -147,6 +158,7 @@ class ConvertedFamily:
     hf: torch.nn.Module  # the transformers model: the oracle
     f32: Path  # converted at full precision: compared with ``hf``
     q8_0: Path  # converted to Q8_0: the fused native stack's packed weights
+    mxfp4: Path | None = None  # MoE families: the f32 file with its experts in MXFP4
 
 
 def convert_families(names: list[str], root: Path, tokenizer_source: Path
@@ -161,6 +173,8 @@ def convert_families(names: list[str], root: Path, tokenizer_source: Path
         f32 = dict(zip(names, pool.map(
             lambda n: convert_hf_to_gguf(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf"), names),
             strict=True))
-    return {n: ConvertedFamily(n, models[n], f32[n],
-                               rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True))
-            for n in names}
+    return {n: ConvertedFamily(
+        n, models[n], f32[n], rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True),
+        rewrite_gguf(f32[n], root / f"tiny-{n}-mxfp4.gguf", mxfp4_experts=True)
+        if FAMILIES[n].moe else None)
+        for n in names}

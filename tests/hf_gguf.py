@@ -26,15 +26,17 @@ VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
 
 def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
                  drop_keys: tuple[str, ...] = (), add_keys: dict[str, Any] | None = None,
-                 q8_0: bool = False) -> Path:
+                 q8_0: bool = False, mxfp4_experts: bool = False) -> Path:
     """A copy of ``src`` without some tensors or metadata keys — a file as a broken
     converter or a hand edit would leave it — with ``add_keys`` set, or (``q8_0``) with
-    its f32 matrices quantized to Q8_0 by gguf-py. Read by ember's parser (fast: it
+    its f32 matrices quantized to Q8_0 by gguf-py, or (``mxfp4_experts``) its routed
+    experts' f32 weights to MXFP4, as gpt-oss ships them. Read by ember's parser (fast: it
     parses a vocabulary in bulk) and written by ember's writer; numeric arrays keep
     their item types, scalars take the writer's (``write_gguf``)."""
     import gguf as gguf_py
 
     q8 = gguf_py.GGMLQuantizationType.Q8_0
+    mxfp4 = gguf_py.GGMLQuantizationType.MXFP4
     with GGUFFile(src) as g:
         metadata = {k: v for k, v in g.metadata.items() if k not in drop_keys}
         metadata.update(add_keys or {})
@@ -42,7 +44,12 @@ def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
         for t in g.tensors.values():
             if t.name in drop_tensors:
                 continue
-            if q8_0 and t.ggml_type == GGMLType.F32 and len(t.shape) == 2 \
+            if mxfp4_experts and t.ggml_type == GGMLType.F32 and len(t.shape) == 3 \
+                    and t.name.endswith("_exps.weight"):
+                data = g.tensor_bytes(t.name).view(np.float32).reshape(-1, t.shape[-1])
+                tensors.append(TensorToWrite(t.name, t.shape, int(mxfp4),
+                               lambda d=data: [gguf_py.quants.quantize(d, mxfp4)]))
+            elif q8_0 and t.ggml_type == GGMLType.F32 and len(t.shape) == 2 \
                     and t.shape[-1] % 32 == 0:
                 data = g.tensor_bytes(t.name).view(np.float32).reshape(t.shape)
                 tensors.append(TensorToWrite(t.name, t.shape, int(q8),

@@ -28,7 +28,9 @@ def _families() -> list[str]:
         "qwen3moe": "transformers (random MoE)",
         "gemma3": "llama.cpp goldens (Gemma 3 270M), transformers",
     }
-    converted = sorted({name.split("-")[0] for name in FAMILIES})
+    # a family's variants are named "<architecture>-<variant>" (phi3-longrope)
+    converted = sorted({name if name in ARCHITECTURES else name.rsplit("-", 1)[0]
+                        for name in FAMILIES})
     for name in converted:
         checked[name] = ("transformers and llama.cpp on a converted random model "
                          "(tests/test_converted_families.py)")
@@ -77,8 +79,8 @@ def table() -> str:
              f"| other weight types | {other} | tests/test_quant.py |",
              f"| tokenizers (llama.cpp's vocab tests, every case exact) | {_vocabularies()} "
              "| tests/test_tokenizer_vocabs.py |",
-             "| pre-tokenizers without a llama.cpp vocab test | tekken (llama.cpp's ids on "
-             "SmolLM2's vocabulary, tests/golden/tekken_tokens.json) | "
+             "| pre-tokenizers without a llama.cpp vocab test | tekken, gpt-4o (llama.cpp's "
+             "ids on Llama 3's vocabulary, tests/golden/<pre>_tokens.json) | "
              "tests/test_tokenizer_vocabs.py |",
              f"| chat templates (llama.cpp's models/templates) | all {n_templates} render; "
              f"tool calls: {kinds} | tests/test_chat_templates.py, "

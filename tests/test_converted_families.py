@@ -1,11 +1,13 @@
-"""Every dense family against transformers, on GGUFs llama.cpp's converter wrote.
+"""Every family against transformers, on GGUFs llama.cpp's converter wrote.
 
 Per family (``tests/hf_families.py``): a tiny transformers model with random weights,
 converted by ``convert_hf_to_gguf.py``. ember must give transformers' logits on the
 f32 file (float32 on both sides: observed max |Δlogit| ≤ 1e-5 with |logits| up to
 ~10; a dropped soft cap, NoPE layer, multiplier or misplaced norm costs ≥ 0.1) and
-its greedy tokens; on the Q8_0 file the fused native stack must run the family and
-agree with the op-by-op path on the same packed weights, and stay batch-invariant.
+its greedy tokens; on the Q8_0 file the fused native stack must run each dense family
+and agree with the op-by-op path on the same packed weights, and stay batch-invariant.
+A mixture-of-experts family (gpt-oss) also runs with its experts in MXFP4, against
+llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-4
 IDS = list(range(5, 400, 7))  # 57 tokens: past Gemma 2's window of 6 several times
 families = pytest.mark.parametrize("name", sorted(FAMILIES))
+dense_families = pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items()
+                                                        if not f.moe))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def test_greedy_continuation_matches_transformers(converted, name: str) -> None:
     assert list(ours.token_ids) == out[0, len(prompt):].tolist()
 
 
-@families
+@dense_families
 def test_fused_native_stack_runs_the_family(converted, name: str) -> None:
     """The native stack against the PyTorch path on the same packed Q8_0 weights (both
     quantize activations to int8, so a last-bit difference may flip a code: observed
@@ -78,7 +82,7 @@ def test_fused_native_stack_runs_the_family(converted, name: str) -> None:
     assert rel < 0.05, rel
 
 
-@families
+@dense_families
 def test_fused_native_stack_is_batch_invariant(converted, name: str) -> None:
     from test_batch_invariance import outcomes, params, random_prompts
 
@@ -137,17 +141,93 @@ def test_logits_match_llama_cpp(converted, loaded_f32, tmp_path: Path, name: str
     output the same way. Observed max |Δlogit| ≤ 1.4e-5, except 2.1e-3 for Gemma 2:
     ggml's CPU GELU reads an f16 lookup table (ember computes it in f32, as
     transformers does, 4e-6 away); the top token agrees at every position."""
-    import numpy as np
-
-    out = tmp_path / "logits.npy"
-    subprocess.run([str(LLAMA_PYTHON), str(Path(__file__).with_name("llamacpp_logits.py")),
-                    str(converted[name].f32), str(out), ",".join(map(str, IDS))], check=True)
-    theirs = torch.from_numpy(np.load(out))
+    theirs = _llama_cpp_logits(converted[name].f32, tmp_path)
     ours = loaded_f32[name].model.score(IDS)
     err = (ours - theirs).abs().max().item()
     print(f"{name}: max |Δlogit| vs llama.cpp {err:.1e}")
     assert err < (1e-2 if loaded_f32[name].config.activation == "gelu_tanh" else ATOL)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def _llama_cpp_logits(path: Path, tmp_path: Path) -> torch.Tensor:
+    import numpy as np
+
+    out = tmp_path / "logits.npy"
+    subprocess.run([str(LLAMA_PYTHON), str(Path(__file__).with_name("llamacpp_logits.py")),
+                    str(path), str(out), ",".join(map(str, IDS))], check=True)
+    return torch.from_numpy(np.load(out))
+
+
+def _q8_0_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as ggml's CPU feeds it to an MXFP4 (or Q8_0) matmul: per 32, d = max|x| / 127
+    stored as f16, codes round(x / d)."""
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d.half().float()).reshape(x.shape)
+
+
+@pytest.mark.skipif(not LLAMA_PYTHON, reason="set EMBER_LLAMA_PYTHON to an interpreter "
+                    "with llama-cpp-python to compare with llama.cpp")
+def test_mxfp4_experts_match_llama_cpp(converted, tmp_path: Path) -> None:
+    """gpt-oss with its experts in MXFP4, as released. ember dequantizes them exactly
+    (tests/test_quant.py) and multiplies in f32; ggml multiplies by activations rounded
+    to Q8_0. With that rounding put in front of ember's expert matmuls the two agree to
+    5e-6 (without it: 0.08, all of it the rounding; a misread nibble, exponent or bias
+    costs far more)."""
+    from ember.models.linear import DenseLinear
+
+    path = converted["gpt-oss"].mxfp4
+    model = load_model(str(path), "f32").model
+    assert model.experts is not None
+    for layer in model.experts.experts:
+        for expert in layer:
+            for name in ("gate_up", "down"):
+                linear = getattr(expert, name)
+                assert isinstance(linear, DenseLinear)
+                setattr(expert, name, lambda x, f=linear: f(_q8_0_rounded(x)))
+    ours = model.score(IDS)
+    theirs = _llama_cpp_logits(path, tmp_path)
+    err = (ours - theirs).abs().max().item()
+    print(f"gpt-oss MXFP4: max |Δlogit| vs llama.cpp {err:.1e}")
+    assert err < ATOL
+
+
+def test_mxfp4_experts_match_transformers_on_the_same_weights(converted) -> None:
+    """The MXFP4-expert file against transformers holding gguf-py's dequantization of
+    the same experts (gate and up interleaved into its gate_up_proj, as the converter
+    reads them): the format read as gguf-py reads it, everything else as before."""
+    import copy
+
+    import gguf as gguf_py
+
+    from ember.models.gguf import GGUFFile
+
+    path = converted["gpt-oss"].mxfp4
+    hf = copy.deepcopy(converted["gpt-oss"].hf)
+    with GGUFFile(path) as g:
+        def experts(name: str) -> torch.Tensor:
+            info = g.tensor(name)
+            assert info.type_name == "MXFP4"
+            raw = g.tensor_bytes(name).reshape(info.shape[0] * info.shape[1], -1)
+            flat = gguf_py.quants.dequantize(raw, gguf_py.GGMLQuantizationType.MXFP4)
+            return torch.from_numpy(flat.copy()).reshape(info.shape)  # [E, out, in]
+
+        with torch.no_grad():
+            for i, layer in enumerate(hf.model.layers):
+                gate, up = (experts(f"blk.{i}.ffn_{x}_exps.weight") for x in ("gate", "up"))
+                gate_up = layer.mlp.experts.gate_up_proj
+                gate_up[:, :, ::2] = gate.transpose(1, 2)
+                gate_up[:, :, 1::2] = up.transpose(1, 2)
+                layer.mlp.experts.down_proj.copy_(
+                    experts(f"blk.{i}.ffn_down_exps.weight").transpose(1, 2))
+            theirs = hf(torch.tensor([IDS])).logits[0]
+            before = converted["gpt-oss"].hf(torch.tensor([IDS])).logits[0]
+    ours = load_model(str(path), "f32").model.score(IDS)
+    err = (ours - theirs).abs().max().item()
+    print(f"gpt-oss MXFP4: max |Δlogit| vs transformers {err:.1e} (the quantization "
+          f"itself moved them {(theirs - before).abs().max():.1e})")
+    assert err < ATOL
 
 
 def test_an_mlp_without_its_gate_is_refused_naming_the_tensor(converted, tmp_path: Path

@@ -11,7 +11,13 @@ from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.intake import InvalidRequest
 from ember.sampling.params import SamplingParams
-from ember.sampling.reasoning import CLOSING, ThinkingTags, answer_reserve, split_reasoning
+from ember.sampling.reasoning import (
+    CLOSING,
+    HARMONY,
+    ThinkingTags,
+    answer_reserve,
+    split_reasoning,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,19 +95,47 @@ def test_split_reasoning():
     assert split_reasoning("<think>cut short", TAGS) == ("cut short", "")
 
 
-@pytest.mark.parametrize("text,opened", [
-    ("<think>\nweigh it up</think>\n\nYes, it is.", False),
-    ("\nweigh it up\n</think>\n\nYes.", True),
-    ("just an answer <think> in the middle", False),
-    ("<think>never closed", False),
-    ("<", False),
+def test_harmony_channels_split_as_reasoning_and_answer():
+    """gpt-oss's harmony reply (control tokens rendered as their text): the analysis
+    channel is the reasoning, the final channel the answer; a reply straight to the
+    final channel has no reasoning and loses its channel header."""
+    final = "<|end|><|start|>assistant<|channel|>final<|message|>"
+    assert split_reasoning(f"<|channel|>analysis<|message|>17 has no divisors.{final}Yes.",
+                           HARMONY) == ("17 has no divisors.", "Yes.")
+    assert split_reasoning("<|channel|>final<|message|>Yes.", HARMONY) == (None, "Yes.")
+    assert split_reasoning("<|channel|>analysis<|message|>cut", HARMONY) == ("cut", "")
+
+
+def test_templates_say_which_tags_they_use():
+    from llamacpp_source import llamacpp_source
+
+    templates = llamacpp_source() / "models" / "templates"
+    gpt_oss = (templates / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
+    assert ThinkingTags.of_template(gpt_oss) == HARMONY
+    assert ThinkingTags.of_template(THINKING) == TAGS
+    assert ThinkingTags.of_template("{{ messages[0]['content'] }}") is None
+
+
+HARMONY_FINAL = "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+@pytest.mark.parametrize("text,opened,tags", [
+    ("<think>\nweigh it up</think>\n\nYes, it is.", False, TAGS),
+    ("\nweigh it up\n</think>\n\nYes.", True, TAGS),
+    ("just an answer <think> in the middle", False, TAGS),
+    ("<think>never closed", False, TAGS),
+    ("<", False, TAGS),
+    (f"<|channel|>analysis<|message|>weigh it{HARMONY_FINAL}Yes.", False, HARMONY),
+    ("<|channel|>final<|message|>Straight to it.", False, HARMONY),
+    ("<|channel|>fin", False, HARMONY),
+    ("<|chan", False, HARMONY),
 ])
-def test_streamed_splits_join_to_the_whole_split(text, opened):
+def test_streamed_splits_join_to_the_whole_split(text, opened, tags):
     from ember.sampling.reasoning import ReasoningStream
 
-    whole = split_reasoning((TAGS.open if opened else "") + text, TAGS)
+    whole = split_reasoning((tags.open if opened else "") + text, tags)
     for size in (1, 2, 5, 100):
-        stream = ReasoningStream(TAGS, opened)
+        stream = ReasoningStream(tags, opened)
         parts = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)]
         parts.append(stream.feed("", final=True))
         reasoning = "".join(r for r, _ in parts)

@@ -278,6 +278,23 @@ def test_eog_looking_token_is_forced_control() -> None:
     assert 259 not in t.encode("<|im_end|>")
 
 
+@pytest.mark.parametrize("ends", [("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>")])
+def test_end_closes_a_message_not_the_reply_beside_harmonys_end_markers(ends) -> None:
+    """o200k_harmony (gpt-oss) and solar-open: llama.cpp takes "<|end|>" out of the end
+    markers (the reply goes on to the final channel) and makes it user-defined, so it
+    is rendered as text; alone, "<|end|>" ends generation (Phi 3)."""
+    extra = ["<|end|>", *ends]
+    meta = _tiny_bpe()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]  # type: ignore[list-item]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 3, 3, 3]  # type: ignore[list-item]
+    t = Tokenizer(meta)
+    assert t.eog_ids == {260, 261}
+    assert t.token_type(259) == USER_DEFINED
+    assert t.encode("<|end|>") == [259] and t.decode([259]) == "<|end|>"
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"][:-2], "x1", "x2"]  # type: ignore[index]
+    assert Tokenizer(meta).eog_ids == {259}
+
+
 # ------------------------------------------------------------------- Gemma 3
 def test_gemma_metadata(gemma: Tokenizer) -> None:
     assert gemma.model == "llama"

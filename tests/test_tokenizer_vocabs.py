@@ -110,65 +110,77 @@ def test_every_vocabulary_llama_cpp_tests_is_exact_or_refused_by_name(vocab_dir:
     assert EXACT <= set(exact), (sorted(exact), sorted(refused))
 
 
-# ---------------------------------------------------------------- tekken
-# Mistral's pre-tokenizer (Nemo, Small 3, Ministral 3) has no vocab test in llama.cpp.
-# Its oracle: llama.cpp's ids for SmolLM2's byte-level vocabulary under a "tekken"
-# pre-tokenizer (tests/golden/tekken_tokens.json, made by tests/llamacpp_tokenize.py
-# from the texts below; regenerate with EMBER_LLAMA_PYTHON set and
-# EMBER_WRITE_GOLDEN=1).
-TEKKEN_GOLDEN = Path(__file__).parent / "golden" / "tekken_tokens.json"
-TEKKEN_EXTRA = [
+# ---------------------------------------------------------------- more pre-tokenizers
+# Pre-tokenizers llama.cpp has no vocab test for: tekken (Mistral Nemo, Small 3,
+# Ministral 3) and gpt-4o (o200k: gpt-oss, Llama 4). The oracle: llama.cpp's ids for
+# Llama 3's byte-level vocabulary (llama.cpp's ggml-vocab-llama-bpe.gguf, whose merges
+# join digits and contractions, so splitting differences show) under each
+# (tests/golden/<pre>_tokens.json, made by
+# tests/llamacpp_tokenize.py from llama-bpe's test inputs and the texts below;
+# regenerate with EMBER_LLAMA_PYTHON set and EMBER_WRITE_GOLDEN=1).
+EXTRA_TEXTS = [
     "HelloWorld camelCase XMLHttpRequest getHTTPResponseCode iPhone",
     "ÉCOLE École straße ÀLaCarte ΑθήναΚαι ПриветМир",
-    "abc123def 4.5e10 x2y2",
+    "abc123def 4.5e10 x2y2 1234567 12345",
     "path/to/file\n//comment\r\n/",
     "  spaced\t\ttabs \n\n\n  end  ",
-    "don't WON'T I'm l'École",
+    "don't WON'T I'm l'École they'RE We'Ve",
     "naïve café 日本語のテキスト 한국어 👍🏽",
 ]
+# llama.cpp's add_bos default for a file without tokenizer.ggml.add_bos_token
+PRE_TOKENIZERS = {"tekken": True, "gpt-4o": False}
+pre_tokenizers = pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+
+
+def _golden(pre: str) -> Path:
+    return Path(__file__).parent / "golden" / f"{pre}_tokens.json"
 
 
 @pytest.fixture(scope="module")
-def tekken_vocab(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
-    """SmolLM2's vocabulary as a vocab-only GGUF whose pre-tokenizer is tekken (without
-    add_bos_token: llama.cpp's tekken default, true, applies)."""
+def llama3_vocab(tmp_path_factory: pytest.TempPathFactory, vocab_dir: Path):
+    """Llama 3's vocabulary as a vocab-only GGUF of a given pre-tokenizer (without
+    add_bos_token: llama.cpp's default for that pre-tokenizer applies)."""
     from hf_gguf import rewrite_gguf
 
-    with GGUFFile(smollm2_gguf) as g:
-        tensors = tuple(g.tensors)
-    return rewrite_gguf(smollm2_gguf, tmp_path_factory.mktemp("tekken") / "tekken.gguf",
-                        drop_tensors=tensors, drop_keys=("tokenizer.ggml.add_bos_token",),
-                        add_keys={"tokenizer.ggml.pre": "tekken"})
+    root = tmp_path_factory.mktemp("vocabs")
+
+    def make(pre: str) -> Path:
+        return rewrite_gguf(vocab_dir / "ggml-vocab-llama-bpe.gguf", root / f"{pre}.gguf",
+                            drop_keys=("tokenizer.ggml.add_bos_token",),
+                            add_keys={"tokenizer.ggml.pre": pre})
+    return make
 
 
-def _tekken_texts(vocab_dir: Path) -> list[str]:
-    return [t for t, _ in _cases(vocab_dir, "llama-bpe")] + TEKKEN_EXTRA
-
-
-def test_tekken_is_llama_cpps(tekken_vocab: Path, smollm2_gguf: Path) -> None:
-    cases = json.loads(TEKKEN_GOLDEN.read_text(encoding="utf-8"))["cases"]
-    with GGUFFile(tekken_vocab) as g:
-        tok = Tokenizer.from_gguf(g)
-    with GGUFFile(smollm2_gguf) as g:
-        smollm = Tokenizer.from_gguf(g)  # the same vocabulary, its own pre-tokenizer
+@pre_tokenizers
+def test_pre_tokenizer_is_llama_cpps(llama3_vocab, pre: str) -> None:
+    cases = json.loads(_golden(pre).read_text(encoding="utf-8"))["cases"]
+    tokenizers = {}
+    for name in PRE_TOKENIZERS:  # the same vocabulary under each pre-tokenizer
+        with GGUFFile(llama3_vocab(name)) as g:
+            tokenizers[name] = Tokenizer.from_gguf(g)
+    tok = tokenizers[pre]
     wrong = [c["text"] for c in cases if tok.encode(c["text"], add_bos=False) != c["ids"]]
     assert not wrong, wrong[:3]
-    assert tok.add_bos  # llama.cpp's tekken default (llama-vocab.cpp)
-    differ = [c for c in cases if smollm.encode(c["text"], add_bos=False) != c["ids"]]
-    assert len(differ) >= 5  # the golden tells tekken from SmolLM2's own splitting
+    assert tok.add_bos == PRE_TOKENIZERS[pre]
+    for other, tokenizer in tokenizers.items():  # the golden tells the two apart
+        if other != pre:
+            assert sum(tokenizer.encode(c["text"], add_bos=False) != c["ids"]
+                       for c in cases) >= 3, other
 
 
 @pytest.mark.skipif(not os.environ.get("EMBER_LLAMA_PYTHON"),
                     reason="set EMBER_LLAMA_PYTHON to an interpreter with llama-cpp-python")
-def test_tekken_golden_is_what_llama_cpp_says_now(tekken_vocab: Path, vocab_dir: Path,
-                                                  tmp_path: Path) -> None:
+@pre_tokenizers
+def test_pre_tokenizer_golden_is_what_llama_cpp_says_now(llama3_vocab, vocab_dir: Path,
+                                                         tmp_path: Path, pre: str) -> None:
     texts = tmp_path / "texts.json"
-    texts.write_text(json.dumps(_tekken_texts(vocab_dir), ensure_ascii=False), "utf-8")
+    inputs = [t for t, _ in _cases(vocab_dir, "llama-bpe")] + EXTRA_TEXTS
+    texts.write_text(json.dumps(inputs, ensure_ascii=False), "utf-8")
     out = tmp_path / "out.json"
     subprocess.run([os.environ["EMBER_LLAMA_PYTHON"],
-                    str(Path(__file__).parent / "llamacpp_tokenize.py"), str(tekken_vocab),
+                    str(Path(__file__).parent / "llamacpp_tokenize.py"), str(llama3_vocab(pre)),
                     str(texts), str(out)], check=True)
     if os.environ.get("EMBER_WRITE_GOLDEN"):
-        TEKKEN_GOLDEN.write_bytes(out.read_bytes())
+        _golden(pre).write_bytes(out.read_bytes())
     fresh = json.loads(out.read_text("utf-8"))["cases"]
-    assert fresh == json.loads(TEKKEN_GOLDEN.read_text("utf-8"))["cases"]
+    assert fresh == json.loads(_golden(pre).read_text("utf-8"))["cases"]

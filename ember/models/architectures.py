@@ -14,7 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import UnsupportedModelError
-from ember.models import gemma2, gemma3, granite, llama, mistral3, olmo2, phi3, qwen, smollm3
+from ember.models import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    granite,
+    llama,
+    mistral3,
+    olmo2,
+    phi3,
+    qwen,
+    smollm3,
+)
 from ember.models.config import EXTENDED_ROPE_SCALINGS, ModelConfig, rope_yarn
 from ember.models.decoder import DecoderModel
 from ember.models.gguf import GGUFFile
@@ -40,6 +51,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": Architecture(olmo2.configure),
     "smollm3": Architecture(smollm3.configure, rope_scalings=("yarn",)),
     "mistral3": Architecture(mistral3.configure, rope_scalings=("yarn",)),
+    "gpt-oss": Architecture(gpt_oss.configure, rope_scalings=("yarn",)),
 }
 
 

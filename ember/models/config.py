@@ -15,7 +15,7 @@ from typing import Literal
 from ember.errors import UnsupportedModelError
 from ember.models.gguf import GGUFFile
 
-Activation = Literal["silu", "gelu_tanh"]
+Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]  # ember.models.layers.mlp.GLUS
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,13 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale of q·k; None: 1/sqrt(head_dim)
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden))
     qkv_bias: bool = False  # Q/K/V projections carry biases (Qwen2)
+    attn_out_bias: bool = False  # the attention output projection carries one (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax (gpt-oss)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_full: bool = False  # that norm spans all heads of q (of k) at once (OLMo 2)
     pre_norms: bool = True  # False: sublayers read the raw residual stream (OLMo 2)
     post_norms: bool = False  # attention and MLP outputs normed before the residual (Gemma)
+    ffn_norm_tensor: str = "ffn_norm"  # the MLP's pre-norm (gpt-oss: post_attention_norm)
     residual_scale: float = 1.0  # sublayer outputs multiplied by it before the add (Granite)
     attn_softcap: float = 0.0  # scores s -> c·tanh(s/c) before the softmax; 0: none (Gemma 2)
     final_softcap: float = 0.0  # the same on the logits
@@ -85,6 +88,7 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn_size: int = 0
+    expert_biases: bool = False  # the router and every expert projection carry biases
 
     @property
     def kv_dim(self) -> int:

@@ -30,7 +30,7 @@ from ember.kv.dtypes import KVDtype
 from ember.models.config import ModelConfig
 from ember.models.gguf import GGUFFile
 from ember.models.layers.attention import AttentionBatch, RowSpec, paged_attention
-from ember.models.layers.mlp import ACTIVATIONS, gated_mlp
+from ember.models.layers.mlp import GLUS, gated_mlp
 from ember.models.layers.norm import Norm, norm_for, rms_norm
 from ember.models.layers.rope import (
     RopeKey,
@@ -41,6 +41,7 @@ from ember.models.layers.rope import (
 )
 from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
 from ember.models.moe import (
+    ExpertBiases,
     ExpertStore,
     MoEFeedForward,
     MoEOptions,
@@ -66,12 +67,16 @@ class DecoderLayer:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # Gemma's norms of each sublayer's output
     post_ffn_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # the attention output's bias (gpt-oss)
+    sinks: torch.Tensor | None = None  # per-head logits joining the softmax (gpt-oss)
 
 
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
-    option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts."""
-    return not cfg.n_experts
+    option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts, sinks,
+    an output bias or OpenAI's SwiGLU (gpt-oss's, whose layers are MoE anyway)."""
+    return not (cfg.n_experts or cfg.attn_sinks or cfg.attn_out_bias
+                or cfg.activation not in ("silu", "gelu_tanh"))
 
 
 def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
@@ -140,8 +145,15 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
         bias = torch.cat([load_dense(gguf, p + f"attn_{x}.bias") for x in "qkv"])
     moe = gate_up = down = None
     if experts is not None:
+        biases = None
+        if cfg.expert_biases:
+            biases = ExpertBiases(
+                load_dense(gguf, p + "ffn_gate_inp.bias"),
+                torch.cat([load_dense(gguf, p + f"ffn_{x}_exps.bias") for x in ("gate", "up")],
+                          dim=-1),
+                load_dense(gguf, p + "ffn_down_exps.bias"))
         moe = MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts, i,
-                             cfg.n_experts_used, ACTIVATIONS[cfg.activation])
+                             cfg.n_experts_used, GLUS[cfg.activation], biases)
     else:
         gate_up = fmt.linear(gguf, _names(gguf, p, "ffn_gate_up"))
         if gate_up.out_features != 2 * cfg.ffn_size:
@@ -153,7 +165,7 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
         attn_norm=_optional(gguf, p + "attn_norm.weight", cfg.pre_norms),
         qkv=fmt.linear(gguf, _names(gguf, p, "attn_qkv")),
         o=fmt.linear(gguf, [p + "attn_output.weight"]),
-        ffn_norm=_optional(gguf, p + "ffn_norm.weight", cfg.pre_norms),
+        ffn_norm=_optional(gguf, p + f"{cfg.ffn_norm_tensor}.weight", cfg.pre_norms),
         gate_up=gate_up,
         down=down,
         moe=moe,
@@ -162,6 +174,8 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
         k_norm=_optional(gguf, p + "attn_k_norm.weight", cfg.qk_norm),
         post_attn_norm=_optional(gguf, p + "post_attention_norm.weight", cfg.post_norms),
         post_ffn_norm=_optional(gguf, p + "post_ffw_norm.weight", cfg.post_norms),
+        o_bias=_optional(gguf, p + "attn_output.bias", cfg.attn_out_bias),
+        sinks=_optional(gguf, p + "attn_sinks.weight", cfg.attn_sinks),
     )
 
 
@@ -201,7 +215,7 @@ class DecoderModel:
                                  key[2], cfg.rope_attn_factor, cfg.rope_yarn)
             for key in rope_keys(cfg)}
         self.rope = self.ropes[rope_key(cfg.layer_attention(0))]
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.glu = GLUS[cfg.activation]
         # The whole stack in one native call per step, where the configuration and the
         # weights allow it; None: the op-by-op PyTorch path below, the oracle.
         self.native = native_decoder(cfg, layers)
@@ -331,8 +345,10 @@ class DecoderModel:
             q = q * q_scale[:, None, None]
         kv.write(i, *slots, k, v)
         attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
-                               scale=c.softmax_scale, softcap=c.attn_softcap)
+                               scale=c.softmax_scale, softcap=c.attn_softcap, sinks=layer.sinks)
         out = layer.o(attn.reshape(n, q_dim))
+        if layer.o_bias is not None:
+            out = out + layer.o_bias
         if layer.post_attn_norm is not None:
             out = self.norm(out, layer.post_attn_norm, c.norm_eps)
         x = x + out if c.residual_scale == 1.0 else x + c.residual_scale * out
@@ -341,7 +357,7 @@ class DecoderModel:
             out = layer.moe(h)
         else:
             assert layer.gate_up is not None and layer.down is not None
-            out = gated_mlp(layer.gate_up, layer.down, self.activation, h)
+            out = gated_mlp(layer.gate_up, layer.down, self.glu, h)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
         return x + out if c.residual_scale == 1.0 else x + c.residual_scale * out

@@ -450,16 +450,29 @@ def _return_large_frees_to_the_os() -> None:
         pass
 
 
+@dataclass
+class ExpertBiases:
+    """One layer's router and expert biases (gpt-oss), float32: router [E], gate|up
+    [E, 2 ffn] (each expert's gate then up, as its fused gate_up), down [E, hidden]."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class MoEFeedForward:
     """One layer's router and experts: tokens grouped by expert, weighted sum."""
 
     def __init__(self, router: torch.Tensor, store: ExpertStore, layer: int, top_k: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 biases: ExpertBiases | None = None) -> None:
         self.router = router  # [E, hidden] float32: routing stays exact in every format
-        self.store, self.layer, self.top_k, self.activation = store, layer, top_k, activation
+        self.store, self.layer, self.top_k, self.glu = store, layer, top_k, glu
+        self.biases = biases
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(F.linear(h, self.router), dim=-1)
+        b = self.biases
+        probs = torch.softmax(F.linear(h, self.router, None if b is None else b.router), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         used, counts = chosen.unique(return_counts=True)
@@ -469,8 +482,12 @@ class MoEFeedForward:
         # ascending expert id (unique() sorts): a token's sum has a fixed order
         for e, expert in self.store.experts_for(self.layer, ids):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            gate, up = expert.gate_up(h[rows]).chunk(2, dim=-1)
-            y = expert.down(self.activation(gate) * up)
+            gate_up = expert.gate_up(h[rows])
+            if b is not None:
+                gate_up = gate_up + b.gate_up[e]
+            y = expert.down(self.glu(*gate_up.chunk(2, dim=-1)))
+            if b is not None:
+                y = y + b.down[e]
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 

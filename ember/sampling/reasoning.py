@@ -1,8 +1,10 @@
 """Reasoning ("thinking") replies: where the reasoning ends, and a budget for it.
 
 A model whose chat template has thinking tags writes ``<think>reasoning</think>answer``
-(the template may open the tag itself at the end of the generation prompt). The
-reply splits at the closing tag (:func:`split_reasoning`). :class:`ThinkingBudget` is
+(the template may open the tag itself at the end of the generation prompt); gpt-oss's
+harmony format writes ``<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant
+<|channel|>final<|message|>answer``, the same shape with longer tags. The reply splits
+at the closing tag (:func:`split_reasoning`). :class:`ThinkingBudget` is
 a logit processor that, once the reasoning has used its budget, forces the closing
 tag through the sampler — only where the text so far ends on a whole UTF-8
 character — so the answer always gets the rest of ``max_tokens``.
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-CLOSING = "\n</think>\n\n"  # what a spent budget forces
+CLOSING = "\n</think>\n\n"  # what a spent budget forces (<think> tags)
 
 
 def answer_reserve(max_tokens: int) -> int:
@@ -28,12 +30,26 @@ def answer_reserve(max_tokens: int) -> int:
 class ThinkingTags:
     open: str = "<think>"
     close: str = "</think>"
+    forced_close: str = CLOSING  # what a spent budget forces through the sampler
+    answer_open: str = ""  # opens an answer written without reasoning (dropped)
 
     @classmethod
     def of_template(cls, source: str | None) -> ThinkingTags | None:
         """The tags a chat template uses, or None if it has none."""
+        if not source:
+            return None
+        if HARMONY.open in source and HARMONY.answer_open in source:
+            return HARMONY
         tags = cls()
-        return tags if source and tags.open in source else None
+        return tags if tags.open in source else None
+
+
+# gpt-oss: the analysis channel is the reasoning, the final channel the answer
+_HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY = ThinkingTags(open="<|channel|>analysis<|message|>",
+                       close="<|end|><|start|>assistant" + _HARMONY_FINAL,
+                       forced_close="<|end|><|start|>assistant" + _HARMONY_FINAL,
+                       answer_open=_HARMONY_FINAL)
 
 
 def split_reasoning(text: str, tags: ThinkingTags) -> tuple[str | None, str]:
@@ -46,7 +62,11 @@ def split_reasoning(text: str, tags: ThinkingTags) -> tuple[str | None, str]:
     head, sep, tail = body.partition(tags.close)
     if sep:
         return head.strip(), tail.lstrip()
-    return (body.strip(), "") if opened else (None, text)
+    if opened:
+        return body.strip(), ""
+    if tags.answer_open and body.startswith(tags.answer_open):
+        return None, body[len(tags.answer_open):]
+    return None, text
 
 
 def open_in_prompt(prompt_text: str, tags: ThinkingTags) -> bool:
@@ -66,7 +86,8 @@ class ThinkingBudget:
 
     def __init__(self, tokenizer: Any, tags: ThinkingTags, budget: int, opened: bool) -> None:
         self.tokenizer, self.tags, self.budget = tokenizer, tags, max(0, budget)
-        self.close_ids = tokenizer.encode(CLOSING, add_bos=False)
+        self.close_ids = tokenizer.encode(tags.forced_close, add_bos=False,
+                                          parse_special=True)
         # state: bytes of the reply, reasoning tokens, position in close_ids (None:
         # not forcing), finished (closed or never reasoning)
         self._state: tuple[bytes, int, int | None, bool] = (
@@ -155,9 +176,13 @@ class ReasoningStream:
         reasoning = answer = ""
         if self._state == "start":
             body = self._held.lstrip()
+            answer_open = self.tags.answer_open
             if body.startswith(self.tags.open):
                 self._state, self._held = "reasoning", body[len(self.tags.open):]
-            elif final or not self.tags.open.startswith(body):
+            elif answer_open and body.startswith(answer_open):
+                self._state, self._held = "answer", body[len(answer_open):]
+            elif final or not (self.tags.open.startswith(body)
+                               or answer_open.startswith(body)):
                 self._state = "answer"
         if self._state == "reasoning":
             head, sep, tail = self._held.partition(self.tags.close)

@@ -182,27 +182,35 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float | None, softcap: float) -> torch.Tensor:
-    """softmax(q·kᵀ·scale [soft-capped], masked) · v over (..., H, Q, D) queries and
-    (..., Hkv, L, D) keys; no mask: causal with the queries at the end."""
-    if not softcap:
+               scale: float | None, softcap: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [soft-capped], masked [, sink]) · v over (..., H, Q, D) queries
+    and (..., Hkv, L, D) keys; no mask: causal with the queries at the end. ``sinks``
+    (H,): a logit per head that joins each softmax's denominator and attends to
+    nothing (gpt-oss)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               is_causal=mask is None, enable_gqa=True)
-    # SDPA has no soft cap: the same computation spelled out (Gemma 2)
+    # SDPA has neither: the same computation spelled out (Gemma 2, gpt-oss)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         qn, kn = q.shape[-2], k.shape[-2]
         mask = torch.ones(qn, kn, dtype=torch.bool).tril(kn - qn)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
     window: int | None = None, scale: float | None = None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (T, n_heads, head_dim) over each row's cached context.
 
@@ -211,7 +219,8 @@ def paged_attention(
     dequantized as they are gathered). The batch's new K/V must already be
     written to them. ``window``: a sliding-window layer's span (a query at position p
     sees positions p - window + 1 .. p); ``scale``: of q·k (default 1/sqrt(head_dim));
-    ``softcap`` > 0: scores s become softcap·tanh(s/softcap) before the softmax.
+    ``softcap`` > 0: scores s become softcap·tanh(s/softcap) before the softmax;
+    ``sinks`` (n_heads,): each head's logit that joins the softmax (gpt-oss).
     Returns (T, n_heads, head_dim) in ``q``'s dtype.
     """
     out = torch.empty_like(q)
@@ -221,13 +230,13 @@ def paged_attention(
         ks = _gather(k_cache, g.blocks, dt).transpose(1, 2)  # (B, Hkv, L, D)
         vs = _gather(v_cache, g.blocks, dt).transpose(1, 2)
         mask = g.mask if window is None else g.windowed(window)
-        os_ = _attention(qs, ks, vs, mask, scale, softcap).transpose(1, 2)  # (B, Q, H, D)
+        os_ = _attention(qs, ks, vs, mask, scale, softcap, sinks).transpose(1, 2)  # (B,Q,H,D)
         out[g.index[g.valid]] = os_[g.valid]
     for p in batch.prefills:
         qp = q[p.q_index].transpose(0, 1)  # (H, q_len, D)
         kp = _gather(k_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)  # (Hkv, L, D)
         vp = _gather(v_cache, p.blocks, dt)[: p.ctx_len].transpose(0, 1)
         mask = p.mask if window is None else p.windowed(window)
-        op = _attention(qp, kp, vp, mask, scale, softcap)
+        op = _attention(qp, kp, vp, mask, scale, softcap, sinks)
         out[p.q_index] = op.transpose(0, 1)
     return out
