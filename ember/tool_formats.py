@@ -14,7 +14,14 @@ template, as llama.cpp's ``common/chat`` does (:func:`detect`):
 - ``mistral_args``: ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2,
   Devstral, Ministral 3);
 - ``qwen3_xml``: ``<tool_call><function=name><parameter=p>value</parameter>...``
-  (Qwen3-Coder, Qwen 3.5): string values raw, other values JSON.
+  (Qwen3-Coder, Qwen 3.5): string values raw, other values JSON;
+- ``nemotron``: ``<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>``
+  (Nemotron Nano 2);
+- ``functionary_v3_1``: ``<function=name>{...}</function>`` per call;
+- ``functionary_v3_2``: ``>>>name`` then ``{...}`` per call;
+- ``deepseek_r1``: ``<｜tool▁calls▁begin｜>`` then per call
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and a fenced JSON block
+  (DeepSeek R1 as llama.cpp's template writes it).
 """
 
 from __future__ import annotations
@@ -139,10 +146,12 @@ class Llama3Json(ToolFormat):
 
 @dataclass(frozen=True)
 class MistralList(ToolFormat):
-    """Mistral Nemo: ``[TOOL_CALLS]`` then a JSON list of calls."""
+    """Mistral Nemo: ``[TOOL_CALLS]`` then a JSON list of calls (Nemotron Nano 2: the
+    list between ``<TOOLCALL>`` and ``</TOOLCALL>``)."""
 
     name: str = "mistral"
     lead: str = "[TOOL_CALLS]"
+    list_close: str = ""  # after the list
 
     def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
         calls = {"type": "array", "minItems": 1,
@@ -150,7 +159,8 @@ class MistralList(ToolFormat):
         if not parallel:
             calls["maxItems"] = 1
         head = "start: calls | TEXT" if auto else "start: calls"
-        lines = [head, f"calls: {_lark_string(self.lead)} %json {json.dumps(calls)}"]
+        close = f" {_lark_string(self.list_close)}" if self.list_close else ""
+        lines = [head, f"calls: {_lark_string(self.lead)} %json {json.dumps(calls)}{close}"]
         if auto:
             lines.append(_text_not_starting_with(self.lead))
         return "\n".join(lines) + "\n"
@@ -274,12 +284,81 @@ class Qwen3Xml(ToolFormat):
         return calls or None
 
 
+@dataclass(frozen=True)
+class NamedJson(ToolFormat):
+    """Each call the function's name, then its arguments as one JSON object, between
+    fixed texts; the calls may sit inside a section of their own (DeepSeek R1)."""
+
+    name: str = "functionary_v3_1"
+    lead: str = "<function="
+    open: str = "<function="  # before a call's name
+    mid: str = ">"  # between the name and the arguments
+    close: str = "</function>"  # after the arguments
+    calls_open: str = ""  # before the calls
+    calls_close: str = ""  # after them
+    separator: str = ""
+
+    def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
+        calls = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        head = "start: calls | TEXT" if auto else "start: calls"
+        opener = f"{_lark_string(self.calls_open)} " if self.calls_open else ""
+        closer = f" {_lark_string(self.calls_close)}" if self.calls_close else ""
+        lines = [head, f"calls: {opener}{calls}{closer}", *self.call_rules(schemas)]
+        if auto:
+            lines.append(_text_not_starting_with(self.lead))
+        return "\n".join(lines) + "\n"
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
+        rules = [f"call: {alternatives}"]
+        for i, (name, schema) in enumerate(schemas.items()):
+            close = f" {_lark_string(self.close)}" if self.close else ""
+            rules.append(f"call_{i}: {_lark_string(self.open + name + self.mid)} "
+                         f"%json {json.dumps(schema)}{close}")
+        return rules
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        return (self.calls_open + self.open + name + self.mid + json.dumps(arguments)
+                + self.close)
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        body = text.lstrip()
+        if not body.startswith(self.lead):
+            return None
+        calls, decoder = [], json.JSONDecoder()
+        for m in re.finditer(re.escape(self.open) + r"([^\s<>]+)" + re.escape(self.mid), body):
+            rest = body[m.end():].lstrip()
+            try:
+                arguments, end = decoder.raw_decode(rest)
+            except ValueError:
+                return None
+            if not rest[end:].lstrip().startswith(self.close.strip()):
+                return None
+            calls.append((m.group(1), arguments))
+        return calls or None
+
+
+FUNCTIONARY_V3_1 = NamedJson()  # the class's defaults
+# functionary v3.2: ">>>name" on its own line, then the arguments
+FUNCTIONARY_V3_2 = NamedJson(name="functionary_v3_2", lead=">>>", open=">>>", mid="\n",
+                             close="")
+# DeepSeek R1 (llama.cpp's template): a section of calls, each a fenced JSON block
+DEEPSEEK_R1 = NamedJson(
+    name="deepseek_r1", lead="<｜tool▁calls▁begin｜>",
+    open="<｜tool▁call▁begin｜>function<｜tool▁sep｜>", mid="\n```json\n",
+    close="\n```<｜tool▁call▁end｜>", calls_open="<｜tool▁calls▁begin｜>",
+    calls_close="<｜tool▁calls▁end｜>", separator="\n")
+
+
 def _is_string(schema: dict[str, Any]) -> bool:
     return schema.get("type") == "string"
 
 
 HERMES = ToolFormat()
-FORMATS = {f.name: f for f in (HERMES, Llama3Json(), MistralList(), MistralArgs(), Qwen3Xml())}
+FORMATS = {f.name: f for f in (
+    HERMES, Llama3Json(), MistralList(),
+    MistralList(name="nemotron", lead="<TOOLCALL>", list_close="</TOOLCALL>"),
+    MistralArgs(), Qwen3Xml(), FUNCTIONARY_V3_1, FUNCTIONARY_V3_2, DEEPSEEK_R1)}
 
 
 def detect(past_call: str, name: str, arguments: dict[str, str]) -> ToolFormat | None:

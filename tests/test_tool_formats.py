@@ -94,8 +94,17 @@ TWO_CALLS = {
                  "</function>\n</tool_call>\n<tool_call>\n<function=convert>\n"
                  "<parameter=amount>\n2\n</parameter>\n<parameter=to>\nEUR\n</parameter>\n"
                  "</function>\n</tool_call>",
+    "nemotron": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                '{"name": "convert", "arguments": {"amount": 2, "to": "EUR"}}]</TOOLCALL>',
+    "functionary_v3_1": '<function=get_weather>{"city": "Rome"}</function>'
+                        '<function=convert>{"amount": 2, "to": "EUR"}</function>',
+    "functionary_v3_2": '>>>get_weather\n{"city": "Rome"}>>>convert\n{"amount": 2, "to": "EUR"}',
+    "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                   '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜>\n'
+                   "<｜tool▁call▁begin｜>function<｜tool▁sep｜>convert\n"
+                   '```json\n{"amount": 2, "to": "EUR"}\n```<｜tool▁call▁end｜>'
+                   "<｜tool▁calls▁end｜>",
 }
-
 
 @pytest.mark.parametrize("fmt", sorted(TWO_CALLS), ids=str)
 def test_two_calls_are_what_the_parallel_grammar_accepts_and_the_parser_reads(
