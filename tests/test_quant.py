@@ -263,8 +263,8 @@ def test_gemma3_tensors_match_reference(gemma3_file: GGUFFile) -> None:
                                    GGMLType.IQ4_XS, GGMLType.MXFP4], ids=lambda t: t.name)
 def test_a_model_of_the_compact_formats_loads_and_generates(qtype, tmp_path, smollm2_file):
     """A random-weight llama whose every matrix is of ``qtype`` loads in both weight
-    formats (q4 packs Q3_K, IQ4_NL and IQ4_XS for the native kernels and the fused
-    stack, and keeps the others dense f32: no packed layout for them yet), its fused QKV holds
+    formats (q4 packs Q3_K, IQ4_NL, IQ4_XS and MXFP4 for the native kernels and the
+    fused stack, and keeps Q2_K dense f32: no packed layout for it yet), its fused QKV holds
     gguf-py's dequantization of the three tensors bit for bit, and both formats
     generate the same greedy tokens."""
     from tiny_model import write_tiny_llama
@@ -285,7 +285,7 @@ def test_a_model_of_the_compact_formats_loads_and_generates(qtype, tmp_path, smo
     got = f32.model.layers[1].qkv.weight.numpy()
     assert got.view(np.uint32).tolist() == want.astype(np.float32).view(np.uint32).tolist()
     q4 = load_model(str(path), "q4")
-    packed = (GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS)
+    packed = (GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)
     assert (q4.model.native is not None) == (qtype in packed)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {w: LLM(str(path), weights=w, num_kv_blocks=64).generate(["The harbour"], params)[0]

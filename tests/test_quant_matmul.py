@@ -4,7 +4,7 @@ Oracles: gguf-py's dequantizer (an implementation nobody here wrote) for the pac
 layouts, and ``F.linear`` in float32 over those weights for the products.
 
 Every block type with a packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K,
-Q6_K, IQ4_NL, IQ4_XS) is checked the same ways:
+Q6_K, IQ4_NL, IQ4_XS, MXFP4) is checked the same ways:
 
 * Layout: packing moves bits, never values: the packed weight dequantizes to exactly
   gguf-py's floats, and it holds the GGUF's bytes (no more: rows padded to 16 only).
@@ -63,9 +63,10 @@ GEMM_PATH = 0  # gemm_min_m that sends every M to the dequantize + GEMM path
 REL_TOL_INT8 = 2e-2
 LEGACY = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 K_TYPES = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
-IQ_TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS]  # table-valued indices, per-32 activations
+# table-valued indices, per-32 activations
+IQ_TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4]
 # types whose random blocks are random bytes with sane f16 scales (tests/tiny_model.py)
-RANDOM_BLOCK_TYPES = [*IQ_TYPES, GGMLType.Q3_K]
+RANDOM_BLOCK_TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.Q3_K]
 ALL_TYPES = LEGACY + K_TYPES + IQ_TYPES
 
 
@@ -116,7 +117,19 @@ def random_block_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.nda
     return blk.reshape(-1)
 
 
+def random_mxfp4_raw(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random MXFP4 codes under exponents from the subnormal halves (e < 2) to 2^1: every
+    path of the scale decode, finite products."""
+    rng = np.random.default_rng(seed)
+    blk = rng.integers(0, 256, (rows * cols // 32, 17), dtype=np.uint8)
+    blk[:, 0] = rng.integers(0, 130, len(blk), dtype=np.uint8)
+    blk[::7, 0] = rng.integers(0, 2, len(blk[::7]), dtype=np.uint8)
+    return blk.reshape(-1)
+
+
 def any_raw(qtype: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
+    if qtype == GGMLType.MXFP4:
+        return random_mxfp4_raw(rows, cols, seed)
     make = (random_block_raw if qtype in RANDOM_BLOCK_TYPES else
             random_kquant_raw if qtype in K_TYPES else random_raw)
     return make(qtype, rows, cols, seed)
@@ -271,6 +284,28 @@ def test_packed_weights_hold_the_gguf_bytes(ext, qtype: GGMLType) -> None:
     raw = any_raw(qtype, rows, cols, seed=3)
     lin = QuantLinear.from_raw([(raw, qtype, (rows, cols))])
     assert lin.nbytes == raw.nbytes
+
+
+def test_mxfp4_every_exponent_packs_to_gguf_pys_floats(ext) -> None:
+    """Random MXFP4 bytes with every finite E8M0 exponent (the subnormal halves of e < 2
+    included) and every code: the packed layout dequantizes to gguf-py's floats bit for
+    bit, and the kernel multiplies by them (a quantizer's output spans only a few
+    exponents)."""
+    rng = np.random.default_rng(41)
+    raw = rng.integers(0, 256, size=(32, 16, 17), dtype=np.uint8)
+    raw[..., 0] = np.arange(32 * 16).reshape(32, 16) % 255  # 0..254: 255 is NaN
+    parts = [(raw.reshape(-1), GGMLType.MXFP4, (32, 16 * 32))]
+    lin = QuantLinear.from_raw(parts)
+    got, want = lin.dequantize(), gguf_py_weight(parts)
+    assert got.view(torch.int32).equal(want.view(torch.int32))
+    # and the kernel's own decode of the exponents (vector, subnormals included), on
+    # scales small enough that the products stay finite
+    raw[..., 0] = np.arange(32 * 16).reshape(32, 16) % 141
+    parts = [(raw.reshape(-1), GGMLType.MXFP4, (32, 16 * 32))]
+    check_linear(QuantLinear.from_raw(parts), parts, torch.randn(3, 16 * 32))
+    raw[..., 0] = np.arange(32 * 16).reshape(32, 16) % 2  # only the subnormal halves
+    parts = [(raw.reshape(-1), GGMLType.MXFP4, (32, 16 * 32))]
+    check_linear(QuantLinear.from_raw(parts), parts, torch.randn(3, 16 * 32) * 1e30)
 
 
 def test_a_layer_fusing_different_block_types_is_one_packed_layer(ext) -> None:
@@ -518,6 +553,13 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_mo
                 ref = lin.packed.matmul(x, gm)
                 torch.testing.assert_close(other.matmul(x, gm), ref, rtol=1e-5,
                                            atol=1e-5 * ref.abs().amax().item())
+    # MXFP4 scales below the normal range (each build decodes them its own way)
+    raw = random_mxfp4_raw(16, cols, 3).reshape(-1, 17)
+    raw[:, 0] &= 1
+    lin = QuantLinear.from_raw([(raw.reshape(-1), GGMLType.MXFP4, (16, cols))])
+    other = mod.PackedLinear(cols, lin.packed.segments)
+    x = xs[1] * 1e30
+    torch.testing.assert_close(other.matmul(x, INT_PATH), lin.packed.matmul(x, INT_PATH))
     # attention over the pool in place (f32 and f16 pools), tokens of three rows
     for dtype in (torch.float32, torch.float16):
         pool = torch.randn(12, 2, 2, 16, 2, 64).to(dtype)  # blocks, layers, K/V, pos, heads, dim

@@ -415,11 +415,11 @@ inline void tile_q8(const Geom& g, const uint8_t* grp, int h, const QuantX& a, i
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
-// The same for IQ4_NL / IQ4_XS: each 4-bit index becomes its table value (one byte
-// shuffle), a signed 8-bit code met by the activation codes as Q8_0's are; one float
-// step per 32 elements with the block's scale (IQ4_XS: d times the sub-block's six-bit
-// ls - 32, decoded per super-block for the group's 16 rows; exact in f32).
-// Per 32: sum w x-hat = scale d_x sum(t[q] x_q).
+// The same for IQ4_NL / IQ4_XS / MXFP4: each 4-bit index becomes its table value (one
+// byte shuffle), a signed 8-bit code met by the activation codes as Q8_0's are; one
+// float step per 32 elements with the block's scale (IQ4_XS: d times the sub-block's
+// six-bit ls - 32, decoded per super-block for the group's 16 rows; MXFP4: its E8M0
+// byte's power of two; exact in f32). Per 32: sum w x-hat = scale d_x sum(t[q] x_q).
 template <int T, int MT>
 inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, int64_t K,
                      int64_t m0, const Out& out) {
@@ -427,12 +427,18 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
   using I = L::I;
   using F = L::F;
   constexpr int64_t kSubs = T == kIQ4_XS ? 8 : 1;  // 32-element blocks per super-block
+  const int8_t* table = T == kMXFP4 ? kMXFP4Table : kIQ4Table;
   const int64_t nb = K / QK;
   F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
   alignas(64) int8_t scales[128];
   for (int64_t b = 0; b < g.nsb; ++b) {
-    const F d = L::halves(reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b)) + L::W * h);
+    F d;
+    if constexpr (T == kMXFP4) {
+      d = L::e8m0_half(grp + g.at(kScales, b) + L::W * h);
+    } else {
+      d = L::halves(reinterpret_cast<const uint16_t*>(grp + g.at(kScales, b)) + L::W * h);
+    }
     if constexpr (T == kIQ4_XS) decode_iq4xs_scales(grp + g.at(kExtra, b), scales);
     for (int64_t j = 0; j < kSubs; ++j) {
       const uint8_t* cb = grp + g.at(kCodes, b) + 256 * j + 4 * L::W * h;
@@ -445,8 +451,8 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
       }
       for (int u = 0; u < 4; ++u) {
         const L::B r = L::load(cb + SUBV * u);
-        const L::B lo = L::s8_prep(L::lut16(L::and_(r, L::set8(0x0F)), kIQ4Table));
-        const L::B hi = L::s8_prep(L::lut16(L::high_nibbles(r), kIQ4Table));
+        const L::B lo = L::s8_prep(L::lut16(L::and_(r, L::set8(0x0F)), table));
+        const L::B hi = L::s8_prep(L::lut16(L::high_nibbles(r), table));
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a.q + (m0 + m) * K + (b * kSubs + j) * QK + 4 * u;
           part[m][(2 * u) % P] = L::dot_s8(part[m][(2 * u) % P], lo, x);
@@ -539,7 +545,7 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
                  int64_t m0, const Out& out) {
   if constexpr (T == kQ8_0) {
     tile_q8<MT>(g, grp, h, a.b32, K, m0, out);
-  } else if constexpr (T == kIQ4_NL || T == kIQ4_XS) {
+  } else if constexpr (T == kIQ4_NL || T == kIQ4_XS || T == kMXFP4) {
     tile_iq4<T, MT>(g, grp, h, a.b32, K, m0, out);
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);
@@ -620,6 +626,7 @@ void run_segment_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, 
     case kQ6_K: run_groups<kQ6_K>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kIQ4_NL: run_groups<kIQ4_NL>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     case kIQ4_XS: run_groups<kIQ4_XS>(s, a, K, g0, g1, m0, m1, y, ldy); break;
+    case kMXFP4: run_groups<kMXFP4>(s, a, K, g0, g1, m0, m1, y, ldy); break;
     default: TORCH_CHECK(false, "no packed layout for ggml type ", s.g.type);
   }
 }

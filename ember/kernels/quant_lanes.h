@@ -29,6 +29,15 @@ typedef int32_t ember_i32u __attribute__((aligned(1), may_alias));
 
 inline int32_t load_i32(const int8_t* x) { return *reinterpret_cast<const ember_i32u*>(x); }
 
+// MXFP4's scale from its E8M0 byte, halved (as ggml and gguf-py): 2^(e - 128), the
+// subnormals 2^-128 and 2^-127 for e < 2.
+inline float e8m0_half_f32(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 #if defined(EMBER_VNNI512)
 
 struct Lanes {
@@ -115,6 +124,11 @@ struct Lanes {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(F v, float* p) { _mm512_storeu_ps(p, v); }
+  // MXFP4's halved E8M0 scales 2^(e - 128) of W bytes, exact (subnormals included)
+  static F e8m0_half(const uint8_t* p) {
+    return _mm512_scalef_ps(_mm512_set1_ps(1.0f),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(u8i(p), seti(128))));
+  }
 };
 
 #elif defined(EMBER_AVX2)
@@ -214,6 +228,13 @@ struct Lanes {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(F v, float* p) { _mm256_storeu_ps(p, v); }
+  // MXFP4's halved E8M0 scales: exponent field e - 1, or 0x00200000 << e below e = 2
+  static F e8m0_half(const uint8_t* p) {
+    const I e = u8i(p);
+    const I normal = _mm256_slli_epi32(_mm256_sub_epi32(e, seti(1)), 23);
+    const I tiny = _mm256_sllv_epi32(seti(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(seti(2), e)));
+  }
 };
 
 #else  // portable: the same arithmetic on plain arrays (the compiler vectorizes what it can)
@@ -349,6 +370,11 @@ struct Lanes {
     return r;
   }
   static void store(F a, float* p) { std::memcpy(p, a.v, sizeof a.v); }
+  static F e8m0_half(const uint8_t* p) {
+    F r;
+    for (int l = 0; l < 8; ++l) r.v[l] = e8m0_half_f32(p[l]);
+    return r;
+  }
 };
 
 #endif

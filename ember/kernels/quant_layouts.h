@@ -29,6 +29,7 @@
 //   Q3_K's three-bit codes have no codes4 section: their bits 0-1 are a section laid
 //           out as hi2 (where the codes section sits), bit 2 one laid out as hi1.
 //   f16     16 halves, one per row (Q4_0/Q5_0/Q8_0 d, Q4_1/Q5_1 d and m, Q6_K d).
+//   e8m0    MXFP4: 16 exponent bytes, one per row.
 //   kscale  Q4_K/Q5_K: the 12 bytes of six-bit scales and mins of every row, byte b of
 //           row r at 16 b + r (decoded by the kernel per super-block).
 //   dmin    Q4_K/Q5_K: 16 halves d, then 16 halves dmin.
@@ -46,16 +47,20 @@
 //   Q3_K  (q - 4) (d (sc_k - 32))           (sub-block k of 16; q the three-bit code)
 //   IQ4_NL  d t[q]    IQ4_XS  (d (ls_j - 32)) t[q] (sub-block j of 32), t the 16-value
 //           non-uniform int8 table; the codes4 section holds the 4-bit indices
+//   MXFP4   m[q] 2^(e - 128), m twice the E2M1 values (an int8 table as IQ4's)
 
 // ggml type numbers (ember.models.gguf.GGMLType) of the packed layouts.
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 
 // IQ4_NL / IQ4_XS: the values the 4-bit indices stand for (ggml's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIQ4Table[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                               1,    13,   25,  38,  53,  69,  89,  113};
+// MXFP4: twice the E2M1 values (ggml's kvalues_mxfp4), so the scale is half of 2^(e-127).
+alignas(16) constexpr int8_t kMXFP4Table[16] = {0, 1, 2, 3, 4, 6, 8, 12,
+                                               0, -1, -2, -3, -4, -6, -8, -12};
 
 constexpr int64_t RG = 16;   // rows per group
 constexpr int64_t QK = 32;   // elements per activation block (and per legacy block)
@@ -80,7 +85,8 @@ struct Geom {
 inline bool packable(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
+    case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: case kMXFP4:
+      return true;
     default: return false;
   }
 }
@@ -103,6 +109,7 @@ inline Geom geom_of(int type, int64_t K) {
       g.gguf_block = 24; g.size[kCodes] = 256; g.size[kHi] = 64; g.size[kScales] = 64; break;
     case kQ8_0: g.gguf_block = 34; g.size[kCodes] = 512; g.size[kScales] = 32; break;
     case kIQ4_NL: g.gguf_block = 18; g.size[kCodes] = 256; g.size[kScales] = 32; break;
+    case kMXFP4: g.gguf_block = 17; g.size[kCodes] = 256; g.size[kScales] = 16; break;
     case kIQ4_XS:
       g.sb = 256; g.gguf_block = 136;
       g.size[kCodes] = 2048; g.size[kScales] = 32; g.size[kExtra] = 96; break;
@@ -155,8 +162,8 @@ inline uint32_t rd32(const uint8_t* p) {
 // in element order, and where the block's f16 fields sit.
 inline void gguf_codes(int type, const uint8_t* blk, uint8_t* codes) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kIQ4_NL: {
-      const uint8_t* qs = blk + (type == kQ4_1 ? 4 : 2);
+    case kQ4_0: case kQ4_1: case kIQ4_NL: case kMXFP4: {
+      const uint8_t* qs = blk + (type == kQ4_1 ? 4 : type == kMXFP4 ? 1 : 2);
       for (int j = 0; j < 16; ++j) {
         codes[j] = qs[j] & 0x0F;
         codes[j + 16] = qs[j] >> 4;
@@ -361,6 +368,7 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
           for (int i = 0; i < 12; ++i) xb[16 * i + r] = blk[96 + i];
           break;
         case kIQ4_NL: halves[r] = rd16(blk); break;
+        case kMXFP4: sb[r] = blk[0]; break;
         case kIQ4_XS:
           halves[r] = rd16(blk);
           for (int i = 0; i < 6; ++i) xb[16 * i + r] = blk[2 + i];
@@ -425,6 +433,11 @@ void dequant_group_row(const Geom& g, const uint8_t* grp, int r, float* out) {
         switch (g.type) {
           case kQ4_0: v = static_cast<float>(q - 8) * h2f(halves[r]); break;
           case kIQ4_NL: v = h2f(halves[r]) * static_cast<float>(kIQ4Table[q]); break;
+          case kMXFP4: {
+            const uint8_t e = grp[g.at(kScales, b) + r];
+            v = static_cast<float>(kMXFP4Table[q]) * e8m0_half_f32(e);
+            break;
+          }
           case kIQ4_XS: {
             const float scale = h2f(halves[r]) * static_cast<float>(iscales[16 * j + r]);
             v = scale * static_cast<float>(kIQ4Table[q]);

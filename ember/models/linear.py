@@ -155,7 +155,7 @@ _NEVER = 1 << 62
 # Block types with a packed layout (ember/kernels/quant_layouts.h).
 PACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
                 GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL,
-                GGMLType.IQ4_XS)
+                GGMLType.IQ4_XS, GGMLType.MXFP4)
 PACK_CHUNK_BYTES = 8 << 20  # GGUF bytes packed per call (then their pages are released)
 
 RawPart = tuple[np.ndarray, int, tuple[int, ...]]  # (raw bytes, ggml type, torch shape)
@@ -333,8 +333,8 @@ class WeightArena:
 
 class QuantFormat:
     """Keep every block type with a packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
-    Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) at its own bit width; other types (F32/F16/BF16,
-    Q2_K) dense f32."""
+    Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) at its own bit width; other types
+    (F32/F16/BF16, Q2_K) dense f32."""
 
     name = "q4"
 
