@@ -26,6 +26,7 @@ template, as llama.cpp's ``common/chat`` does (:func:`detect`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -55,13 +56,35 @@ class ToolFormat:
     lead: str = "<tool_call>"  # what a reply of calls starts with
     open: str = "<tool_call>"
     close: str = "</tool_call>"
+    # Control tokens of the served vocabulary that the format's fixed texts hold (text,
+    # id), set by :func:`with_control_tokens`: a grammar can only admit a control token
+    # by reference (its text spelled in ordinary tokens is not it), so such texts are
+    # written as references (Mistral's [TOOL_CALLS] and [ARGS] in its own vocabulary).
+    control_tokens: tuple[tuple[str, int], ...] = ()
+
+    def lit(self, text: str) -> str:
+        """Lark for the fixed text ``text``: a string, with the control tokens in it as
+        token references ``<[id]>``."""
+        if not self.control_tokens:
+            return _lark_string(text)
+        ids = dict(self.control_tokens)
+        pattern = "|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))
+        parts, pos = [], 0
+        for m in re.finditer(pattern, text):
+            if m.start() > pos:
+                parts.append(_lark_string(text[pos:m.start()]))
+            parts.append(f"<[{ids[m.group()]}]>")
+            pos = m.end()
+        if pos < len(text) or not parts:
+            parts.append(_lark_string(text[pos:]))
+        return parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")"
 
     def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
         """Lark for a reply of calls (``auto``: or text) to the tools ``schemas``
         (name -> the JSON schema of its arguments)."""
         rules = self.call_rules(schemas)
         sep = self.separator
-        calls = f"call ({_lark_string(sep)} call)*" if parallel else "call"
+        calls = f"call ({self.lit(sep)} call)*" if parallel else "call"
         head = "start: calls | TEXT" if auto else "start: calls"
         lines = [head, f"calls: {self.prefix}{calls}{self.suffix}", *rules]
         if auto:
@@ -74,7 +97,7 @@ class ToolFormat:
 
     def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
         schema = _one_of([_named(name, "arguments", s) for name, s in schemas.items()])
-        return [f"call: {_lark_string(self.open)} body {_lark_string(self.close)}",
+        return [f"call: {self.lit(self.open)} body {self.lit(self.close)}",
                 f"body: %json {json.dumps(schema)}"]
 
     def example(self, name: str, arguments: dict[str, str]) -> str:
@@ -159,8 +182,8 @@ class MistralList(ToolFormat):
         if not parallel:
             calls["maxItems"] = 1
         head = "start: calls | TEXT" if auto else "start: calls"
-        close = f" {_lark_string(self.list_close)}" if self.list_close else ""
-        lines = [head, f"calls: {_lark_string(self.lead)} %json {json.dumps(calls)}{close}"]
+        close = f" {self.lit(self.list_close)}" if self.list_close else ""
+        lines = [head, f"calls: {self.lit(self.lead)} %json {json.dumps(calls)}{close}"]
         if auto:
             lines.append(_text_not_starting_with(self.lead))
         return "\n".join(lines) + "\n"
@@ -202,7 +225,7 @@ class MistralArgs(ToolFormat):
         alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
         rules = [f"call: {alternatives}"]
         for i, (name, schema) in enumerate(schemas.items()):
-            rules.append(f"call_{i}: {_lark_string(self.lead + name + '[ARGS]')} "
+            rules.append(f"call_{i}: {self.lit(self.lead + name + '[ARGS]')} "
                          f"%json {json.dumps(schema)}")
         return rules
 
@@ -243,21 +266,21 @@ class Qwen3Xml(ToolFormat):
         # schema's other string constraints but enum are not enforced on raw values)
         rules = [f"call: {alternatives}", "RAW: /([^<]|<[^\\/])*/"]
         for i, (name, schema) in enumerate(schemas.items()):
-            parts = [_lark_string(f"{self.open}\n<function={name}>\n")]
+            parts = [self.lit(f"{self.open}\n<function={name}>\n")]
             props = schema.get("properties") or {}
             required = set(schema.get("required") or [])
             for j, (param, sub) in enumerate(props.items()):
                 rule, end = f"p_{i}_{j}", "</parameter>\n"
                 if _is_string(sub) and sub.get("enum"):  # raw, but one of the choices
                     choices = " | ".join(_lark_string(str(v)) for v in sub["enum"])
-                    value = f"({choices}) {_lark_string(chr(10) + end)}"
+                    value = f"({choices}) {self.lit(chr(10) + end)}"
                 elif _is_string(sub):
-                    value = f"RAW {_lark_string(end)}"
+                    value = f"RAW {self.lit(end)}"
                 else:
-                    value = f"%json {json.dumps(sub)} {_lark_string(chr(10) + end)}"
-                rules.append(f"{rule}: {_lark_string(f'<parameter={param}>' + chr(10))} {value}")
+                    value = f"%json {json.dumps(sub)} {self.lit(chr(10) + end)}"
+                rules.append(f"{rule}: {self.lit(f'<parameter={param}>' + chr(10))} {value}")
                 parts.append(rule if param in required else f"{rule}?")
-            parts.append(_lark_string(f"</function>\n{self.close}"))
+            parts.append(self.lit(f"</function>\n{self.close}"))
             rules.append(f"call_{i}: " + " ".join(parts))
         return rules
 
@@ -299,10 +322,10 @@ class NamedJson(ToolFormat):
     separator: str = ""
 
     def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
-        calls = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        calls = f"call ({self.lit(self.separator)} call)*" if parallel else "call"
         head = "start: calls | TEXT" if auto else "start: calls"
-        opener = f"{_lark_string(self.calls_open)} " if self.calls_open else ""
-        closer = f" {_lark_string(self.calls_close)}" if self.calls_close else ""
+        opener = f"{self.lit(self.calls_open)} " if self.calls_open else ""
+        closer = f" {self.lit(self.calls_close)}" if self.calls_close else ""
         lines = [head, f"calls: {opener}{calls}{closer}", *self.call_rules(schemas)]
         if auto:
             lines.append(_text_not_starting_with(self.lead))
@@ -312,8 +335,8 @@ class NamedJson(ToolFormat):
         alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
         rules = [f"call: {alternatives}"]
         for i, (name, schema) in enumerate(schemas.items()):
-            close = f" {_lark_string(self.close)}" if self.close else ""
-            rules.append(f"call_{i}: {_lark_string(self.open + name + self.mid)} "
+            close = f" {self.lit(self.close)}" if self.close else ""
+            rules.append(f"call_{i}: {self.lit(self.open + name + self.mid)} "
                          f"%json {json.dumps(schema)}{close}")
         return rules
 
@@ -384,13 +407,26 @@ class ToolStyle:
 FALLBACK = ToolStyle()
 
 
-def tool_style(template: ChatTemplate | None) -> ToolStyle:
+def tool_style(template: ChatTemplate | None, tokenizer: Any = None) -> ToolStyle:
     """The template's way with tools: native when it takes tools and its rendering of a
-    past call is in a format above; else ember's Hermes fallback."""
-    if template is None or not template.caps.tools:
-        return FALLBACK
-    past = template.past_call_text()
-    fmt = None if past is None else detect(past, *template.PROBE_CALL)
-    if fmt is None:
-        return FALLBACK
-    return ToolStyle(fmt, True, template.caps.object_arguments)
+    past call is in a format above; else ember's Hermes fallback. With the served
+    ``tokenizer``, the format's control tokens are found (:func:`with_control_tokens`)."""
+    style = FALLBACK
+    if template is not None and template.caps.tools:
+        past = template.past_call_text()
+        fmt = None if past is None else detect(past, *template.PROBE_CALL)
+        if fmt is not None:
+            style = ToolStyle(fmt, True, template.caps.object_arguments)
+    if tokenizer is None:
+        return style
+    return dataclasses.replace(style, fmt=with_control_tokens(style.fmt, tokenizer))
+
+
+def with_control_tokens(fmt: ToolFormat, tokenizer: Any) -> ToolFormat:
+    """``fmt`` with the control tokens of ``tokenizer`` that its fixed texts hold (read
+    off a grammar of one call, where every fixed text appears)."""
+    source = fmt.grammar({"f": {"type": "object"}}, parallel=True, auto=True)
+    found = tuple((tokenizer.id_to_piece(i), i) for i in range(tokenizer.vocab_size)
+                  if tokenizer.is_control(i) and len(tokenizer.id_to_piece(i)) > 1
+                  and tokenizer.id_to_piece(i) in source)
+    return dataclasses.replace(fmt, control_tokens=found) if found else fmt

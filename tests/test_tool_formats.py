@@ -158,3 +158,35 @@ def test_mistral_calls_with_and_without_ids() -> None:
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]',
         SCHEMAS) == [("get_weather", {"city": "Rome"})]
     assert json.loads(json.dumps(SCHEMAS))  # schemas stay plain JSON
+
+
+def test_control_tokens_of_a_call_format_are_written_as_tokens(smollm2_file) -> None:
+    """In Mistral's own vocabularies [TOOL_CALLS] and [ARGS] are control tokens: a
+    grammar that spelled them as text would force the model to write look-alikes from
+    ordinary tokens. Bound to the served tokenizer (SmolLM2's, with the two added as
+    control tokens) the grammar admits the tokens themselves and refuses the spelling,
+    and the reply, rendered with the tokens' text, parses."""
+    from ember.sampling.constraints import GrammarCompiler
+    from ember.tokenizer import CONTROL, Tokenizer
+    from ember.tool_formats import with_control_tokens
+
+    meta = dict(smollm2_file.metadata)
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "[TOOL_CALLS]", "[ARGS]"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], CONTROL, CONTROL]
+    tokenizer = Tokenizer(meta)
+    calls, args = n, n + 1
+    fmt = with_control_tokens(FORMATS["mistral_args"], tokenizer)
+    assert dict(fmt.control_tokens) == {"[TOOL_CALLS]": calls, "[ARGS]": args}
+    assert with_control_tokens(HERMES, tokenizer) == HERMES  # none in its texts
+    as_tokens = [calls, *tokenizer.encode("get_weather", add_bos=False), args,
+                 *tokenizer.encode('{"city": "Rome"}', add_bos=False)]
+    spelled = tokenizer.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', add_bos=False)
+    assert calls not in spelled  # plain text never makes the control token
+    compiler = GrammarCompiler(tokenizer)
+    for auto in (False, True):
+        spec = StructuredOutput.lark(fmt.grammar(SCHEMAS, parallel=False, auto=auto))
+        assert compiler.processor(spec).valid_prefix_len(as_tokens) == len(as_tokens)
+        assert compiler.processor(spec).valid_prefix_len(spelled) < len(spelled)
+    text = tokenizer.decode(as_tokens)
+    assert fmt.parse(text, SCHEMAS) == [("get_weather", {"city": "Rome"})]

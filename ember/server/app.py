@@ -237,7 +237,8 @@ class Server:
     @functools.cached_property
     def tool_style(self) -> tools.ToolStyle:
         """How the served model takes tools (its template, probed once)."""
-        return tools.tool_style(self.engine.loaded.chat_template)
+        loaded = self.engine.loaded
+        return tools.tool_style(loaded.chat_template, loaded.tokenizer)
 
     def model_names(self) -> list[str]:
         engine = self.engine
