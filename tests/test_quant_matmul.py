@@ -296,8 +296,9 @@ def test_mxfp4_every_exponent_packs_to_gguf_pys_floats(ext) -> None:
     raw[..., 0] = np.arange(32 * 16).reshape(32, 16) % 255  # 0..254: 255 is NaN
     parts = [(raw.reshape(-1), GGMLType.MXFP4, (32, 16 * 32))]
     lin = QuantLinear.from_raw(parts)
-    got, want = lin.dequantize(), gguf_py_weight(parts)
-    assert got.view(torch.int32).equal(want.view(torch.int32))
+    with np.errstate(over="ignore"):  # 12 * 2^126 is inf in f32, on both sides
+        want = gguf_py_weight(parts)
+    assert lin.dequantize().view(torch.int32).equal(want.view(torch.int32))
     # and the kernel's own decode of the exponents (vector, subnormals included), on
     # scales small enough that the products stay finite
     raw[..., 0] = np.arange(32 * 16).reshape(32, 16) % 141
