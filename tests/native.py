@@ -40,15 +40,21 @@ def build_variant(variant: str, flags: list[str]) -> Any:
     return kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
 
 
+def score_with_stack(model: Any, stack: Any, ids: list[int]) -> Any:
+    """The model's teacher-forced logits of ``ids`` with ``stack`` in place of its
+    native stack (None: the op-by-op PyTorch path); its own is put back afterwards."""
+    saved, model.native = model.native, stack
+    try:
+        return model.score(ids)
+    finally:
+        model.native = saved
+
+
 def fused_vs_op_by_op(model: Any, ids: list[int]) -> tuple[Any, float]:
     """A q4 model's teacher-forced logits through its fused native stack, and their
-    relative distance from the op-by-op PyTorch path on the same packed weights (the
-    stack is put back afterwards). The stack must be the model's: asserted here."""
+    relative distance from the op-by-op PyTorch path on the same packed weights. The
+    stack must be the model's: asserted here."""
     assert model.native is not None and model.batch_invariant
     fused = model.score(ids)
-    stack, model.native = model.native, None
-    try:
-        op_by_op = model.score(ids)
-    finally:
-        model.native = stack
+    op_by_op = score_with_stack(model, None, ids)
     return fused, ((fused - op_by_op).norm() / op_by_op.norm()).item()

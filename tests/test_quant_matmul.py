@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from native import build_variant, require_kernels
+from native import build_variant, require_kernels, score_with_stack
 
 from ember import kernels
 from ember.errors import GGUFError, UnsupportedModelError
@@ -573,14 +573,9 @@ def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_mo
     from ember.models.decoder import native_decoder
 
     tiny = tiny_q4_model
-    ours_stack = native_decoder(tiny.cfg, tiny.layers, ext=mod)
     ids = list(range(100, 140))
     native_logits = tiny.score(ids)
-    saved, tiny.native = tiny.native, ours_stack
-    try:
-        variant_logits = tiny.score(ids)
-    finally:
-        tiny.native = saved
+    variant_logits = score_with_stack(tiny, native_decoder(tiny.cfg, tiny.layers, ext=mod), ids)
     torch.testing.assert_close(variant_logits, native_logits, rtol=1e-3, atol=1e-3)
     x = xs[-1]
     qa, da, sa, ca, ia, la = mod.quantize_activations(x)

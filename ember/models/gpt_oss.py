@@ -9,8 +9,8 @@
   router with a bias picking ``expert_used_count`` experts by softmax over their logits;
   experts with biases and OpenAI's clamped SwiGLU (mlp.GLUS["swiglu_oai"]).
 
-The released files hold the experts in MXFP4, dequantized to float32 as they load (see
-docs/models.md); the chat format (harmony) is the file's template.
+The released files hold the experts in MXFP4, kept packed for the native kernels under
+``--weights q4`` (see docs/models.md); the chat format (harmony) is the file's template.
 """
 
 from __future__ import annotations

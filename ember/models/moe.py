@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from ember.errors import EmberError
 from ember.models.gguf import GGUFFile, TensorInfo, file_identity
+from ember.models.layers.mlp import GLU
 from ember.models.linear import Linear, linear_nbytes
 
 log = logging.getLogger(__name__)
@@ -464,8 +465,7 @@ class MoEFeedForward:
     """One layer's router and experts: tokens grouped by expert, weighted sum."""
 
     def __init__(self, router: torch.Tensor, store: ExpertStore, layer: int, top_k: int,
-                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 biases: ExpertBiases | None = None) -> None:
+                 glu: GLU, biases: ExpertBiases | None = None) -> None:
         self.router = router  # [E, hidden] float32: routing stays exact in every format
         self.store, self.layer, self.top_k, self.glu = store, layer, top_k, glu
         self.biases = biases
