@@ -21,7 +21,10 @@ template, as llama.cpp's ``common/chat`` does (:func:`detect`):
 - ``functionary_v3_2``: ``>>>name`` then ``{...}`` per call;
 - ``deepseek_r1``: ``<｜tool▁calls▁begin｜>`` then per call
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and a fenced JSON block
-  (DeepSeek R1 as llama.cpp's template writes it).
+  (DeepSeek R1 as llama.cpp's template writes it);
+- ``harmony``: gpt-oss's messages, the call one addressed ``to=functions.name`` on the
+  commentary channel, ``<|constrain|>json<|message|>{...}<|call|>``, after any
+  analysis (reasoning) messages.
 """
 
 from __future__ import annotations
@@ -108,6 +111,14 @@ class ToolFormat:
         """Whether ``rendered`` (whitespace removed) holds the call as this format
         writes it."""
         return re.sub(r"\s+", "", self.example(name, arguments)) in rendered
+
+    reasons = False  # its grammar lets the model reason before it calls (or answers)
+
+    def may_be_calls(self, text: str) -> bool:
+        """Whether a reply beginning with ``text`` may still turn out to be calls (a
+        streamed reply is held back until it cannot)."""
+        head = text.lstrip()
+        return not head or head.startswith(self.lead[0])
 
     def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
         """The calls of a reply to the tools ``schemas``, or None when it is text (or
@@ -373,6 +384,78 @@ DEEPSEEK_R1 = NamedJson(
     calls_close="<｜tool▁calls▁end｜>", separator="\n")
 
 
+@dataclass(frozen=True)
+class Harmony(ToolFormat):
+    """gpt-oss's harmony format. The prompt ends with ``<|start|>assistant``; the reply
+    is an analysis (reasoning) message, ``<|channel|>analysis<|message|>text<|end|>
+    <|start|>assistant``, if the model reasons (one: a thinking budget bounds it; no
+    commentary preambles, which llama.cpp also accepts), then either the answer
+    (``<|channel|>final<|message|>text``) or one call, whose recipient sits in the
+    channel header (``<|channel|>commentary to=functions.NAME <|constrain|>json``, how
+    the model writes it) or in the role header (`` to=functions.NAME<|channel|>
+    commentary json``, how the template writes past calls), then ``<|message|>``, the
+    arguments and ``<|call|>``, which ends the turn: one call per reply, never
+    parallel. The message texts can hold no control token, so a message ends only at
+    the token that ends it."""
+
+    name: str = "harmony"
+    lead: str = "to=functions."  # what every call holds (a reply starts with a channel)
+    reasons = True
+
+    def grammar(self, schemas: dict[str, dict[str, Any]], parallel: bool, auto: bool) -> str:
+        # every fixed text a lexeme of its own: llguidance's lexemes are greedy, so a
+        # longer literal sharing a start ("<|channel|>commentary<|message|>") would
+        # shadow "<|channel|>" "commentary" " to=..."
+        channel, message, end = (self.lit(t) for t in ("<|channel|>", "<|message|>",
+                                                       "<|end|>"))
+        lines = ["start: analysis? reply",
+                 "reply: call | final" if auto else "reply: call",
+                 f"analysis: {channel} {self.lit('analysis')} {message} to_end "
+                 f"{self.lit('<|start|>')} {self.lit('assistant')}",
+                 f"final: {channel} {self.lit('final')} {message} TEXT",
+                 "TEXT: /(.|\\n)*/",
+                 # a message up to its end: a control token ends a greedy text (which
+                 # cannot hold it); as text (gpt-oss makes "<|end|>" user-defined) the
+                 # message is lazy, ending at the first "<|end|>"
+                 f"to_end: TEXT {end}" if end.startswith("<[")
+                 else "to_end[lazy]: /(.|\\n)*<\\|end\\|>/",
+                 f"channel: {channel} ({self.lit('commentary')} | {self.lit('analysis')})",
+                 f"constrain: {self.lit(' ')} {self.lit('<|constrain|>')}? {self.lit('json')}",
+                 *self.call_rules(schemas)]
+        return "\n".join(lines) + "\n"
+
+    def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
+        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+        for i, (name, schema) in enumerate(schemas.items()):
+            to = self.lit(f" to=functions.{name}")
+            rules.append(f"call_{i}: (channel {to} | {to} channel) constrain? "
+                         f"{self.lit('<|message|>')} %json {json.dumps(schema)} "
+                         f"{self.lit('<|call|>')}")
+        return rules
+
+    def example(self, name: str, arguments: dict[str, str]) -> str:
+        return (f"<|start|>assistant to=functions.{name}<|channel|>commentary json"
+                f"<|message|>{json.dumps(arguments)}<|call|>")
+
+    def may_be_calls(self, text: str) -> bool:
+        return "<|channel|>final<|message|>" not in text
+
+    _HEADER = re.compile(r"\s*(?:<\|channel\|>(?:commentary|analysis)\s*)?to=functions\."
+                         r"([^\s<]+)\s*(?:<\|channel\|>(?:commentary|analysis))?\s*"
+                         r"(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>")
+
+    def parse(self, text: str, schemas: dict[str, dict[str, Any]]) -> list[Call] | None:
+        last = text.rsplit("<|start|>assistant", 1)[-1]  # the call is the last message
+        m = self._HEADER.match(last)
+        if m is None:
+            return None
+        try:
+            arguments, _ = json.JSONDecoder().raw_decode(last[m.end():])
+        except ValueError:
+            return None
+        return [(m.group(1), arguments)]
+
+
 def _is_string(schema: dict[str, Any]) -> bool:
     return schema.get("type") == "string"
 
@@ -381,7 +464,7 @@ HERMES = ToolFormat()
 FORMATS = {f.name: f for f in (
     HERMES, Llama3Json(), MistralList(),
     MistralList(name="nemotron", lead="<TOOLCALL>", list_close="</TOOLCALL>"),
-    MistralArgs(), Qwen3Xml(), FUNCTIONARY_V3_1, FUNCTIONARY_V3_2, DEEPSEEK_R1)}
+    MistralArgs(), Qwen3Xml(), FUNCTIONARY_V3_1, FUNCTIONARY_V3_2, DEEPSEEK_R1, Harmony())}
 
 
 def detect(past_call: str, name: str, arguments: dict[str, str]) -> ToolFormat | None:

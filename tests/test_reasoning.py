@@ -5,6 +5,8 @@ and speculation does not change the result."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ember.config import EngineConfig
@@ -75,6 +77,21 @@ def test_max_tokens_always_leaves_the_answer_its_share(make):
     assert split_reasoning("<think>" + req.text, TAGS)[1]
 
 
+def test_under_a_grammar_the_budget_forces_only_the_closing_tag(make):
+    """What follows the reasoning is the grammar's (harmony's call or answer): a spent
+    budget forces the closing tag alone, not the newlines CLOSING adds around it,
+    which this grammar's answer refuses."""
+    from ember.sampling.constraints import StructuredOutput
+
+    grammar = StructuredOutput.lark('start: THINK "</think>" ANSWER\n'
+                                    "THINK: /[^<]*/\nANSWER: /[A-Za-z ]*/\n")
+    req = generate(make(), SamplingParams(temperature=0, max_tokens=24, thinking_budget=5,
+                                          structured=grammar))
+    reasoning, sep, answer = req.text.partition("</think>")
+    assert sep and re.fullmatch(r"[A-Za-z ]*", answer), req.text
+    assert len(req.output_ids) <= 24 and req.finish_reason in ("stop", "length")
+
+
 def test_speculation_does_not_change_a_budgeted_reply(make):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, thinking_budget=8)
     on = generate(make(), params)
@@ -127,6 +144,9 @@ HARMONY_FINAL = "<|end|><|start|>assistant<|channel|>final<|message|>"
     ("<", False, TAGS),
     (f"<|channel|>analysis<|message|>weigh it{HARMONY_FINAL}Yes.", False, HARMONY),
     ("<|channel|>final<|message|>Straight to it.", False, HARMONY),
+    ("<|channel|>analysis<|message|>call it<|end|><|start|>assistant<|channel|>commentary"
+     ' to=functions.f <|constrain|>json<|message|>{"a": 1}', False, HARMONY),
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>fin", False, HARMONY),
     ("<|channel|>fin", False, HARMONY),
     ("<|chan", False, HARMONY),
 ])

@@ -127,10 +127,19 @@ def test_two_calls_are_what_the_parallel_grammar_accepts_and_the_parser_reads(
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS), ids=str)
-def test_auto_lets_text_through_and_text_is_not_calls(fmt: str) -> None:
+def test_auto_lets_text_through_and_text_is_not_calls(smollm2_llm, fmt: str) -> None:
+    """A text reply (harmony's: on the final channel) is whole under ``auto``, refused
+    under ``required``, and parses as no calls."""
+    from ember.sampling.constraints import GrammarCompiler
+
     f = FORMATS[fmt]
-    assert f.parse("The weather is fine.", SCHEMAS) is None
-    assert "start: calls | TEXT" in f.grammar(SCHEMAS, parallel=False, auto=True)
+    text = ("<|channel|>final<|message|>" if fmt == "harmony" else "") + "The weather is fine."
+    assert f.parse(text, SCHEMAS) is None
+    ids = smollm2_llm.tokenizer.encode(text, add_bos=False)
+    compiler = GrammarCompiler(smollm2_llm.tokenizer)
+    for auto in (True, False):
+        spec = StructuredOutput.lark(f.grammar(SCHEMAS, parallel=False, auto=auto))
+        assert (compiler.processor(spec).valid_prefix_len(ids) == len(ids)) == auto
 
 
 def test_a_hermes_call_the_way_qwen_writes_it() -> None:
@@ -190,3 +199,70 @@ def test_control_tokens_of_a_call_format_are_written_as_tokens(smollm2_file) -> 
         assert compiler.processor(spec).valid_prefix_len(spelled) < len(spelled)
     text = tokenizer.decode(as_tokens)
     assert fmt.parse(text, SCHEMAS) == [("get_weather", {"city": "Rome"})]
+
+
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|call|>", "<|return|>")
+
+
+def test_harmony_reasons_then_calls_in_gpt_oss_tokens(smollm2_file) -> None:
+    """gpt-oss's harmony format in a vocabulary with its control tokens (SmolLM2's,
+    with them added): an analysis message then a call, written with the tokens, is whole
+    under both grammars — the recipient in the channel header, as the model writes it,
+    or in the role header, as the template writes past calls; an answer on the final
+    channel only under ``auto``; the same text spelled in ordinary tokens is refused.
+    The reply parses into the call, its analysis is the reasoning, and the call is
+    ``<|call|>``-terminated (which ends gpt-oss's turn)."""
+    from ember.sampling.constraints import GrammarCompiler
+    from ember.sampling.reasoning import HARMONY, split_reasoning
+    from ember.tokenizer import CONTROL, Tokenizer
+    from ember.tool_formats import with_control_tokens
+
+    meta = dict(smollm2_file.metadata)
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *HARMONY_TOKENS]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"],
+                                         *[CONTROL] * len(HARMONY_TOKENS)]
+    tokenizer = Tokenizer(meta)
+    fmt = with_control_tokens(FORMATS["harmony"], tokenizer)
+    # "<|end|>" closes a message, not the reply: user-defined, as llama.cpp makes it
+    assert {t for t, _ in fmt.control_tokens} == set(HARMONY_TOKENS) - {"<|return|>",
+                                                                         "<|end|>"}
+    assert all(i >= n for _, i in fmt.control_tokens)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_bos=False, parse_special=True)
+
+    thought = ("<|channel|>analysis<|message|>Rome <b>weather</b> <|end> |end|, 2 days.<|end|>"
+               "<|start|>assistant")
+    in_channel = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    in_role = " to=functions.get_weather<|channel|>commentary json<|message|>"
+    arguments = '{"city": "Rome", "days": 2}<|call|>'
+    final = "<|channel|>final<|message|>It is sunny <|in Rome."
+    compiler = GrammarCompiler(tokenizer)
+    for auto in (False, True):
+        spec = StructuredOutput.lark(fmt.grammar(SCHEMAS, parallel=True, auto=auto))
+        for reply in (thought + in_channel + arguments, in_role + arguments,
+                      thought + final):
+            tokens = ids(reply)
+            whole = auto or not reply.endswith(final)
+            assert (compiler.processor(spec).valid_prefix_len(tokens) == len(tokens)) == whole
+        spelled = tokenizer.encode(in_channel + arguments, add_bos=False)
+        assert compiler.processor(spec).valid_prefix_len(spelled) < len(spelled)
+        # a message ends at its first "<|end|>": a new message must follow
+        going_on = ids("<|channel|>analysis<|message|>Rome<|end|> and on")
+        assert compiler.processor(spec).valid_prefix_len(going_on) == len(going_on) - 2
+    # in a vocabulary without them (a harmony template over another model) the same
+    # reply is written in ordinary tokens, and still whole
+    plain = Tokenizer(smollm2_file.metadata)
+    spelled = plain.encode(thought + in_channel + arguments, add_bos=False)
+    spec = StructuredOutput.lark(FORMATS["harmony"].grammar(SCHEMAS, parallel=False,
+                                                              auto=False))
+    assert GrammarCompiler(plain).processor(spec).valid_prefix_len(spelled) == len(spelled)
+    text = tokenizer.decode(ids(thought + in_channel + arguments))
+    assert fmt.parse(text, SCHEMAS) == [("get_weather", {"city": "Rome", "days": 2})]
+    assert fmt.parse(tokenizer.decode(ids(thought + final)), SCHEMAS) is None
+    reasoning, rest = split_reasoning(text, HARMONY)
+    assert reasoning == "Rome <b>weather</b> <|end> |end|, 2 days."
+    assert rest.startswith(in_channel)
+    assert split_reasoning(thought + final, HARMONY)[1] == "It is sunny <|in Rome."

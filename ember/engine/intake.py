@@ -10,6 +10,7 @@ anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -237,9 +238,11 @@ class Intake:
         if self.thinking_tags is None:
             raise InvalidRequest("thinking_budget", "the model's chat template has no "
                                  "thinking tags", p.thinking_budget)
-        opened = open_in_prompt(self.tokenizer.decode(prompt_ids[-16:]), self.thinking_tags)
-        proc = ThinkingBudget(self.tokenizer, self.thinking_tags, p.thinking_budget or 0,
-                              opened)
+        tags = self.thinking_tags
+        opened = open_in_prompt(self.tokenizer.decode(prompt_ids[-16:]), tags)
+        if p.structured is not None:  # what follows the reasoning is the grammar's
+            tags = dataclasses.replace(tags, forced_close=tags.close)
+        proc = ThinkingBudget(self.tokenizer, tags, p.thinking_budget or 0, opened)
         if p.max_tokens is not None:
             proc.budget = min(proc.budget, max(0, p.max_tokens - len(proc.close_ids)
                                                - answer_reserve(p.max_tokens)))

@@ -44,10 +44,12 @@ class ThinkingTags:
         return tags if tags.open in source else None
 
 
-# gpt-oss: the analysis channel is the reasoning, the final channel the answer
+# gpt-oss: the analysis channel is the reasoning; the message after it (a new
+# assistant message) is the answer, opened by the final channel's header (dropped) — or
+# a call, which the tool parser reads
 _HARMONY_FINAL = "<|channel|>final<|message|>"
 HARMONY = ThinkingTags(open="<|channel|>analysis<|message|>",
-                       close="<|end|><|start|>assistant" + _HARMONY_FINAL,
+                       close="<|end|><|start|>assistant",
                        forced_close="<|end|><|start|>assistant" + _HARMONY_FINAL,
                        answer_open=_HARMONY_FINAL)
 
@@ -61,7 +63,10 @@ def split_reasoning(text: str, tags: ThinkingTags) -> tuple[str | None, str]:
         body = body[len(tags.open):]
     head, sep, tail = body.partition(tags.close)
     if sep:
-        return head.strip(), tail.lstrip()
+        tail = tail.lstrip()
+        if tags.answer_open and tail.startswith(tags.answer_open):
+            tail = tail[len(tags.answer_open):]
+        return head.strip(), tail
     if opened:
         return body.strip(), ""
     if tags.answer_open and body.startswith(tags.answer_open):
@@ -198,9 +203,20 @@ class ReasoningStream:
         if self._state == "answer":
             answer, self._held = self._held, ""
             if self._strip_answer:
-                answer = answer.lstrip()
-                self._strip_answer = not answer
+                answer, self._held = self._answer_start(answer, final)
         return reasoning, answer
+
+    def _answer_start(self, text: str, final: bool) -> tuple[str, str]:
+        """``(answer, held)`` of the text after the closing tag: its indent dropped,
+        and the answer's opening tag, once whole (held while it may still be one)."""
+        text, opener = text.lstrip(), self.tags.answer_open
+        if opener and text.startswith(opener):
+            self._strip_answer = False
+            return text[len(opener):], ""
+        if opener and text and opener.startswith(text) and not final:
+            return "", text
+        self._strip_answer = not text
+        return text, ""
 
 
 def _partial_suffix(text: str, tag: str) -> int:

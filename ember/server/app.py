@@ -599,7 +599,7 @@ def _reasoning(server: Server, req: Any, prompt_ids: list[int], asked: tuple[int
             raise APIError(400, f"'{asked[1]}' needs a model whose chat template has "
                              "thinking tags", param=asked[1])
         return None, None
-    if req.tool_plan is not None:
+    if req.tool_plan is not None and not req.tool_plan.style.fmt.reasons:
         return None, None  # a tool grammar starts at the first token: no reasoning
     opened = open_in_prompt(server.engine.tokenizer.decode(prompt_ids[-16:]), tags)
     # 1 << 30 unasked: no budget of its own, though the answer's share still holds

@@ -117,6 +117,11 @@ def tool_calls_of(req: Any, out: RequestOutput) -> list[Any] | None:
     return calls
 
 
+def _reasoning_of(text: str, reasoning: Reasoning) -> str | None:
+    tags, opened = reasoning
+    return split_reasoning((tags.open if opened else "") + text, tags)[0]
+
+
 def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
                tokenizer: Any, reasoning: Reasoning | None = None) -> dict[str, Any]:
     choices = []
@@ -166,6 +171,10 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
         if out.finished and i not in texting and req.tool_plan is not None:
             calls = tool_calls_of(req, out)
             if calls:
+                thought = None if reasoning is None else _reasoning_of(out.text, reasoning)
+                if thought:  # the reasoning before the calls (harmony), sent whole
+                    yield chunk([{"index": i, "delta": {"reasoning_content": thought},
+                                  "logprobs": None, "finish_reason": None}])
                 for k, c in enumerate(calls):
                     yield chunk([{"index": i, "delta": {"tool_calls": [{
                         "index": k, "id": c.id, "type": "function",

@@ -4,10 +4,11 @@ grammar that makes every call well-formed, and the parser of the reply.
 A model whose chat template takes tools and renders calls and results in the history
 (probed at load, :class:`ember.chat_template.TemplateCaps`), in a call format ember
 knows (:mod:`ember.tool_formats`: Hermes, Llama 3 JSON, Mistral, Qwen3-Coder
-XML), gets them natively: the template presents the tools and past calls as the model
-was trained to see them, and the reply is constrained to that format. Any other
-model (SmolLM2's template knows no tools) gets them in the Hermes convention, described
-in the system message (:meth:`ToolPlan.system_text`): each call is
+XML, functionary, DeepSeek R1, gpt-oss's harmony …), gets them natively: the
+template presents the tools and past calls as the model was trained to see them, and
+the reply is constrained to that format. Any other model (SmolLM2's template knows
+no tools) gets them in the Hermes convention, described in the system message
+(:meth:`ToolPlan.system_text`): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, results come back as
 ``<tool_response>...</tool_response>`` in a user turn.
 
@@ -92,8 +93,7 @@ class ToolPlan:
     def may_be_calls(self, text: str) -> bool:
         """Whether a reply beginning with ``text`` may still turn out to be calls (a
         streamed reply is held back until it cannot)."""
-        head = text.lstrip()
-        return not head or head.startswith(self.style.fmt.lead[0])
+        return self.style.fmt.may_be_calls(text)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as a template takes them (the API's function objects)."""

@@ -1,9 +1,11 @@
 """Function calling through a model's own template and call format, end to end.
 
-The real SmolLM2 served with two templates of llama.cpp's corpus in place of its own
+The real SmolLM2 served with three templates of llama.cpp's corpus in place of its own
 (``--chat-template``): Llama 3.1's (tools in its words, calls as one JSON object with
-``parameters``) and Mistral Small 3.2's (``[AVAILABLE_TOOLS]``, calls as
-``[TOOL_CALLS]name[ARGS]{...}``). Through the official ``openai`` SDK: with
+``parameters``), Mistral Small 3.2's (``[AVAILABLE_TOOLS]``, calls as
+``[TOOL_CALLS]name[ARGS]{...}``) and gpt-oss's harmony (reasoning on the analysis
+channel, then a call addressed ``to=functions.name`` or the answer on the final one;
+its control tokens spelled in SmolLM2's vocabulary). Through the official ``openai`` SDK: with
 ``required`` every reply is a call valid against its tool's schema, streamed calls
 equal the whole reply, ``auto`` text never starts like a call, and a tool result goes
 back through the template natively (its call id made Mistral's nine characters).
@@ -26,17 +28,21 @@ from test_tools import QUESTIONS, SCHEMAS, TOOLS, ask, check_calls
 
 pytestmark = pytest.mark.slow
 
-TEMPLATES = {"Llama-3.1": ("meta-llama-Llama-3.1-8B-Instruct", "{"),
-             "Mistral-Small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506", "[")}
+# template, what a reply of calls starts with, what every request adds: SmolLM2 writes
+# harmony's markers in ordinary tokens (~10 each), so its reasoning gets no budget and
+# the call all of max_tokens
+TEMPLATES = {"Llama-3.1": ("meta-llama-Llama-3.1-8B-Instruct", "{", {}),
+             "Mistral-Small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506", "[", {}),
+             "gpt-oss": ("openai-gpt-oss-120b", "<|channel|>", {"reasoning_effort": "none"})}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
-def native(request, smollm2_gguf: Path, e2e_log_dir: Path) -> Iterator[tuple[EmberServer,
-                                                                             str]]:
-    stem, lead = TEMPLATES[request.param]
+def native(request, smollm2_gguf: Path, e2e_log_dir: Path
+           ) -> Iterator[tuple[EmberServer, str, dict[str, Any]]]:
+    stem, lead, extra = TEMPLATES[request.param]
     template = llamacpp_source() / "models" / "templates" / f"{stem}.jinja"
     for server in _serve(smollm2_gguf, e2e_log_dir, "--chat-template", str(template)):
-        yield server, lead
+        yield server, lead, extra
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +51,26 @@ def client(native) -> openai.OpenAI:
                          timeout=120)
 
 
-def _ask_together(client, server, questions: list[str], **kw: Any) -> list[Any]:
+def _ask_together(client, native, questions: list[str], **kw: Any) -> list[Any]:
     """The questions asked at once (the server batches them), replies in order; the
     k-th with seed k."""
+    server, _, extra = native
     with ThreadPoolExecutor(len(questions)) as pool:
-        return list(pool.map(lambda kq: ask(client, server, kq[1], seed=kq[0], **kw),
-                             enumerate(questions)))
+        return list(pool.map(lambda kq: ask(client, server, kq[1], seed=kq[0], **kw,
+                                            **extra), enumerate(questions)))
 
 
 def test_required_replies_are_valid_calls_in_the_models_format(client, native) -> None:
-    server, _ = native
-    for r in _ask_together(client, server, QUESTIONS[:3], tool_choice="required",
+    for r in _ask_together(client, native, QUESTIONS[:3], tool_choice="required",
                            temperature=0.9, parallel_tool_calls=False):
         assert r.choices[0].finish_reason == "tool_calls"
         assert len(check_calls(r.choices[0].message, set(SCHEMAS))) == 1
 
 
 def test_streamed_calls_equal_the_whole_reply(client, native) -> None:
-    server, _ = native
+    server, _, extra = native
     kw: dict[str, Any] = dict(tool_choice="required", seed=5, temperature=0.7,
-                              parallel_tool_calls=False)
+                              parallel_tool_calls=False, **extra)
     whole = check_calls(ask(client, server, QUESTIONS[0], **kw).choices[0].message,
                         set(SCHEMAS))
     calls: dict[int, dict[str, str]] = {}
@@ -78,8 +84,8 @@ def test_streamed_calls_equal_the_whole_reply(client, native) -> None:
 
 
 def test_auto_text_never_starts_like_a_call(client, native) -> None:
-    server, lead = native
-    for r in _ask_together(client, server, [*QUESTIONS[:2], "Say hello."],
+    lead = native[1]
+    for r in _ask_together(client, native, [*QUESTIONS[:2], "Say hello."],
                            tool_choice="auto", temperature=0.9):
         message = r.choices[0].message
         if message.tool_calls:
@@ -91,7 +97,7 @@ def test_auto_text_never_starts_like_a_call(client, native) -> None:
 def test_a_tool_result_goes_back_through_the_template(client, native) -> None:
     """The call and its result reach the prompt: longer arguments or a longer result
     make it longer (a template dropping either would not notice the change)."""
-    server, _ = native
+    server = native[0]
 
     def prompt_tokens(arguments: str, result: str) -> int:
         call = {"id": "call_x1", "type": "function",
