@@ -37,6 +37,8 @@ class Family:
     tokenizer: str = "gpt2"  # "gpt2": SmolLM2's BPE; "spm": a small SentencePiece model
     n_layers: int = 2
     moe: bool = False  # routed experts: no fused native stack; a second file in MXFP4
+    convert_args: tuple[str, ...] = ()  # more arguments to llama.cpp's converter
+    native_stack: bool = True  # dense: the fused native stack runs it (not recurrent layers)
 
 
 FAMILIES: dict[str, Family] = {
@@ -87,6 +89,17 @@ FAMILIES: dict[str, Family] = {
                             "beta_slow": 1.0, "truncate": True,
                             "original_max_position_embeddings": 64, "rope_theta": 10000.0}},
         moe=True),
+    # Qwen 3.5: three Gated DeltaNet (linear attention) layers to one of gated full
+    # attention; more value heads than key heads (llama.cpp reorders them), partial
+    # interleaved MRoPE (one position for text: plain NEOX over the rotated dims)
+    "qwen35": Family("Qwen3_5TextConfig", {
+        "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True}},
+        n_layers=4, convert_args=("--no-mtp",), native_stack=False),  # --no-mtp: no MTP head
 }
 
 
@@ -171,7 +184,8 @@ def convert_families(names: list[str], root: Path, tokenizer_source: Path
     models = {name: random_checkpoint(name, root / f"{name}-hf", tokenizer) for name in names}
     with ThreadPoolExecutor(2) as pool:
         f32 = dict(zip(names, pool.map(
-            lambda n: convert_hf_to_gguf(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf"), names),
+            lambda n: convert_hf_to_gguf(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf",
+                                         extra=FAMILIES[n].convert_args), names),
             strict=True))
     return {n: ConvertedFamily(
         n, models[n], f32[n], rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True),

@@ -60,14 +60,15 @@ def llamacpp_source() -> Path:
     return root
 
 
-def convert_hf_to_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+def convert_hf_to_gguf(model_dir: Path, out: Path, outtype: str = "f32",
+                       extra: tuple[str, ...] = ()) -> Path:
     """Run llama.cpp's converter on a transformers checkpoint, with the gguf-py it ships.
     The file is named "tiny-random": llama.cpp keys token attributes on the model's
     name (a "phi3" name wants Phi-3's own special tokens in the vocabulary)."""
     root = llamacpp_source()
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "HF_HUB_OFFLINE": "1"}
     args = [str(model_dir), "--outtype", outtype, "--outfile", str(out),
-            "--model-name", "tiny-random"]
+            "--model-name", "tiny-random", *extra]
     proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), *args],
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -22,6 +22,7 @@ any finished request's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, InvalidConfig
 from ember.engine.admission import Admission
 from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
@@ -74,19 +75,28 @@ class LLMEngine:
         self.loaded = served_model(config, loaded or load_model(
             config.model, config.weights, MoEOptions(config.moe_stream, config.moe_cache_bytes)))
         cfg = self.loaded.config
+        if cfg.recurrent:
+            config = self.config = _for_recurrent(config)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
         kv_dtype = KV_DTYPES[config.kv_dtype]
         block_bytes = KVStorage.bytes_per_block_of(
-            cfg.n_layers, config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+            len(cfg.kv_layers), config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype)
+        slots = config.max_num_seqs if cfg.recurrent else 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 state_slots=slots)
+        storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype,
+                                                   num_seqs=max(1, slots))
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
                  num_blocks, config.block_size, config.kv_dtype,
                  block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
         log.info("%s", memory_summary(self.loaded.model, num_blocks * block_bytes,
                                       block_bytes // config.block_size, config.kv_dtype))
+        states = getattr(storage, "states", None)
+        if states is not None:
+            log.info("recurrent state: %d sequences, %.1f MiB (f32, zeroed on first use)",
+                     slots, states.nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
@@ -251,6 +261,9 @@ class LLMEngine:
         started, fallback = [], []
         for child in siblings:
             self.admission.forked(child)
+            if self.kv.state_slots:  # a recurrent state is not shared: prefill on its own
+                fallback.append(child)
+                continue
             try:
                 copy = self.kv.fork(parent, child)
             except OutOfBlocks:  # no block for its own copy: it prefills on its own
@@ -318,3 +331,17 @@ class LLMEngine:
 
     def moe_metrics(self) -> dict[str, Any] | None:
         return moe_metrics(self.loaded.model.experts)
+
+
+def _for_recurrent(config: EngineConfig) -> EngineConfig:
+    """A hybrid model's engine settings: its recurrent layers' state cannot be rebuilt
+    from a cached prefix nor rewound past rejected draft tokens, so no prefix reuse (nor
+    its disk tier) and no speculation."""
+    if config.kv_cache_dir is not None:
+        raise InvalidConfig("kv_cache_dir: a model with recurrent layers (a per-sequence "
+                            "state beside its KV) cannot reuse cached prefixes")
+    changed = {k: v for k, v in (("enable_prefix_caching", False), ("speculation", "off"))
+               if getattr(config, k) != v}
+    if changed:
+        log.info("recurrent layers: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))
+    return dataclasses.replace(config, **changed)

@@ -75,7 +75,8 @@ class ModelRunner:
         for row in rows:
             req, start = row.request, row.start
             end = start + row.num_query
-            specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query))
+            state = -1 if req.state_slot is None else req.state_slot
+            specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query, state))
             tokens += req.token_ids[start:start + row.num_tokens] + row.draft
             logit_rows += [offset + p - start for p in row.prompt_positions]
             if row.samples:

@@ -27,6 +27,7 @@ class KVSequence(Protocol):
     block_table: BlockTable
     block_hashes: list[bytes]  # chain keys of the history's full blocks, as far as hashed
     cached_tokens: int  # prompt tokens taken from the cache at admission
+    state_slot: int | None  # its recurrent-state slot while it holds KV (hybrid models)
 
     @property
     def kv_len(self) -> int: ...
@@ -40,7 +41,8 @@ class KVSequence(Protocol):
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        state_slots: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -53,6 +55,10 @@ class KVCacheManager:
         # this step's lookups, per waiting request: (cache version, history length), its
         # tokens and RAM hits
         self._lookups: dict[str, tuple[tuple[int, int], list[int], list[CachedBlock]]] = {}
+        # a hybrid model's recurrent states: one slot per request holding KV (as many as
+        # may run at once), taken at admission and given back with its blocks
+        self._free_slots = list(range(state_slots - 1, -1, -1))
+        self.state_slots = state_slots
 
     # ------------------------------------------------------------ capacity
     @property
@@ -163,6 +169,13 @@ class KVCacheManager:
         self._chains[req.request_id] = [hit.serial for hit in found]
         if req.num_output == 0:
             req.cached_tokens = req.block_table.kv_len
+        if self.state_slots:
+            if found:
+                raise AssertionError("a recurrent model's request found cached blocks")
+            if not self._free_slots:
+                raise AssertionError(f"no recurrent-state slot left for {req.request_id} "
+                                     f"({self.state_slots} in all)")
+            req.state_slot = self._free_slots.pop()
         self.reserve(req, n_tokens)
 
     def fork(self, parent: KVSequence, child: KVSequence) -> tuple[int, int] | None:
@@ -213,6 +226,9 @@ class KVCacheManager:
         blocks = list(req.block_table.blocks)
         req.block_table.release()
         self._chains.pop(req.request_id, None)
+        if req.state_slot is not None:
+            self._free_slots.append(req.state_slot)
+            req.state_slot = None
         if self.prefix:
             for block in blocks:
                 self.prefix.on_released(block)
@@ -238,6 +254,9 @@ class KVCacheManager:
 
     def check_no_leaks(self) -> None:
         """Every block is free or held only by the prefix cache (no requests alive)."""
+        if len(self._free_slots) != self.state_slots:
+            raise AssertionError(f"{self.state_slots - len(self._free_slots)} recurrent-state "
+                                 "slots leaked")
         for block, rc in enumerate(self.allocator.refcount):
             cached = bool(self.prefix and self.prefix.is_cached(block))
             if rc != (1 if cached else 0):

@@ -24,6 +24,7 @@ from ember.models import (
     olmo2,
     phi3,
     qwen,
+    qwen35,
     smollm3,
 )
 from ember.models.config import EXTENDED_ROPE_SCALINGS, ModelConfig, rope_yarn
@@ -52,6 +53,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "smollm3": Architecture(smollm3.configure, rope_scalings=("yarn",)),
     "mistral3": Architecture(mistral3.configure, rope_scalings=("yarn",)),
     "gpt-oss": Architecture(gpt_oss.configure, rope_scalings=("yarn",)),
+    "qwen35": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
 }
 
 

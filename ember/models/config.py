@@ -42,6 +42,24 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet (linear attention) layer's shape: ``n_k_heads`` query/key heads
+    of ``k_dim``, ``n_v_heads`` value heads of ``v_dim`` (value head ``j`` reads key head
+    ``j % n_k_heads``, llama.cpp's layout), a causal depthwise convolution of ``conv``
+    taps over the q|k|v channels."""
+
+    conv: int
+    n_k_heads: int
+    k_dim: int
+    n_v_heads: int
+    v_dim: int
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.n_k_heads * self.k_dim + self.n_v_heads * self.v_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     n_layers: int
@@ -89,6 +107,22 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn_size: int = 0
     expert_biases: bool = False  # the router and every expert projection carry biases
+    # hybrid models (Qwen 3.5): per layer, True where a recurrent (linear attention)
+    # layer stands instead of attention; such layers keep a state per sequence, not KV
+    recurrent_layers: tuple[bool, ...] = ()
+    delta_net: DeltaNetShape | None = None
+    attn_output_gate: bool = False  # q projection doubled: a sigmoid gate per output dim
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a per-sequence recurrent state (no prefix reuse)."""
+        return any(self.recurrent_layers)
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache, in order."""
+        return [i for i in range(self.n_layers)
+                if not (self.recurrent_layers and self.recurrent_layers[i])]
 
     @property
     def kv_dim(self) -> int:

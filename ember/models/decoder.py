@@ -74,9 +74,10 @@ class DecoderLayer:
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
     option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts, sinks,
-    an output bias or OpenAI's SwiGLU (gpt-oss's, whose layers are MoE anyway)."""
-    return not (cfg.n_experts or cfg.attn_sinks or cfg.attn_out_bias
-                or cfg.activation not in ("silu", "gelu_tanh"))
+    an output bias or OpenAI's SwiGLU (gpt-oss's, whose layers are MoE anyway), nor
+    recurrent layers or gated attention outputs (Qwen 3.5)."""
+    return not (cfg.n_experts or cfg.attn_sinks or cfg.attn_out_bias or cfg.recurrent
+                or cfg.attn_output_gate or cfg.activation not in ("silu", "gelu_tanh"))
 
 
 def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
@@ -84,8 +85,10 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     the stack implements the configuration, every projection is a packed quantized
     matrix and the kernel is built; else None. ``ext``: the compiled extension to
     build it with (default: this machine's)."""
+    if not layers or not native_stack_supports(cfg):
+        return None
     linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
-    if not layers or not native_stack_supports(cfg) or not all(
+    if not all(
             isinstance(p, QuantLinear) for ps in linears for p in ps):
         return None
     ext = ext or kernels.quant_matmul()
@@ -254,7 +257,10 @@ class DecoderModel:
         return self.native is not None and isinstance(self.output, QuantLinear)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
-                       dtype: str | torch.dtype | KVDtype = "f32") -> KVStorage:
+                       dtype: str | torch.dtype | KVDtype = "f32",
+                       num_seqs: int = 1) -> KVStorage:
+        """The paged K/V pool (a hybrid model adds recurrent states for ``num_seqs``
+        sequences at once)."""
         c = self.cfg
         return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
 
@@ -269,7 +275,7 @@ class DecoderModel:
         n_blocks = blocks_for(n, block_size)
         table = BlockTable(BlockAllocator(n_blocks), block_size)
         table.reserve(n)
-        batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], block_size)
+        batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n, state=0)], block_size)
         kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)
         kv.zero_blocks(table.allocator.take_fresh())
         return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))

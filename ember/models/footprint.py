@@ -15,28 +15,28 @@ One walk over a :class:`~ember.models.decoder.DecoderModel` gives both:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
 
-def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.nbytes for t in tensors if t is not None)
-
-
 def _parts(model: Any) -> dict[str, int]:
     """Bytes by part: ``step`` (read in full every step), ``embedding``, ``experts``."""
     from ember.models.linear import linear_nbytes
+    from ember.models.moe import MoEFeedForward
 
     step = model.output_norm.nbytes + linear_nbytes(model.output)
-    for layer in model.layers:
-        step += _tensor_bytes(layer.attn_norm, layer.ffn_norm, layer.qkv_bias, layer.q_norm,
-                              layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
-        step += sum(linear_nbytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                    if x is not None)
-        if layer.moe is not None:
-            step += layer.moe.router.nbytes
+    for layer in model.layers:  # every kind of layer: its tensors, linears and router
+        for part in dataclasses.fields(layer):
+            value = getattr(layer, part.name)
+            if isinstance(value, torch.Tensor):
+                step += value.nbytes
+            elif isinstance(value, MoEFeedForward):
+                step += value.router.nbytes
+            elif hasattr(value, "out_features"):
+                step += linear_nbytes(value)
     table = getattr(model.embed, "weight", None)  # dense tables only: see the module doc
     head = getattr(model.output, "weight", None)
     shared = (isinstance(table, torch.Tensor) and isinstance(head, torch.Tensor)

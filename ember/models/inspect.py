@@ -42,8 +42,12 @@ def inspect_gguf(gguf: GGUFFile) -> dict[str, Any]:
     if config is not None:
         report["model"] = _model(config)
         report["kv_bytes_per_token"] = {
-            name: 2 * config.n_layers * config.n_kv_heads * d.row_bytes(config.head_dim)
+            name: 2 * len(config.kv_layers) * config.n_kv_heads * d.row_bytes(config.head_dim)
             for name, d in KV_DTYPES.items() if d.fits(config.head_dim)}
+        if config.delta_net is not None:  # recurrent layers: a fixed state per sequence
+            s = config.delta_net
+            report["state_bytes_per_sequence"] = 4 * sum(config.recurrent_layers) * (
+                (s.conv - 1) * s.channels + s.n_v_heads * s.k_dim * s.v_dim)
     report["tensors"] = _tensors(gguf)
     report["native"] = _native(config, report["tensors"])
     tokenizer = _attempt(report, "tokenizer", lambda: Tokenizer.from_gguf(gguf))
@@ -95,7 +99,9 @@ def _native(config: ModelConfig | None, tensors: dict[str, Any]) -> dict[str, An
     if config is None:
         return {"fused_stack": False, "why": "the architecture is refused"}
     if not native_stack_supports(config):
-        return {"fused_stack": False, "why": "routed experts run op by op"}
+        what = ("recurrent (linear attention) layers" if config.recurrent else
+                "routed experts")
+        return {"fused_stack": False, "why": f"{what} run op by op"}
     dense = sorted(t for t, e in tensors.items()
                    if e["runs"] != "packed, native kernels" and t != "F32")
     if dense:
@@ -152,4 +158,7 @@ def format_report(report: dict[str, Any]) -> str:
     if "kv_bytes_per_token" in report:
         lines.append("KV cache per token: " + ", ".join(
             f"{k} {v / 1024:.1f} KiB" for k, v in report["kv_bytes_per_token"].items()))
+    if "state_bytes_per_sequence" in report:
+        lines.append(f"recurrent state per sequence: "
+                     f"{report['state_bytes_per_sequence'] / 2**20:.2f} MiB (f32)")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ class RowSpec:
     blocks: torch.Tensor  # block ids holding positions 0 .. start+q_len-1, in order
     start: int
     q_len: int
+    state: int = -1  # the sequence's recurrent-state slot (hybrid models); -1: none
 
 
 @dataclass
