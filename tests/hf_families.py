@@ -39,6 +39,11 @@ class Family:
     moe: bool = False  # routed experts: no fused native stack; a second file in MXFP4
     convert_args: tuple[str, ...] = ()  # more arguments to llama.cpp's converter
     native_stack: bool = True  # dense: the fused native stack runs it (not recurrent layers)
+    # the model_type written to config.json, where transformers would otherwise force the
+    # family's own tokenizer class on the converter (whose pre-tokenizer over SmolLM2's
+    # vocabulary llama.cpp cannot recognise); the checkpoint's weights and keys unchanged
+    tokenizer_model_type: str | None = None
+    atol: float = 1e-4  # max |Δlogit| against transformers and llama.cpp
 
 
 FAMILIES: dict[str, Family] = {
@@ -100,6 +105,22 @@ FAMILIES: dict[str, Family] = {
                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                             "mrope_interleaved": True}},
         n_layers=4, convert_args=("--no-mtp",), native_stack=False),  # --no-mtp: no MTP head
+    # Qwen 3.5 MoE: the same hybrid, every MLP routed (softmax, top 2 of 4, renormalised)
+    # plus a shared expert gated by sigmoid(gate · h)
+    "qwen35moe": Family("Qwen3_5MoeTextConfig", {
+        "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True}},
+        n_layers=4, moe=True, convert_args=("--no-mtp",), native_stack=False,
+        tokenizer_model_type="qwen3_5_text",
+        # routing and recurrence amplify f32 rounding here: transformers and llama.cpp
+        # differ from each other by 2.3e-4 on this file (ember: 1.9e-4 / 2.9e-4)
+        atol=5e-4),
 }
 
 
@@ -153,6 +174,10 @@ def random_checkpoint(name: str, out: Path, tokenizer: Path, seed: int = 0) -> t
             else:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(out)
+    if family.tokenizer_model_type:
+        saved = json.loads((out / "config.json").read_text())
+        saved["model_type"] = family.tokenizer_model_type
+        (out / "config.json").write_text(json.dumps(saved))
     return model
 
 

@@ -54,6 +54,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral3": Architecture(mistral3.configure, rope_scalings=("yarn",)),
     "gpt-oss": Architecture(gpt_oss.configure, rope_scalings=("yarn",)),
     "qwen35": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
+    "qwen35moe": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
 }
 
 

@@ -107,6 +107,7 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn_size: int = 0
     expert_biases: bool = False  # the router and every expert projection carry biases
+    shared_expert_ffn_size: int = 0  # an expert every token takes, sigmoid-gated (Qwen 3.5)
     # hybrid models (Qwen 3.5): per layer, True where a recurrent (linear attention)
     # layer stands instead of attention; such layers keep a state per sequence, not KV
     recurrent_layers: tuple[bool, ...] = ()

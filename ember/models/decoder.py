@@ -46,6 +46,7 @@ from ember.models.moe import (
     MoEFeedForward,
     MoEOptions,
     ResidentExperts,
+    SharedExpert,
     StreamedExperts,
     expert_slices,
 )
@@ -138,6 +139,36 @@ def _optional(gguf: GGUFFile, name: str, wanted: bool) -> torch.Tensor | None:
     return load_dense(gguf, name)
 
 
+def load_ffn(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
+             experts: ExpertStore | None = None
+             ) -> tuple[Linear | None, Linear | None, MoEFeedForward | None]:
+    """Layer ``i``'s feed-forward part: ``(gate_up, down, None)``, or ``(None, None,
+    moe)`` routed over ``experts`` in a mixture-of-experts model."""
+    p = f"blk.{i}."
+    if experts is None:
+        gate_up = fmt.linear(gguf, _names(gguf, p, "ffn_gate_up"))
+        if gate_up.out_features != 2 * cfg.ffn_size:
+            raise UnsupportedModelError(
+                f"{gguf.path.name}: layer {i}'s MLP has no gate ({p}ffn_gate.weight is "
+                f"missing and {p}ffn_up.weight is not gate and up fused)")
+        return gate_up, fmt.linear(gguf, [p + "ffn_down.weight"]), None
+    biases = shared = None
+    if cfg.expert_biases:
+        biases = ExpertBiases(
+            load_dense(gguf, p + "ffn_gate_inp.bias"),
+            torch.cat([load_dense(gguf, p + f"ffn_{x}_exps.bias") for x in ("gate", "up")],
+                      dim=-1),
+            load_dense(gguf, p + "ffn_down_exps.bias"))
+    if cfg.shared_expert_ffn_size:
+        shared = SharedExpert(
+            fmt.linear(gguf, [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]),
+            fmt.linear(gguf, [p + "ffn_down_shexp.weight"]),
+            load_dense(gguf, p + "ffn_gate_inp_shexp.weight").reshape(-1))
+    return None, None, MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts,
+                                      i, cfg.n_experts_used, GLUS[cfg.activation], biases,
+                                      shared)
+
+
 def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
                experts: ExpertStore | None = None) -> DecoderLayer:
     """Layer ``i``'s weights, with the optional tensors the configuration asks for
@@ -146,24 +177,7 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
     bias = None
     if cfg.qkv_bias:
         bias = torch.cat([load_dense(gguf, p + f"attn_{x}.bias") for x in "qkv"])
-    moe = gate_up = down = None
-    if experts is not None:
-        biases = None
-        if cfg.expert_biases:
-            biases = ExpertBiases(
-                load_dense(gguf, p + "ffn_gate_inp.bias"),
-                torch.cat([load_dense(gguf, p + f"ffn_{x}_exps.bias") for x in ("gate", "up")],
-                          dim=-1),
-                load_dense(gguf, p + "ffn_down_exps.bias"))
-        moe = MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts, i,
-                             cfg.n_experts_used, GLUS[cfg.activation], biases)
-    else:
-        gate_up = fmt.linear(gguf, _names(gguf, p, "ffn_gate_up"))
-        if gate_up.out_features != 2 * cfg.ffn_size:
-            raise UnsupportedModelError(
-                f"{gguf.path.name}: layer {i}'s MLP has no gate ({p}ffn_gate.weight is "
-                f"missing and {p}ffn_up.weight is not gate and up fused)")
-        down = fmt.linear(gguf, [p + "ffn_down.weight"])
+    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts)
     return DecoderLayer(
         attn_norm=_optional(gguf, p + "attn_norm.weight", cfg.pre_norms),
         qkv=fmt.linear(gguf, _names(gguf, p, "attn_qkv")),
@@ -182,7 +196,7 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
     )
 
 
-def _expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
+def expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions) -> ExpertStore:
     slices = [expert_slices(gguf, i) for i in range(cfg.n_layers)]
     if moe.stream:
@@ -226,7 +240,7 @@ class DecoderModel:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions | None = None) -> DecoderModel:
-        experts = _expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
+        experts = expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
         layers = []
         for i in range(cfg.n_layers):
             layers.append(load_layer(gguf, cfg, fmt, i, experts))

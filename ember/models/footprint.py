@@ -35,6 +35,9 @@ def _parts(model: Any) -> dict[str, int]:
                 step += value.nbytes
             elif isinstance(value, MoEFeedForward):
                 step += value.router.nbytes
+                if value.shared is not None:
+                    step += value.shared.gate.nbytes + sum(
+                        linear_nbytes(x) for x in (value.shared.gate_up, value.shared.down))
             elif hasattr(value, "out_features"):
                 step += linear_nbytes(value)
     table = getattr(model.embed, "weight", None)  # dense tables only: see the module doc

@@ -461,14 +461,26 @@ class ExpertBiases:
     down: torch.Tensor
 
 
+@dataclass
+class SharedExpert:
+    """An expert every token goes through beside the routed ones (Qwen 3.5 MoE), its
+    output scaled per token by sigmoid(gate · h)."""
+
+    gate_up: Linear
+    down: Linear
+    gate: torch.Tensor  # [hidden]
+
+
 class MoEFeedForward:
-    """One layer's router and experts: tokens grouped by expert, weighted sum."""
+    """One layer's router and experts: tokens grouped by expert, weighted sum (plus a
+    shared expert's gated output, where the family has one)."""
 
     def __init__(self, router: torch.Tensor, store: ExpertStore, layer: int, top_k: int,
-                 glu: GLU, biases: ExpertBiases | None = None) -> None:
+                 glu: GLU, biases: ExpertBiases | None = None,
+                 shared: SharedExpert | None = None) -> None:
         self.router = router  # [E, hidden] float32: routing stays exact in every format
         self.store, self.layer, self.top_k, self.glu = store, layer, top_k, glu
-        self.biases = biases
+        self.biases, self.shared = biases, shared
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         b = self.biases
@@ -489,6 +501,10 @@ class MoEFeedForward:
             if b is not None:
                 y = y + b.down[e]
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared is not None:
+            s = self.shared
+            y = s.down(self.glu(*s.gate_up(h).chunk(2, dim=-1)))
+            out = out + torch.sigmoid(h @ s.gate)[:, None] * y
         return out
 
 

@@ -1,4 +1,4 @@
-"""Qwen 3.5 (dense): a hybrid of Gated DeltaNet linear attention and gated attention.
+"""Qwen 3.5: a hybrid of Gated DeltaNet linear attention and gated attention.
 
 Three layers in four (the file's ``recurrent_layers``, else every layer but each
 ``full_attention_interval``-th) replace attention with a Gated DeltaNet: the q|k|v
@@ -20,8 +20,10 @@ The other layers are Qwen 3's attention (per-head q/k RMSNorm, NEOX RoPE over th
 leading ``rope_dim`` dims) whose q projection also yields a gate: the attention
 output is multiplied by sigmoid(gate) before the output projection. The rotary
 embedding is interleaved MRoPE in the checkpoint; for text every section sees the
-same position, which is plain RoPE. The MLP's pre-norm is ``post_attention_norm``.
-A multi-token-prediction head (``nextn_predict_layers``) is not run.
+same position, which is plain RoPE. The MLP's pre-norm is ``post_attention_norm``;
+in ``qwen35moe`` every MLP is a router over experts plus a shared expert whose output
+is scaled by sigmoid(gate · h). A multi-token-prediction head (``nextn_predict_layers``)
+is not run.
 
 This path is PyTorch op by op (the fused native stack has no recurrent layers):
 decode rows share one batched state update per layer; a prefill chunk runs its
@@ -40,13 +42,19 @@ from ember.errors import UnsupportedModelError
 from ember.kv.blocks import KVStorage
 from ember.kv.dtypes import KVDtype
 from ember.models.config import DeltaNetShape, ModelConfig
-from ember.models.decoder import DecoderLayer, DecoderModel, load_layer
+from ember.models.decoder import (
+    DecoderLayer,
+    DecoderModel,
+    expert_store,
+    load_ffn,
+    load_layer,
+)
 from ember.models.gguf import GGUFFile
 from ember.models.layers.attention import AttentionBatch, paged_attention
 from ember.models.layers.mlp import gated_mlp
 from ember.models.layers.rope import RopeKey, rope_key
 from ember.models.linear import Linear, WeightFormat, load_dense
-from ember.models.moe import MoEOptions
+from ember.models.moe import ExpertStore, MoEFeedForward, MoEOptions
 
 
 def configure(gguf: GGUFFile, base: ModelConfig) -> dict[str, Any]:
@@ -67,7 +75,13 @@ def configure(gguf: GGUFFile, base: ModelConfig) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"{gguf.path.name}: {arch}.ssm.inner_size {inner} / time_step_rank {n_v} / "
             f"group_count {n_k} do not make whole value heads per key head")
-    return {"n_layers": n_layers, "rope_neox": True, "qk_norm": True,
+    moe = {}
+    if arch.endswith("moe"):  # qwen35moe: every FFN routed, plus a shared expert
+        moe = {"n_experts": key("expert_count"), "n_experts_used": key("expert_used_count"),
+               "expert_ffn_size": key("expert_feed_forward_length"),
+               "shared_expert_ffn_size": int(gguf.get(
+                   f"{arch}.expert_shared_feed_forward_length", base.ffn_size))}
+    return {**moe, "n_layers": n_layers, "rope_neox": True, "qk_norm": True,
             "ffn_norm_tensor": "post_attention_norm", "attn_output_gate": True,
             "recurrent_layers": recurrent,
             "delta_net": DeltaNetShape(key("ssm.conv_kernel"), n_k, k_dim, n_v, inner // n_v)}
@@ -86,12 +100,13 @@ class DeltaNetLayer:
     norm: torch.Tensor  # (v_dim,) the per-head output RMSNorm
     out: Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None  # None: routed experts (``moe``) instead
+    down: Linear | None
+    moe: MoEFeedForward | None = None
 
 
-def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
-                         i: int) -> DeltaNetLayer:
+def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
+                         experts: ExpertStore | None = None) -> DeltaNetLayer:
     p = f"blk.{i}."
     shape = cfg.delta_net
     assert shape is not None
@@ -100,6 +115,7 @@ def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
         raise UnsupportedModelError(f"{gguf.path.name}: {p}ssm_conv1d.weight is "
                                     f"{tuple(conv.shape)}, expected "
                                     f"({shape.channels}, {shape.conv})")
+    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts)
     return DeltaNetLayer(
         attn_norm=load_dense(gguf, p + "attn_norm.weight"),
         qkv=fmt.linear(gguf, [p + "attn_qkv.weight"]),
@@ -112,9 +128,7 @@ def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
         norm=load_dense(gguf, p + "ssm_norm.weight"),
         out=fmt.linear(gguf, [p + "ssm_out.weight"]),
         ffn_norm=load_dense(gguf, p + "post_attention_norm.weight"),
-        gate_up=fmt.linear(gguf, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
-        down=fmt.linear(gguf, [p + "ffn_down.weight"]),
-    )
+        gate_up=gate_up, down=down, moe=moe)
 
 
 class RecurrentStates:
@@ -152,15 +166,17 @@ class Qwen35Model(DecoderModel):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions | None = None) -> DecoderModel:
+        experts = expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
         layers: list[Any] = []
         for i in range(cfg.n_layers):
-            layers.append(load_delta_net_layer(gguf, cfg, fmt, i) if cfg.recurrent_layers[i]
-                          else load_layer(gguf, cfg, fmt, i))
+            load = load_delta_net_layer if cfg.recurrent_layers[i] else load_layer
+            layers.append(load(gguf, cfg, fmt, i, experts))
             gguf.release_pages()
         embed = fmt.embedding(gguf, "token_embd.weight", tied=cfg.tied_embeddings)
         tied = embed.tied_linear() if cfg.tied_embeddings else None
         output = tied or fmt.linear(gguf, ["output.weight"])
-        return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output)
+        return cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
+                   experts=experts)
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: str | torch.dtype | KVDtype = "f32",
@@ -216,9 +232,13 @@ class Qwen35Model(DecoderModel):
         attn = paged_attention(q, kv.k[j], kv.v[j], batch, scale=c.softmax_scale)
         attn = attn.reshape(n, q_dim) * torch.sigmoid(q_gate[..., hd:].reshape(n, q_dim))
         x = x + layer.o(attn)
+        return x + self._ffn(layer, self.norm(x, layer.ffn_norm, c.norm_eps))
+
+    def _ffn(self, layer: DecoderLayer | DeltaNetLayer, h: torch.Tensor) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(h)
         assert layer.gate_up is not None and layer.down is not None
-        return x + gated_mlp(layer.gate_up, layer.down, self.glu,
-                             self.norm(x, layer.ffn_norm, c.norm_eps))
+        return gated_mlp(layer.gate_up, layer.down, self.glu, h)
 
     # ------------------------------------------------------------ recurrent layers
     def _delta_net_layer(self, layer: DeltaNetLayer, x: torch.Tensor, batch: AttentionBatch,
@@ -249,8 +269,7 @@ class Qwen35Model(DecoderModel):
         core = self.norm(out.reshape(-1, shape.v_dim), layer.norm, c.norm_eps)
         core = core.view_as(out) * F.silu(z)
         x = x + layer.out(core.reshape(x.shape[0], -1))
-        return x + gated_mlp(layer.gate_up, layer.down, self.glu,
-                             self.norm(x, layer.ffn_norm, c.norm_eps))
+        return x + self._ffn(layer, self.norm(x, layer.ffn_norm, c.norm_eps))
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k (repeated to every value head, L2-normalised; q scaled) and v of the
