@@ -14,9 +14,12 @@ template, as llama.cpp's ``common/chat`` does (:func:`detect`):
 - ``mistral_args``: ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2,
   Devstral, Ministral 3);
 - ``qwen3_xml``: ``<tool_call><function=name><parameter=p>value</parameter>...``
-  (Qwen3-Coder, Qwen 3.5): string values raw, other values JSON;
+  (Qwen3-Coder, Qwen 3.5): string values raw, other values JSON; ``glm_xml``: the same
+  as ``<tool_call>name<arg_key>p</arg_key><arg_value>value</arg_value>...`` (GLM 4.6 /
+  4.7, Ling 3, Laguna, Spark);
 - ``nemotron``: ``<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>``
-  (Nemotron Nano 2);
+  (Nemotron Nano 2); ``apriel``: the same list between ``<tool_calls>`` and
+  ``</tool_calls>`` (Apriel 1.5 / 1.6, whose templates add each call's id);
 - ``functionary_v3_1``: ``<function=name>{...}</function>`` per call;
 - ``functionary_v3_2``: ``>>>name`` then ``{...}`` per call;
 - ``deepseek_r1``: ``<｜tool▁calls▁begin｜>`` then per call
@@ -86,8 +89,7 @@ class ToolFormat:
         """Lark for a reply of calls (``auto``: or text) to the tools ``schemas``
         (name -> the JSON schema of its arguments)."""
         rules = self.call_rules(schemas)
-        sep = self.separator
-        calls = f"call ({self.lit(sep)} call)*" if parallel else "call"
+        calls = f"call ({self._between()} call)*" if parallel else "call"
         head = "start: calls | TEXT" if auto else "start: calls"
         lines = [head, f"calls: {self.prefix}{calls}{self.suffix}", *rules]
         if auto:
@@ -96,6 +98,10 @@ class ToolFormat:
 
     separator = "\n"
     prefix = ""  # Lark before the calls (Mistral's list opener)
+
+    def _between(self) -> str:
+        """Lark between two calls."""
+        return self.lit(self.separator)
     suffix = ""
 
     def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
@@ -263,35 +269,58 @@ class MistralArgs(ToolFormat):
 @dataclass(frozen=True)
 class Qwen3Xml(ToolFormat):
     """Qwen3-Coder / Qwen 3.5: each call an XML-ish block of parameters; a string value
-    is written raw, any other value as JSON."""
+    is written raw, any other value as JSON. The layout is data: GLM's
+    ``<tool_call>name<arg_key>p</arg_key><arg_value>v</arg_value></tool_call>`` is the
+    same format with other tags (:data:`GLM_XML`)."""
 
     name: str = "qwen3_xml"
+    call_open: str = "<tool_call>\n<function={name}>\n"  # after ``open``'s lead
+    call_close: str = "</function>\n</tool_call>"
+    param_open: str = "<parameter={param}>\n"
+    value_close: str = "\n</parameter>\n"  # after a value ("\n" of it optional in text)
+    # parse: a call's name and body, and each (parameter, value) in the body
+    call_pattern: str = r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*</tool_call>"
+    param_pattern: str = r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>"
+    optional_newlines: bool = False  # the layout's newlines may be left out (GLM 4.7's are)
+
+    def _between(self) -> str:
+        return self._fixed(self.separator)
+
+    def _fixed(self, text: str) -> str:
+        """Lark for a fixed text of the layout."""
+        if not self.optional_newlines or "\n" not in text:
+            return self.lit(text)
+        pieces = [self.lit(p) if p else "" for p in text.split("\n")]
+        return "(" + ' "\\n"? '.join(pieces).strip() + ")"
 
     def example(self, name: str, arguments: dict[str, str]) -> str:
-        params = "".join(f"<parameter={k}>{v}</parameter>" for k, v in arguments.items())
-        return f"{self.open}<function={name}>{params}</function>{self.close}"
+        params = "".join(self.param_open.format(param=k) + v + self.value_close
+                         for k, v in arguments.items())
+        return self.call_open.format(name=name) + params + self.call_close
 
     def call_rules(self, schemas: dict[str, dict[str, Any]]) -> list[str]:
         alternatives = " | ".join(f"call_{i}" for i in range(len(schemas)))
-        # a raw (string) value: any text without "</", its last newline the block's (the
-        # schema's other string constraints but enum are not enforced on raw values)
+        # a raw (string) value: any text without "</" (the schema's other string
+        # constraints but enum are not enforced on raw values)
         rules = [f"call: {alternatives}", "RAW: /([^<]|<[^\\/])*/"]
+        raw_close = self.value_close.lstrip("\n")  # a raw value keeps its own newlines
         for i, (name, schema) in enumerate(schemas.items()):
-            parts = [self.lit(f"{self.open}\n<function={name}>\n")]
+            parts = [self._fixed(self.call_open.format(name=name))]
             props = schema.get("properties") or {}
             required = set(schema.get("required") or [])
             for j, (param, sub) in enumerate(props.items()):
-                rule, end = f"p_{i}_{j}", "</parameter>\n"
+                rule = f"p_{i}_{j}"
                 if _is_string(sub) and sub.get("enum"):  # raw, but one of the choices
                     choices = " | ".join(_lark_string(str(v)) for v in sub["enum"])
-                    value = f"({choices}) {self.lit(chr(10) + end)}"
+                    value = f"({choices}) {self._fixed(self.value_close)}"
                 elif _is_string(sub):
-                    value = f"RAW {self.lit(end)}"
+                    value = f"RAW {self._fixed(raw_close)}"
                 else:
-                    value = f"%json {json.dumps(sub)} {self.lit(chr(10) + end)}"
-                rules.append(f"{rule}: {self.lit(f'<parameter={param}>' + chr(10))} {value}")
+                    value = f"%json {json.dumps(sub)} {self._fixed(self.value_close)}"
+                rules.append(f"{rule}: {self._fixed(self.param_open.format(param=param))} "
+                             f"{value}")
                 parts.append(rule if param in required else f"{rule}?")
-            parts.append(self.lit(f"</function>\n{self.close}"))
+            parts.append(self._fixed(self.call_close))
             rules.append(f"call_{i}: " + " ".join(parts))
         return rules
 
@@ -299,14 +328,13 @@ class Qwen3Xml(ToolFormat):
         if not text.lstrip().startswith(self.lead):
             return None
         calls = []
-        for body in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
-            m = re.match(r"<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", body, re.S)
-            if m is None or m.group(1) not in schemas:
+        for name, body in re.findall(self.call_pattern, text, re.S):
+            name = name.strip()
+            if name not in schemas:
                 return None
-            props = schemas[m.group(1)].get("properties") or {}
+            props = schemas[name].get("properties") or {}
             arguments: dict[str, Any] = {}
-            for param, raw in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>",
-                                         m.group(2), re.S):
+            for param, raw in re.findall(self.param_pattern, body, re.S):
                 if _is_string(props.get(param, {})):
                     arguments[param] = raw
                     continue
@@ -314,8 +342,17 @@ class Qwen3Xml(ToolFormat):
                     arguments[param] = json.loads(raw)
                 except ValueError:
                     return None
-            calls.append((m.group(1), arguments))
+            calls.append((name, arguments))
         return calls or None
+
+
+# GLM 4.6 / 4.7, Ling 3, Laguna, Spark: parameters as key and value elements
+GLM_XML = Qwen3Xml(
+    name="glm_xml", call_open="<tool_call>{name}\n", call_close="</tool_call>",
+    param_open="<arg_key>{param}</arg_key>\n<arg_value>", value_close="</arg_value>\n",
+    call_pattern=r"<tool_call>([^<\n]+)\n?(.*?)</tool_call>",
+    param_pattern=r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+    optional_newlines=True)
 
 
 @dataclass(frozen=True)
@@ -464,7 +501,8 @@ HERMES = ToolFormat()
 FORMATS = {f.name: f for f in (
     HERMES, Llama3Json(), MistralList(),
     MistralList(name="nemotron", lead="<TOOLCALL>", list_close="</TOOLCALL>"),
-    MistralArgs(), Qwen3Xml(), FUNCTIONARY_V3_1, FUNCTIONARY_V3_2, DEEPSEEK_R1, Harmony())}
+    MistralList(name="apriel", lead="<tool_calls>", list_close="</tool_calls>"),
+    MistralArgs(), Qwen3Xml(), GLM_XML, FUNCTIONARY_V3_1, FUNCTIONARY_V3_2, DEEPSEEK_R1, Harmony())}
 
 
 def detect(past_call: str, name: str, arguments: dict[str, str]) -> ToolFormat | None:

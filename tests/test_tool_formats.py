@@ -94,6 +94,11 @@ TWO_CALLS = {
                  "</function>\n</tool_call>\n<tool_call>\n<function=convert>\n"
                  "<parameter=amount>\n2\n</parameter>\n<parameter=to>\nEUR\n</parameter>\n"
                  "</function>\n</tool_call>",
+    "glm_xml": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>"
+               "</tool_call><tool_call>convert\n<arg_key>amount</arg_key>\n<arg_value>2"
+               "</arg_value>\n<arg_key>to</arg_key>\n<arg_value>EUR</arg_value>\n</tool_call>",
+    "apriel": '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+              '{"name": "convert", "arguments": {"amount": 2, "to": "EUR"}}]</tool_calls>',
     "nemotron": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
                 '{"name": "convert", "arguments": {"amount": 2, "to": "EUR"}}]</TOOLCALL>',
     "functionary_v3_1": '<function=get_weather>{"city": "Rome"}</function>'
