@@ -39,6 +39,7 @@ class EngineConfig:
     threads: int | None = None
     speculation: str = "auto"  # "auto": requests may speculate (gated); "off": never
     spec_max_draft: int = 16  # most draft tokens one request verifies in a step
+    max_lora_rank: int = 64  # LoRA adapters of a higher rank are refused at load
     spec_references: tuple[str, ...] = ()  # texts every request may draft from
     chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
     calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
@@ -80,6 +81,7 @@ class EngineConfig:
         if self.speculation not in ("auto", "off"):
             raise InvalidConfig(f"speculation must be 'auto' or 'off', got {self.speculation!r}")
         positive("spec_max_draft")
+        positive("max_lora_rank")
         for name in ("num_kv_blocks", "max_model_len", "threads", "max_prefill_chunk"):
             positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1):

@@ -25,10 +25,24 @@ class LLM:
     >>> out[0].text
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, loras: dict[str, str | Path] | None = None,
+                 **options: Any) -> None:
+        """``loras``: LoRA adapters to load, by name (GGUF files or PEFT directories);
+        a request uses one with ``lora="NAME"``."""
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self.tokenizer = self.engine.tokenizer
         self.chat_template = self.engine.loaded.chat_template
+        for name, path in (loras or {}).items():
+            self.load_lora(name, path)
+
+    # ------------------------------------------------------------ adapters
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load a LoRA adapter (GGUF file or PEFT directory) as ``name``; refused with a
+        message naming what does not fit the base model."""
+        self.engine.load_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     # ------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt) -> list[int]:
@@ -45,36 +59,40 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, batched together; outputs in prompt order."""
+        """Generate for every prompt, batched together; outputs in prompt order. ``lora``
+        names a loaded adapter to run them with (default: the base model)."""
         batch = _as_prompt_list(prompts)
-        return self._run([self.encode(p) for p in batch], sampling_params, tenant)
+        return self._run([self.encode(p) for p in batch], sampling_params, tenant, lora)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation or several (a list of message lists)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([self.encode_chat(m) for m in convs], sampling_params, tenant)
+        return self._run([self.encode_chat(m) for m in convs], sampling_params, tenant, lora)
 
     def stream(
         self,
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield outputs as text arrives; each has the new ``delta_text``."""
-        return self.stream_ids(self.encode(prompt), sampling_params, tenant)
+        return self.stream_ids(self.encode(prompt), sampling_params, tenant, lora)
 
     def stream_ids(
         self, prompt_ids: list[int], sampling_params: SamplingParams | None = None,
-        tenant: str | None = None,
+        tenant: str | None = None, lora: str | None = None,
     ) -> Iterator[RequestOutput]:
         req = self.engine.add_request(prompt_ids, sampling_params or SamplingParams(),
-                                      tenant=tenant)
+                                      tenant=tenant, lora=lora)
         try:
             while True:
                 for out in self.engine.step():
@@ -113,10 +131,11 @@ class LLM:
         prompt_ids: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         tenant: str | None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         params = _as_params_list(sampling_params, len(prompt_ids))
-        reqs = [self.engine.add_request(ids, p, tenant=tenant) for ids, p in zip(prompt_ids, params,
-                                                                                   strict=True)]
+        reqs = [self.engine.add_request(ids, p, tenant=tenant, lora=lora)
+                for ids, p in zip(prompt_ids, params, strict=True)]
         results: dict[str, RequestOutput] = {}
         try:
             while len(results) < len(reqs):

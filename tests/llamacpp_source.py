@@ -24,9 +24,10 @@ SDIST_VERSION = "0.3.36"
 _PREFIX = "vendor/llama.cpp/"
 # What is extracted (paths under llama.cpp's root); a tree missing any is fetched again.
 _WANTED = ("models/ggml-vocab-", "models/templates/", "convert_hf_to_gguf.py", "conversion/",
-           "gguf-py/gguf/")
+           "gguf-py/gguf/", "convert_lora_to_gguf.py")
 _COMPLETE = ("models/ggml-vocab-llama-bpe.gguf.out", "models/templates/llama-cpp-deepseek-r1.jinja",
-             "convert_hf_to_gguf.py", "conversion/base.py", "gguf-py/gguf/constants.py")
+             "convert_hf_to_gguf.py", "conversion/base.py", "gguf-py/gguf/constants.py",
+             "convert_lora_to_gguf.py")
 
 
 def _extract(dest: Path) -> None:
@@ -73,4 +74,19 @@ def convert_hf_to_gguf(model_dir: Path, out: Path, outtype: str = "f32",
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def convert_lora_to_gguf(adapter_dir: Path, base_dir: Path, out: Path) -> Path:
+    """Run llama.cpp's LoRA converter on a PEFT adapter directory (``base_dir``: the base
+    model's config.json), writing an f32 GGUF adapter."""
+    root = llamacpp_source()
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(root / "convert_lora_to_gguf.py"),
+                           str(adapter_dir), "--base", str(base_dir), "--outtype", "f32",
+                           "--outfile", str(out)], env=env, capture_output=True, text=True,
+                          cwd=root)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_lora_to_gguf.py failed on {adapter_dir}:\n"
+                           f"{proc.stderr[-3000:]}")
     return out

@@ -35,7 +35,7 @@ from ember.engine.admission import Admission
 from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
 from ember.engine.costs import StepCostModel, StepShape
-from ember.engine.intake import SLO, Intake
+from ember.engine.intake import SLO, Intake, InvalidRequest
 from ember.engine.metrics import SpecTotals, moe_metrics, snapshot
 from ember.engine.output import RequestOutput, output
 from ember.engine.request import FinishReason, Request
@@ -53,6 +53,7 @@ from ember.engine.verify import (
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
+from ember.lora import LoRAAdapter, load_lora
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.moe import MoEOptions
@@ -98,6 +99,7 @@ class LLMEngine:
             log.info("recurrent state: %d sequences, %.1f MiB (f32, zeroed on first use)",
                      slots, states.nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
+        self.loras: dict[str, LoRAAdapter] = {}  # loaded adapters by name
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
@@ -119,9 +121,31 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- intake and queue
     def prepare(self, prompt_ids: list[int], params: SamplingParams | Sequence[SamplingParams],
-                **options: Any) -> list[Request]:
-        """Validate and build one prompt's requests (any thread); see :meth:`Intake.prepare`."""
-        return self.intake.prepare(prompt_ids, params, **options)
+                *, lora: str | None = None, **options: Any) -> list[Request]:
+        """Validate and build one prompt's requests (any thread); see :meth:`Intake.prepare`.
+        ``lora`` names a loaded adapter (:meth:`load_lora`) its tokens run with."""
+        adapter = None
+        if lora is not None:
+            adapter = self.loras.get(lora)
+            if adapter is None:
+                raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded", lora)
+        return self.intake.prepare(prompt_ids, params, lora=adapter, **options)
+
+    # ------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load the adapter at ``path`` (GGUF or PEFT directory) as ``name``, checked
+        against the base (:func:`ember.lora.load_lora`); a name already loaded is
+        replaced (requests running with the old one finish with it)."""
+        adapter = load_lora(path, name, self.loaded.config, self.config.max_lora_rank)
+        self.loras[name] = adapter
+        log.info("LoRA adapter %r: %s, rank %d, %s, %.1f MiB", name, path, adapter.rank,
+                 "/".join(adapter.targets), adapter.nbytes / 2**20)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; requests already running with it finish with it."""
+        if self.loras.pop(name, None) is None:
+            raise KeyError(f"no LoRA adapter {name!r} is loaded")
 
     def check_queue(self, pending: int = 0) -> None:
         self.admission.check_queue(pending)
@@ -133,10 +157,12 @@ class LLMEngine:
     def add_group(self, prompt_ids: list[int], params: Sequence[SamplingParams], *,
                   request_id: str | None = None, tenant: str | None = None,
                   processors: Sequence[LogitProcessor] = (), priority: int = 0,
-                  slo: SLO | None = None, weight: float = 1.0) -> list[Request]:
+                  slo: SLO | None = None, weight: float = 1.0,
+                  lora: str | None = None) -> list[Request]:
         """Prepare and queue ``len(params)`` choices of one prompt, sharing its KV."""
         group = self.prepare(prompt_ids, params, request_id=request_id, tenant=tenant,
-                             processors=processors, priority=priority, slo=slo, weight=weight)
+                             processors=processors, priority=priority, slo=slo, weight=weight,
+                             lora=lora)
         self.check_queue()
         self.enqueue(group)
         return group

@@ -27,6 +27,7 @@ from ember.errors import EmberError
 from ember.kv.blocks import blocks_for
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_salt
+from ember.lora import LoRAAdapter
 from ember.models.loader import LoadedModel
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
@@ -124,6 +125,7 @@ class Intake:
         weight: float = 1.0,
         arrival: float | None = None,
         references: Sequence[str] = (),
+        lora: LoRAAdapter | None = None,
     ) -> list[Request]:
         """Validate and build the requests for one prompt: one per ``params`` (n choices).
 
@@ -133,7 +135,8 @@ class Intake:
         server's ``--spec-ref`` texts always are); ``slo`` sets latency objectives (see
         :class:`SLO`); ``arrival`` is when the request arrived (``time.monotonic()``;
         default: now), which its TTFT counts from — the server passes the moment it
-        started reading the request.
+        started reading the request. ``lora``: the adapter its tokens run with (its
+        identity joins the prefix-cache salt: no prefix is shared across adapters).
         """
         choices = [params] if isinstance(params, SamplingParams) else list(params)
         self._check_options(choices, priority, weight, processors)
@@ -156,7 +159,9 @@ class Intake:
                 block_table=self.kv.new_table(),
                 detokenizer=IncrementalDetokenizer(self.tokenizer),
                 stops=Stops.of(p, self.tokenizer.eog_ids, self.max_model_len),
-                salt=self.salt_for(tenant),
+                salt=self.salt_for(tenant) + (b"" if lora is None
+                                              else b"\0lora:" + lora.identity),
+                lora=lora,
                 tenant=tenant or "",
                 priority=priority,
                 weight=float(weight),

@@ -16,6 +16,7 @@ import torch
 
 from ember.engine.request import Request
 from ember.kv.blocks import KVStorage
+from ember.lora import LoRABatch
 from ember.models.decoder import DecoderModel
 from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.spec.speculator import Proposal
@@ -84,5 +85,7 @@ class ModelRunner:
                 logit_rows += range(last, last + 1 + len(row.draft))
             offset += row.num_query
         batch = AttentionBatch.build(specs, self.kv.block_size)
+        batch.lora = LoRABatch.of_rows([row.request.lora for row in rows],
+                                       [row.num_query for row in rows])
         index = torch.tensor(logit_rows, dtype=torch.long)
         return self.model.forward(torch.tensor(tokens, dtype=torch.long), batch, self.kv, index)

@@ -279,17 +279,22 @@ class DecoderModel:
         return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
 
     def score(self, token_ids: list[int], block_size: int = 16,
-              kv_dtype: str | torch.dtype | KVDtype = "f32") -> torch.Tensor:
+              kv_dtype: str | torch.dtype | KVDtype = "f32", lora: Any = None) -> torch.Tensor:
         """Logits at every position of one sequence (teacher forcing), shape (T, vocab).
 
         Uses a private KV pool (of ``kv_dtype``: a name in ember.kv.dtypes.KV_DTYPES or
-        a float format's torch dtype); meant for evaluation and tests.
+        a float format's torch dtype); meant for evaluation and tests. ``lora``: an
+        adapter (:class:`ember.lora.LoRAAdapter`) every token runs with.
         """
         n = len(token_ids)
         n_blocks = blocks_for(n, block_size)
         table = BlockTable(BlockAllocator(n_blocks), block_size)
         table.reserve(n)
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n, state=0)], block_size)
+        if lora is not None:
+            from ember.lora import LoRABatch
+
+            batch.lora = LoRABatch.of_rows([lora], [n])
         kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)
         kv.zero_blocks(table.allocator.take_fresh())
         return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
@@ -324,8 +329,9 @@ class DecoderModel:
 
     @torch.inference_mode()
     def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
-        """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
-        if self.native is not None:
+        """The residual stream (T, hidden) after every layer, from the embeddings ``x``.
+        A step with LoRA adapters runs op by op (the native stack has no low-rank path)."""
+        if self.native is not None and batch.lora is None:
             x = x.clone(memory_format=torch.contiguous_format)  # updated in place
             ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
                      for rope in self.ropes.values()]  # in rope_keys order
@@ -350,6 +356,10 @@ class DecoderModel:
         qkv = layer.qkv(h)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
+        lora = batch.lora
+        if lora is not None:
+            qkv = lora.add(i, (("attn_q", 0, q_dim), ("attn_k", q_dim, q_dim + kv_dim),
+                               ("attn_v", q_dim + kv_dim, q_dim + 2 * kv_dim)), h, qkv)
         q = qkv[:, :q_dim].view(n, c.n_heads, c.head_dim)
         k = qkv[:, q_dim:q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim:].reshape(n, c.n_kv_heads, c.head_dim)
@@ -367,6 +377,8 @@ class DecoderModel:
         attn = paged_attention(q, kv.k[i], kv.v[i], batch, window=kind.window,
                                scale=c.softmax_scale, softcap=c.attn_softcap, sinks=layer.sinks)
         out = layer.o(attn.reshape(n, q_dim))
+        if lora is not None:
+            out = lora.add(i, (("attn_output", 0, c.hidden_size),), attn.reshape(n, q_dim), out)
         if layer.o_bias is not None:
             out = out + layer.o_bias
         if layer.post_attn_norm is not None:
@@ -375,9 +387,20 @@ class DecoderModel:
         h = x if layer.ffn_norm is None else self.norm(x, layer.ffn_norm, c.norm_eps)
         if layer.moe is not None:
             out = layer.moe(h)
+        elif lora is not None:
+            out = self._adapted_mlp(i, layer, h, lora)
         else:
             assert layer.gate_up is not None and layer.down is not None
             out = gated_mlp(layer.gate_up, layer.down, self.glu, h)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
         return x + out if c.residual_scale == 1.0 else x + c.residual_scale * out
+
+    def _adapted_mlp(self, i: int, layer: DecoderLayer, h: torch.Tensor, lora: Any
+                     ) -> torch.Tensor:
+        """The gated MLP with each row's LoRA deltas on gate, up and down."""
+        assert layer.gate_up is not None and layer.down is not None
+        f = self.cfg.ffn_size
+        gate_up = lora.add(i, (("ffn_gate", 0, f), ("ffn_up", f, 2 * f)), h, layer.gate_up(h))
+        act = self.glu(*gate_up.chunk(2, dim=-1))
+        return lora.add(i, (("ffn_down", 0, self.cfg.hidden_size),), act, layer.down(act))

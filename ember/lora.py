@@ -1,0 +1,308 @@
+"""Low-rank adapters (LoRA) over a loaded base model, several in one batch.
+
+An adapter changes a projection ``y = W x`` into ``y = W x + s · B (A x)`` with ``A``
+(rank × in) and ``B`` (out × rank) small, for the projections it targets: any of
+``attn_q``, ``attn_k``, ``attn_v``, ``attn_output``, ``ffn_gate``, ``ffn_up``,
+``ffn_down`` of any layer. Two file formats:
+
+- llama.cpp's GGUF adapters (``general.type = adapter``, ``adapter.type = lora``,
+  ``adapter.lora.alpha``; tensors ``blk.N.<target>.weight.lora_a`` / ``.lora_b``, as
+  ``convert_lora_to_gguf.py`` writes them): ``s = alpha / rank`` (1 when alpha is 0),
+  as llama.cpp applies them;
+- PEFT directories (``adapter_config.json`` + ``adapter_model.safetensors``): HF module
+  names mapped to GGUF's (``q_proj`` → ``attn_q`` …), ``s = lora_alpha / r`` (or
+  ``/ sqrt(r)`` with ``use_rslora``); for a base whose GGUF permutes q and k for its
+  RoPE layout (llama's adjacent pairs), ``B``'s rows are permuted the same way, as
+  llama.cpp's converter does for the weights.
+
+Everything is checked against the base at load — architecture, targets, shapes, rank
+(``max_rank``) — and refused naming what does not fit. Deltas are kept in f32 with
+``s`` folded into ``B``. An adapter's identity is the hash of its file bytes: the
+prefix cache keys requests with an adapter apart from the base and from other
+adapters, so a cached prefix is never served across them.
+
+:class:`LoRABatch` applies a step's adapters to the rows that use them (rows of
+different adapters and rows without one in one step): the base matmul runs once for
+the whole batch, the low-rank part per adapter over its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ember.errors import EmberError
+from ember.models.config import ModelConfig
+from ember.models.gguf import GGUFFile
+from ember.models.linear import load_dense
+
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PEFT_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+                "down_proj": "ffn_down"}
+DEFAULT_MAX_RANK = 64
+
+
+class LoRAError(EmberError):
+    """An adapter file that cannot be used with the served model (the message names
+    what does not fit)."""
+
+
+@dataclass(frozen=True)
+class LoRADelta:
+    a: torch.Tensor  # (rank, in) f32
+    b: torch.Tensor  # (out, rank) f32, the scale folded in
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: Path
+    identity: bytes  # sha256 of the adapter's file bytes
+    rank: int  # the largest of its deltas'
+    deltas: dict[tuple[int, str], LoRADelta]  # (layer, target) -> delta
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.a.nbytes + d.b.nbytes for d in self.deltas.values())
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({t for _, t in self.deltas}, key=TARGETS.index)
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection an adapter may target."""
+    q, kv, h, f = cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.hidden_size, cfg.ffn_size
+    return {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+            "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+
+
+def check_base(cfg: ModelConfig) -> None:
+    """Refuse a base model whose projections adapters cannot address yet."""
+    why = ("recurrent layers" if cfg.recurrent else "routed experts" if cfg.n_experts
+           else "a gated attention output" if cfg.attn_output_gate else None)
+    if why:
+        raise LoRAError(f"LoRA adapters are not supported for models with {why} "
+                        f"({cfg.architecture})")
+
+
+def load_lora(path: str | Path, name: str, cfg: ModelConfig,
+              max_rank: int = DEFAULT_MAX_RANK) -> LoRAAdapter:
+    """The adapter at ``path`` (a GGUF file or a PEFT directory), checked against the
+    base model's configuration ``cfg``."""
+    check_base(cfg)
+    p = Path(path)
+    if not p.exists():
+        raise LoRAError(f"LoRA adapter {name!r}: {p} does not exist")
+    raw, identity = (_peft(p, cfg) if p.is_dir() else _gguf(p, cfg))
+    shapes = projection_shapes(cfg)
+    deltas, rank = {}, 0
+    for (layer, target), (a, b, scale) in raw.items():
+        where = f"LoRA adapter {name!r}: blk.{layer}.{target}"
+        if target not in shapes:
+            raise LoRAError(f"{where}: target module {target!r} is not supported "
+                            f"(supported: {', '.join(TARGETS)})")
+        if not 0 <= layer < cfg.n_layers:
+            raise LoRAError(f"{where}: the base model has {cfg.n_layers} layers")
+        out, inp = shapes[target]
+        r = a.shape[0]
+        if a.shape != (r, inp) or b.shape != (out, r):
+            raise LoRAError(f"{where}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do "
+                            f"not fit the base projection ({out} x {inp}): another base model?")
+        if r > max_rank:
+            raise LoRAError(f"{where}: rank {r} is above max_lora_rank {max_rank}")
+        rank = max(rank, r)
+        deltas[(layer, target)] = LoRADelta(a.float().contiguous(),
+                                            (b.float() * scale).contiguous())
+    if not deltas:
+        raise LoRAError(f"LoRA adapter {name!r}: {p} holds no LoRA tensors")
+    return LoRAAdapter(name, p, identity, rank, deltas)
+
+
+# ------------------------------------------------------------------ GGUF adapters
+def _gguf(path: Path, cfg: ModelConfig
+          ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], bytes]:
+    identity = _file_hash([path])
+    try:
+        g = GGUFFile(path)
+    except EmberError as e:
+        raise LoRAError(f"{path.name}: not a readable GGUF adapter: {e}") from None
+    with g:
+        kind = g.metadata.get("general.type")
+        if kind != "adapter" or g.metadata.get("adapter.type") != "lora":
+            raise LoRAError(f"{path.name}: general.type {kind!r} / adapter.type "
+                            f"{g.metadata.get('adapter.type')!r} is not a LoRA adapter")
+        if g.architecture != cfg.architecture:
+            raise LoRAError(f"{path.name}: adapter for architecture {g.architecture!r}, "
+                            f"the base model is {cfg.architecture!r}")
+        alpha = float(g.metadata.get("adapter.lora.alpha", 0.0))
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for tensor in g.tensors:
+            base, _, part = tensor.rpartition(".")
+            if part not in ("lora_a", "lora_b"):
+                raise LoRAError(f"{path.name}: tensor {tensor!r} is not a LoRA tensor")
+            pairs.setdefault(base, {})[part] = load_dense(g, tensor)
+    raw = {}
+    for base, parts in pairs.items():
+        if set(parts) != {"lora_a", "lora_b"}:
+            raise LoRAError(f"{path.name}: {base} has {sorted(parts)} but needs lora_a and "
+                            "lora_b")
+        layer, target = _gguf_target(path, base)
+        a, b = parts["lora_a"], parts["lora_b"]
+        raw[(layer, target)] = (a, b, alpha / a.shape[0] if alpha else 1.0)
+    return raw, identity
+
+
+def _gguf_target(path: Path, name: str) -> tuple[int, str]:
+    pieces = name.split(".")
+    if len(pieces) != 4 or pieces[0] != "blk" or not pieces[1].isdigit() \
+            or pieces[3] != "weight":
+        raise LoRAError(f"{path.name}: tensor {name!r}: target module not supported "
+                        f"(supported: blk.N.<{'|'.join(TARGETS)}>.weight)")
+    return int(pieces[1]), pieces[2]
+
+
+# ------------------------------------------------------------------ PEFT directories
+def _peft(path: Path, cfg: ModelConfig
+          ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], bytes]:
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise LoRAError(f"{path}: a PEFT adapter directory needs {f.name}")
+    identity = _file_hash([config_file, weights_file])
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise LoRAError(f"{config_file}: not JSON: {e}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise LoRAError(f"{config_file}: {flag} is not supported")
+    tensors = _read_safetensors(weights_file)
+    alpha = float(config.get("lora_alpha", 8))
+    patterns = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+    raw = {}
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise LoRAError(f"{weights_file.name}: tensor {key!r} is not a LoRA tensor "
+                                "(modules_to_save and embedding adapters are not supported)")
+            continue
+        b_key = key.replace(".lora_A.", ".lora_B.")
+        if b_key not in tensors:
+            raise LoRAError(f"{weights_file.name}: {key} has no {b_key}")
+        layer, module = _peft_target(weights_file, key)
+        target = PEFT_MODULES.get(module)
+        if target is None:
+            raise LoRAError(f"{weights_file.name}: target module {module!r} is not supported "
+                            f"(supported: {', '.join(PEFT_MODULES)})")
+        r = a.shape[0]
+        a_alpha = float(next((v for k, v in patterns.items() if key.find(k) >= 0), alpha))
+        scale = a_alpha / (math.sqrt(r) if rslora else r)
+        raw[(layer, target)] = (a, _as_gguf_rows(tensors[b_key], target, cfg), scale)
+    return raw, identity
+
+
+def _peft_target(f: Path, key: str) -> tuple[int, str]:
+    pieces = key.split(".")
+    try:
+        at = pieces.index("layers")
+        return int(pieces[at + 1]), pieces[pieces.index("lora_A") - 1]
+    except (ValueError, IndexError):
+        raise LoRAError(f"{f.name}: tensor {key!r}: no layer index in its name") from None
+
+
+def _as_gguf_rows(b: torch.Tensor, target: str, cfg: ModelConfig) -> torch.Tensor:
+    """``B``'s rows in the GGUF's order: llama.cpp's converter permutes q and k rows of
+    a llama-layout model (adjacent-pair RoPE) so that each head's pairs sit together."""
+    if cfg.rope_neox or target not in ("attn_q", "attn_k"):
+        return b
+    heads = cfg.n_heads if target == "attn_q" else cfg.n_kv_heads
+    return (b.reshape(heads, 2, b.shape[0] // heads // 2, *b.shape[1:])
+            .swapaxes(1, 2).reshape(b.shape))
+
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors (the format: an 8-byte header length, a JSON header
+    of dtype/shape/offsets, then the bytes), as float32."""
+    data = path.read_bytes()
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+    except (struct.error, ValueError) as e:
+        raise LoRAError(f"{path.name}: not a safetensors file: {e}") from None
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise LoRAError(f"{path.name}: {key}: dtype {info['dtype']} is not supported")
+        lo, hi = info["data_offsets"]
+        body = data[8 + n + lo:8 + n + hi]
+        arr = np.frombuffer(body, dtype=dtype).reshape(info["shape"])
+        t = torch.from_numpy(arr.copy())
+        if info["dtype"] == "BF16":
+            t = (t.to(torch.int32) << 16).view(torch.float32)
+        out[key] = t.float()
+    return out
+
+
+def _file_hash(files: Sequence[Path]) -> bytes:
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.digest()
+
+
+# ------------------------------------------------------------------ applying them
+class LoRABatch:
+    """One step's adapters and the flat token positions of the rows using each."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def of_rows(cls, adapters: Sequence[LoRAAdapter | None], lengths: Sequence[int]
+                ) -> LoRABatch | None:
+        """The batch of rows with ``adapters`` (None: the base) of ``lengths`` tokens,
+        in order; None when no row has one."""
+        by: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+        offset = 0
+        for adapter, n in zip(adapters, lengths, strict=True):
+            if adapter is not None:
+                by.setdefault(id(adapter), (adapter, []))[1].extend(range(offset, offset + n))
+            offset += n
+        if not by:
+            return None
+        return cls([(a, torch.tensor(idx, dtype=torch.long)) for a, idx in by.values()])
+
+    def add(self, layer: int, parts: Sequence[tuple[str, int, int]], x: torch.Tensor,
+            y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base projection of ``x``) plus each row's adapter delta, for the
+        output ``parts`` (target, first column, end column) of a fused projection."""
+        for adapter, index in self.groups:
+            deltas = [(adapter.deltas.get((layer, t)), lo, hi) for t, lo, hi in parts]
+            if not any(d is not None for d, _, _ in deltas):
+                continue
+            xs = x[index]
+            for d, lo, hi in deltas:
+                if d is not None:
+                    y[index, lo:hi] += (xs @ d.a.T) @ d.b.T
+        return y

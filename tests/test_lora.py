@@ -1,0 +1,204 @@
+"""LoRA adapters over the real SmolLM2, against oracles that are not ember's.
+
+The adapter is a PEFT LoRA (rank 4 on all seven projections, random A and B) on
+transformers' own SmolLM2 (dequantized from the same GGUF): transformers + PEFT is the
+logits oracle for ember loading the PEFT directory, and llama.cpp's
+``convert_lora_to_gguf.py`` turns the same directory into a GGUF adapter, which must
+give ember the same logits (so ember's q/k row permutation of a PEFT adapter is
+llama.cpp's). Then the engine: adapters and the base in one batch, each request as
+alone; no prefix shared across adapters; refusals that name what does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hf_gguf import transformers_from_gguf
+from llamacpp_source import convert_lora_to_gguf
+
+from ember.lora import LoRAError, load_lora
+from ember.models.loader import load_model
+from ember.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+IDS = [1, 504, 3458, 282, 4649, 314, 7042, 30, 378, 1183, 314, 7042, 446, 1557, 30, 216]
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The PEFT adapter, its GGUF conversion, a zero adapter, and the oracle's logits."""
+    peft = pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("lora")
+    hf = transformers_from_gguf(smollm2_gguf)
+    # the converter reads the base's config only: as a checkpoint's (a GGUF-loaded one
+    # has no architectures and names the GGUF as a quantization)
+    base = hf.config.to_dict()
+    base.pop("quantization_config", None)
+    (root / "base").mkdir()
+    (root / "base" / "config.json").write_text(json.dumps(
+        {**base, "architectures": [type(hf).__name__]}))
+    model = peft.get_peft_model(hf, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=MODULES, init_lora_weights=False))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.05)
+        oracle = model(torch.tensor([IDS])).logits[0]
+    model.save_pretrained(root / "peft")
+    gguf = convert_lora_to_gguf(root / "peft", root / "base", root / "adapter.gguf")
+    zero = root / "zero"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    model.save_pretrained(zero)
+    return {"peft": root / "peft", "gguf": gguf, "zero": zero, "oracle": oracle, "root": root}
+
+
+@pytest.fixture(scope="module")
+def base_f32(smollm2_gguf: Path):
+    return load_model(str(smollm2_gguf), "f32")
+
+
+def test_peft_adapter_gives_transformers_logits(adapters, base_f32) -> None:
+    adapter = load_lora(adapters["peft"], "peft", base_f32.config)
+    assert adapter.rank == 4 and len(adapter.deltas) == 7 * base_f32.config.n_layers
+    ours = base_f32.model.score(IDS, lora=adapter)
+    base = base_f32.model.score(IDS)
+    err = (ours - adapters["oracle"]).abs().max().item()
+    moved = (base - adapters["oracle"]).abs().max().item()
+    print(f"PEFT adapter: max |Δlogit| vs transformers+PEFT {err:.1e} (base vs it {moved:.1f})")
+    assert moved > 1.0  # the adapter changes the model visibly
+    assert err < 2e-3
+    assert torch.equal(ours.argmax(-1), adapters["oracle"].argmax(-1))
+
+
+def test_gguf_adapter_from_llama_cpps_converter_equals_the_peft_one(adapters, base_f32) -> None:
+    """The converter permutes q and k rows for llama's RoPE layout, as ember does to a
+    PEFT adapter: both files give the same logits."""
+    gguf = load_lora(adapters["gguf"], "gguf", base_f32.config)
+    peft = load_lora(adapters["peft"], "peft", base_f32.config)
+    assert gguf.deltas.keys() == peft.deltas.keys()
+    a = base_f32.model.score(IDS, lora=gguf)
+    b = base_f32.model.score(IDS, lora=peft)
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_a_zero_adapter_is_the_base_bitwise(adapters, base_f32) -> None:
+    zero = load_lora(adapters["zero"], "zero", base_f32.config)
+    assert torch.equal(base_f32.model.score(IDS, lora=zero), base_f32.model.score(IDS))
+
+
+def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, base_f32) -> None:
+    """The base and two adapters, four requests in one batch (and forked siblings):
+    each gives the tokens it gives alone; no prefix is shared across adapters."""
+    import ember
+
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+                    loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Water boils at"]
+    loras = [None, "peft", "gguf", "peft"]
+    alone = [llm.generate([p], greedy, lora=lr)[0] for p, lr in zip(prompts, loras, strict=True)]
+    assert alone[1].token_ids != llm.generate([prompts[1]], greedy)[0].token_ids
+    engine = llm.engine
+    reqs = [engine.add_request(llm.encode(p), greedy, lora=lr)
+            for p, lr in zip(prompts, loras, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in reqs] == [list(o.token_ids) for o in alone]
+    # a prompt cached for the base is not reused for an adapter, nor across adapters
+    prompt = llm.encode("A long shared preamble about the weather in several cities, " * 3)
+    first = engine.add_request(prompt, greedy)
+    while engine.has_unfinished():
+        engine.step()
+    for lora, cached in (("peft", 0), ("gguf", 0), ("peft", 1)):
+        req = engine.add_request(prompt, greedy, lora=lora)
+        while engine.has_unfinished():
+            engine.step()
+        assert (req.cached_tokens > 0) == bool(cached), (lora, req.cached_tokens)
+    assert first.cached_tokens == 0
+    engine.kv.check_no_leaks()
+
+
+def test_unknown_adapter_and_unload(adapters, smollm2_gguf) -> None:
+    import ember
+    from ember.engine.intake import InvalidRequest
+
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64,
+                    loras={"peft": adapters["peft"]})
+    with pytest.raises(InvalidRequest, match="'nope'") as e:
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), lora="nope")
+    assert e.value.param == "lora"
+    llm.unload_lora("peft")
+    with pytest.raises(InvalidRequest, match="'peft'"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), lora="peft")
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_why(adapters, base_f32, tmp_path) -> None:
+    cfg = base_f32.config
+    with pytest.raises(LoRAError, match="rank 4 is above max_lora_rank 2"):
+        load_lora(adapters["peft"], "x", cfg, max_rank=2)
+    # another base: the same adapter against a model with another hidden size
+    with pytest.raises(LoRAError, match="do not fit the base projection"):
+        load_lora(adapters["peft"], "x", dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2))
+    with pytest.raises(LoRAError, match="architecture 'llama'.*'qwen2'"):
+        load_lora(adapters["gguf"], "x", dataclasses.replace(cfg, architecture="qwen2"))
+    # a module ember does not map (the output head)
+    bad = tmp_path / "head"
+    shutil.copytree(adapters["peft"], bad)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".q_proj.lora_A." in k)
+    other = key.replace("q_proj", "rotary_thing")
+    tensors[other] = tensors[key].clone()
+    tensors[other.replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")].clone()
+    save_file(tensors, bad / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="'rotary_thing'"):
+        load_lora(bad, "x", cfg)
+    # a truncated safetensors file, and a directory without the config
+    (bad / "adapter_model.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(LoRAError, match="not a safetensors file"):
+        load_lora(bad, "x", cfg)
+    (bad / "adapter_config.json").unlink()
+    with pytest.raises(LoRAError, match="adapter_config.json"):
+        load_lora(bad, "x", cfg)
+
+
+LLAMA_PYTHON = os.environ.get("EMBER_LLAMA_PYTHON")
+
+
+@pytest.mark.skipif(not LLAMA_PYTHON, reason="set EMBER_LLAMA_PYTHON to an interpreter "
+                    "with llama-cpp-python to compare with llama.cpp")
+def test_llama_cpp_with_the_same_gguf_adapter_picks_the_same_tokens(
+        adapters, smollm2_gguf, base_f32, tmp_path) -> None:
+    """llama.cpp runs the Q4_1 base with int8 activations, ember here dequantized f32:
+    the top token agrees wherever ember's top two are not a near-tie."""
+    import numpy as np
+
+    out = tmp_path / "logits.npy"
+    subprocess.run([str(LLAMA_PYTHON), str(Path(__file__).with_name("llamacpp_logits.py")),
+                    str(smollm2_gguf), str(out), ",".join(map(str, IDS)),
+                    str(adapters["gguf"])], check=True)
+    theirs = torch.from_numpy(np.load(out))
+    ours = base_f32.model.score(IDS, lora=load_lora(adapters["gguf"], "g", base_f32.config))
+    top2 = ours.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    agree = ours.argmax(-1) == theirs.argmax(-1)
+    print(f"llama.cpp + adapter: top token agrees at {int(agree.sum())}/{len(IDS)} "
+          f"positions, max |Δlogit| {(ours - theirs).abs().max():.2f}")
+    assert bool(agree[clear].all())
+    # llama.cpp applied the adapter: nearer ember with it than ember without (8.7 apart)
+    base = base_f32.model.score(IDS)
+    assert (ours - theirs).abs().max() < (base - theirs).abs().max() / 3
