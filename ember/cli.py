@@ -102,6 +102,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT/SIGTERM, how long in-flight requests may finish")
     s.add_argument("--metrics-api-key",
                    help="bearer key /metrics requires (default: any --api-key, if set)")
+    s.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a GGUF adapter or a PEFT directory) as model "
+                        "NAME, for every tenant (repeatable)")
+    s.add_argument("--max-lora-rank", type=int, default=64,
+                   help="adapters of a higher rank are refused at load (default 64)")
+    s.add_argument("--admin-api-key",
+                   help="bearer key for POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter (without it they are refused)")
     s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get 413 before being read (default 4 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,
@@ -301,6 +309,19 @@ def _add_kv_flags(s: argparse.ArgumentParser) -> None:
                    help="auto: restore from disk only where faster than recomputing")
 
 
+
+def _loras(specs: list[str]) -> dict[str, str]:
+    """``--lora NAME=PATH`` flags as name -> path (a name given twice is refused)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora wants NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora {name!r} given twice")
+        out[name] = path
+    return out
+
 def _kv_options(args: argparse.Namespace) -> dict:
     return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
                 kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
@@ -340,6 +361,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
         max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
+        max_lora_rank=args.max_lora_rank,
         speculation=args.speculation, calibrate_costs=args.spec_calibrate,
         spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
         chat_template=(args.chat_template.read_text(encoding="utf-8")
@@ -356,9 +378,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                          tenant_weights=weights)
+                          tenant_weights=weights, loras=_loras(args.lora),
+                          admin_api_key=args.admin_api_key)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
+    if args.replicas and (args.lora or args.admin_api_key):
+        raise ValueError("--lora and --admin-api-key are not supported with --replicas yet")
     if not args.replicas:
         return run_server(config, args.host, args.port, args.graceful_seconds)
     from ember.cluster import deploy

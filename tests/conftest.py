@@ -164,3 +164,13 @@ def tiny32_loaded_q4(tiny32_gguf: Path):
 def make_tiny32_engine(request, tiny32_gguf: Path):
     """make_tiny_engine over the head_dim-32 tiny model."""
     return _engine_maker(request, tiny32_gguf, "tiny32_loaded", "tiny32_loaded_q4")
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapters(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A PEFT LoRA for SmolLM2 as a directory and as llama.cpp's GGUF adapter, a zero
+    adapter, and transformers + PEFT's logits (tests/lora_adapters.py)."""
+    pytest.importorskip("peft")
+    from lora_adapters import build_adapters
+
+    return build_adapters(smollm2_gguf, tmp_path_factory.mktemp("lora"))

@@ -12,7 +12,6 @@ alone; no prefix shared across adapters; refusals that name what does not fit.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -20,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_gguf import transformers_from_gguf
-from llamacpp_source import convert_lora_to_gguf
+from lora_adapters import IDS
 
 from ember.lora import LoRAError, load_lora
 from ember.models.loader import load_model
@@ -29,40 +27,10 @@ from ember.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-IDS = [1, 504, 3458, 282, 4649, 314, 7042, 30, 378, 1183, 314, 7042, 446, 1557, 30, 216]
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 @pytest.fixture(scope="module")
-def adapters(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The PEFT adapter, its GGUF conversion, a zero adapter, and the oracle's logits."""
-    peft = pytest.importorskip("peft")
-    root = tmp_path_factory.mktemp("lora")
-    hf = transformers_from_gguf(smollm2_gguf)
-    # the converter reads the base's config only: as a checkpoint's (a GGUF-loaded one
-    # has no architectures and names the GGUF as a quantization)
-    base = hf.config.to_dict()
-    base.pop("quantization_config", None)
-    (root / "base").mkdir()
-    (root / "base" / "config.json").write_text(json.dumps(
-        {**base, "architectures": [type(hf).__name__]}))
-    model = peft.get_peft_model(hf, peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=MODULES, init_lora_weights=False))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.05)
-        oracle = model(torch.tensor([IDS])).logits[0]
-    model.save_pretrained(root / "peft")
-    gguf = convert_lora_to_gguf(root / "peft", root / "base", root / "adapter.gguf")
-    zero = root / "zero"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
-    model.save_pretrained(zero)
-    return {"peft": root / "peft", "gguf": gguf, "zero": zero, "oracle": oracle, "root": root}
+def adapters(smollm2_adapters):
+    return smollm2_adapters
 
 
 @pytest.fixture(scope="module")

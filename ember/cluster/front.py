@@ -455,14 +455,23 @@ class FrontEngine:
         self._ids = itertools.count()
         self._prefix = f"rq-{secrets.token_hex(4)}"
 
+    def load_lora(self, name: str, path: str) -> Any:
+        raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
+
+    def unload_lora(self, name: str) -> None:
+        raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
+
     def prepare(self, prompt_ids: list[int], params: SamplingParams | Sequence[SamplingParams],
                 *, request_id: str | None = None, tenant: str | None = None,
                 processors: Sequence[Any] = (), priority: int = 0, slo: SLO | None = None,
                 weight: float = 1.0, arrival: float | None = None,
-                references: Sequence[str] = ()) -> list[RemoteRequest]:
+                references: Sequence[str] = (), lora: str | None = None
+                ) -> list[RemoteRequest]:
         """Dispatch one prompt's choices to a replica (see the module docstring)."""
         if processors:
             raise InvalidRequest("processors", "logit processors cannot cross to a replica")
+        if lora is not None:
+            raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
         choices = [params] if isinstance(params, SamplingParams) else list(params)
         spec = GroupSpec(
             request_id=request_id or f"{self._prefix}-{next(self._ids)}",

@@ -87,6 +87,8 @@ class ServerConfig:
     slo_ttft: float | None = None  # default seconds to first token (requests may set theirs)
     slo_tpot: float | None = None  # default seconds per output token
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
+    loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH, every tenant's
+    admin_api_key: str | None = None  # runtime adapter (un)loading needs it
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -198,6 +200,9 @@ class Server:
         self._start = start or (lambda: backend.local(config.engine))
         self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
         self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
+        self._admin_key = _digest(config.admin_api_key) if config.admin_api_key else None
+        # LoRA adapters served, by name: the tenants that may use each (None: every one)
+        self.adapters: dict[str, frozenset[str] | None] = {}
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
 
     # ------------------------------------------------------------ lifecycle
@@ -208,7 +213,11 @@ class Server:
 
     def _load(self) -> None:
         try:
-            self.thread = self._start()
+            thread = self._start()
+            for name, path in self.config.loras.items():
+                thread.engine.load_lora(name, path)
+                self.adapters[name] = None
+            self.thread = thread
             loaded = self.thread.engine.loaded
             log.info("model %s ready in %.2fs", loaded.name, loaded.load_seconds)
             # torch, the model and the tokenizer are a million long-lived objects: left in
@@ -330,7 +339,7 @@ class Server:
     def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float) -> Prepared:
         """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
         req = P.parse(route.body, decode_json(raw))
-        self.check_model(req.model)
+        lora = self.check_model(req.model, tenant)
         names = route.names(req)
         with as_api_errors({}):
             slo = self._slo(req)
@@ -342,7 +351,7 @@ class Server:
                     groups.append(self.engine.prepare(
                         prompt_ids, params, tenant=tenant, priority=req.priority or 0,
                         slo=slo, weight=self.config.tenant_weights.get(tenant, 1.0),
-                        arrival=arrival, references=req.references or ()))
+                        arrival=arrival, references=req.references or (), lora=lora))
         except BaseException:
             for group in groups:  # a later prompt failed: the earlier ones never run
                 self._thread().discard(group)
@@ -356,10 +365,54 @@ class Server:
         tpot = own.tpot_ms / 1000 if own.tpot_ms is not None else self.config.slo_tpot
         return SLO(ttft, tpot) if ttft is not None or tpot is not None else None
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names():
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                             f"'{self.model_names()[0]}'", param="model", code="model_not_found")
+    def check_model(self, model: str | None, tenant: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model). An unknown name and
+        an adapter the tenant may not use get the same 404: existence does not leak."""
+        if model is None or model in self.model_names():
+            return None
+        if model in self.adapters_for(tenant):
+            return model
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                         f"'{self.model_names()[0]}'", param="model", code="model_not_found")
+
+    def adapters_for(self, tenant: str) -> list[str]:
+        """The adapters ``tenant`` may use, by name."""
+        return [name for name, allowed in list(self.adapters.items())
+                if allowed is None or tenant in allowed]
+
+    # ------------------------------------------------------------ LoRA administration
+    def check_admin(self, request: Request) -> None:
+        if self._admin_key is None:
+            raise APIError(403, "loading and unloading LoRA adapters at run time needs the "
+                             "server started with --admin-api-key", code="admin_disabled")
+        if not hmac.compare_digest(self._bearer(request), self._admin_key):
+            raise APIError(401, "invalid admin API key", code="invalid_api_key")
+
+    def load_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Runs in a preparation thread (reading an adapter takes a while)."""
+        name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+        tenants = body.get("tenants")
+        if tenants is not None and not (isinstance(tenants, list)
+                                        and all(isinstance(t, str) for t in tenants)):
+            raise APIError(400, "'tenants' must be a list of tenant names", param="tenants")
+        if name in self.model_names():
+            raise APIError(400, f"'lora_name' {name!r} is the base model's name",
+                             param="lora_name")
+        try:
+            adapter = self.engine.load_lora(name, path)
+        except EmberError as e:
+            raise APIError(400, f"cannot load the LoRA adapter: {e}", param="lora_path") from None
+        self.adapters[name] = None if tenants is None else frozenset(tenants)
+        return {"lora_name": name, "rank": adapter.rank, "targets": adapter.targets,
+                "bytes": adapter.nbytes}
+
+    def unload_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = _text_field(body, "lora_name")
+        if self.adapters.pop(name, 0) == 0:
+            raise APIError(404, f"no LoRA adapter '{name}' is loaded", param="lora_name",
+                             code="model_not_found")
+        self.engine.unload_lora(name)  # requests running with it finish with it
+        return {"lora_name": name, "unloaded": True}
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit the context window: no
@@ -684,11 +737,32 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models", responses=openapi.MODELS)
     async def models(request: Request) -> Response:
-        server.tenant(request)
+        tenant = server.tenant(request)
         created = int(time.time())
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "ember"}
-                for n in server.model_names()[:1]]
+        base = server.model_names()[0]
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "ember",
+                 "parent": None}]
+        data += [{"id": n, "object": "model", "created": created, "owned_by": "ember",
+                  "parent": base} for n in server.adapters_for(tenant)]
         return _ok(request, server, {"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter", responses=openapi.LORA_ADMIN)
+    async def load_lora_adapter(request: Request) -> Response:
+        server.check_admin(request)
+        server.model_names()  # 503 while the model loads
+        body = _object(decode_json(await read_body(
+            request, server.config.max_request_bytes, server.config.body_timeout)))
+        loop = asyncio.get_running_loop()
+        return _ok(request, server,
+                   await loop.run_in_executor(server.prep_pool, server.load_adapter, body))
+
+    @app.post("/v1/unload_lora_adapter", responses=openapi.LORA_ADMIN)
+    async def unload_lora_adapter(request: Request) -> Response:
+        server.check_admin(request)
+        server.model_names()
+        body = _object(decode_json(await read_body(
+            request, server.config.max_request_bytes, server.config.body_timeout)))
+        return _ok(request, server, server.unload_adapter(body))
 
     @app.post("/v1/chat/completions", **openapi.route(P.ChatCompletionRequest,
                                                       openapi.ChatCompletion))
@@ -750,14 +824,25 @@ def create_app(server: Server) -> FastAPI:
 
 
 async def _tokenizer_body(request: Request, server: Server, model: type) -> Any:
-    server.tenant(request)
-    served = server.model_names()  # 503 while the model loads
+    tenant = server.tenant(request)
+    server.model_names()  # 503 while the model loads
     raw = await read_body(request, server.config.max_request_bytes, server.config.body_timeout)
     body = P.parse(model, decode_json(raw))
-    if body.model is not None and body.model not in served:
-        raise APIError(404, f"model '{body.model}' does not exist", param="model",
-                         code="model_not_found")
+    server.check_model(body.model, tenant)  # an adapter shares the base's tokenizer
     return body
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return value
+
+
+def _text_field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{name}' must be a non-empty string", param=name)
+    return value
 
 
 # ---------------------------------------------------------------------- helpers

@@ -207,6 +207,7 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model; None for the base itself
 
 
 class ModelList(BaseModel):
@@ -250,8 +251,16 @@ def _error(description: str) -> dict[str, Any]:
 _AUTH = {401: _error("Missing or invalid API key.")}
 HEALTH: dict[int | str, Any] = {200: {"model": Health, "description": "Ready."},
                                 503: {"model": Health, "description": "Loading or failed."}}
-MODELS: dict[int | str, Any] = {200: {"model": ModelList, "description": "The served model."},
-                                **_AUTH}
+MODELS: dict[int | str, Any] = {
+    200: {"model": ModelList, "description": "The base model and the LoRA adapters the "
+                                             "caller's tenant may use."}, **_AUTH}
+LORA_ADMIN: dict[int | str, Any] = {
+    200: {"description": "Done.", "content": {"application/json": {"schema": {
+        "type": "object"}}}},
+    400: _error("A missing field, or an adapter file that cannot be used (named)."),
+    401: _error("Missing or invalid admin API key."),
+    403: _error("The server was started without --admin-api-key."),
+    404: _error("No such adapter (unload).")}
 TOKENIZER_INFO: dict[int | str, Any] = {
     200: {"model": TokenizerInfo, "description": "The served model's tokenizer."}, **_AUTH,
     503: _error("The model is loading.")}

@@ -1,0 +1,111 @@
+"""LoRA adapters through ``ember serve``, driven by the official ``openai`` client.
+
+The real SmolLM2 with the PEFT adapter served as ``peft`` (``--lora``) for every
+tenant; the GGUF one loaded at run time for tenant A only, through the admin API. A
+request picks an adapter with ``"model"``; what it answers is what the in-process
+engine answers with the same adapter (the engine is tested against transformers +
+PEFT in tests/test_lora.py). An adapter another tenant may not use is the same 404 as
+one that does not exist; unloading lets running requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import _serve
+from e2e_server import KEY_A, KEY_B, EmberServer
+
+from ember.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+ADMIN = "sk-admin-0123456789"
+
+
+@pytest.fixture(scope="module")
+def lora_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
+                smollm2_adapters) -> Iterator[EmberServer]:
+    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
+                      "--lora", f"peft={smollm2_adapters['peft']}",
+                      "--admin-api-key", ADMIN, "--num-kv-blocks", "256", api_key=KEY_A)
+
+
+def _client(server: EmberServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _admin(server: EmberServer, route: str, body: dict, key: str = ADMIN) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    return r.choices[0].text
+
+
+def test_an_adapter_answers_as_the_engine_does_with_it(lora_server, smollm2_gguf,
+                                                       smollm2_adapters) -> None:
+    import ember
+
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64,
+                    loras={"peft": smollm2_adapters["peft"]})
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    prompts = ["The capital of France is", "Once upon a time"]
+    client = _client(lora_server, KEY_A)
+    base = lora_server.model_id
+    with ThreadPoolExecutor(4) as pool:  # base and adapter requests in the same steps
+        got = list(pool.map(lambda mp: _complete(client, *mp),
+                            [(m, p) for m in (base, "peft") for p in prompts]))
+    want = [o.text for lr in (None, "peft") for o in llm.generate(prompts, greedy, lora=lr)]
+    assert got == want
+    assert got[:2] != got[2:]  # the adapter changes the answers
+
+
+def test_models_lists_what_the_tenant_may_use_and_admin_loads_for_one_tenant(
+        lora_server, smollm2_adapters) -> None:
+    a, b = _client(lora_server, KEY_A), _client(lora_server, KEY_B)
+    base = lora_server.model_id
+    listed = {m.id: m for m in a.models.list().data}
+    assert listed["peft"].parent == base and listed[base].parent is None
+    # no admin key, a wrong one: refused
+    body = {"lora_name": "gguf", "lora_path": str(smollm2_adapters["gguf"]),
+            "tenants": ["tenant-a"]}
+    assert _admin(lora_server, "load_lora_adapter", body, key=KEY_A).status_code == 401
+    bad = _admin(lora_server, "load_lora_adapter", {**body, "lora_path": "/no/such"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    ok = _admin(lora_server, "load_lora_adapter", body)
+    assert ok.status_code == 200 and ok.json()["rank"] == 4
+    assert "gguf" in {m.id for m in a.models.list().data}
+    assert "gguf" not in {m.id for m in b.models.list().data}
+    assert _complete(a, "gguf", "Once upon a time") == _complete(a, "peft", "Once upon a time")
+    # another tenant's adapter and a missing one: the same 404
+    for name in ("gguf", "nope"):
+        with pytest.raises(openai.NotFoundError) as e:
+            _complete(b, name, "Hi")
+        assert e.value.body["code"] == "model_not_found"
+        assert name in e.value.body["message"]
+
+
+def test_unloading_lets_running_requests_finish(lora_server, smollm2_adapters) -> None:
+    client = _client(lora_server, KEY_A)
+    body = {"lora_name": "temp", "lora_path": str(smollm2_adapters["peft"])}
+    assert _admin(lora_server, "load_lora_adapter", body).status_code == 200
+    stream = client.completions.create(model="temp", prompt="Count: 1, 2, 3,", max_tokens=48,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # it is running
+    assert _admin(lora_server, "unload_lora_adapter",
+                  {"lora_name": "temp"}).status_code == 200
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == 48
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "temp", "Hi")
+    assert _admin(lora_server, "unload_lora_adapter",
+                  {"lora_name": "temp"}).status_code == 404
