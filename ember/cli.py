@@ -107,6 +107,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "NAME, for every tenant (repeatable)")
     s.add_argument("--max-lora-rank", type=int, default=64,
                    help="adapters of a higher rank are refused at load (default 64)")
+    s.add_argument("--max-loras", type=int, default=8,
+                   help="adapters kept in memory; the least recently used is evicted and "
+                        "read again from its file when asked for (default 8)")
     s.add_argument("--admin-api-key",
                    help="bearer key for POST /v1/load_lora_adapter and "
                         "/v1/unload_lora_adapter (without it they are refused)")
@@ -361,7 +364,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
         max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
-        max_lora_rank=args.max_lora_rank,
+        max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
         speculation=args.speculation, calibrate_costs=args.spec_calibrate,
         spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
         chat_template=(args.chat_template.read_text(encoding="utf-8")

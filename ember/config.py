@@ -40,6 +40,7 @@ class EngineConfig:
     speculation: str = "auto"  # "auto": requests may speculate (gated); "off": never
     spec_max_draft: int = 16  # most draft tokens one request verifies in a step
     max_lora_rank: int = 64  # LoRA adapters of a higher rank are refused at load
+    max_loras: int = 8  # LoRA adapters kept resident (least recently used evicted)
     spec_references: tuple[str, ...] = ()  # texts every request may draft from
     chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
     calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
@@ -82,6 +83,7 @@ class EngineConfig:
             raise InvalidConfig(f"speculation must be 'auto' or 'off', got {self.speculation!r}")
         positive("spec_max_draft")
         positive("max_lora_rank")
+        positive("max_loras")
         for name in ("num_kv_blocks", "max_model_len", "threads", "max_prefill_chunk"):
             positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1):

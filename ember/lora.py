@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +53,8 @@ PEFT_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
                 "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
                 "down_proj": "ffn_down"}
 DEFAULT_MAX_RANK = 64
+DEFAULT_MAX_LORAS = 8
+log = logging.getLogger("ember.lora")
 
 
 class LoRAError(EmberError):
@@ -269,6 +275,95 @@ def _file_hash(files: Sequence[Path]) -> bytes:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.digest()
+
+
+# ------------------------------------------------------------------ the resident set
+@dataclass
+class _Entry:
+    path: str
+    identity: bytes
+    adapter: LoRAAdapter | None  # None: evicted (reloaded from ``path`` on demand)
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "requests": 0, "tokens": 0, "loads": 0, "evictions": 0})
+
+
+class LoRARegistry:
+    """An engine's adapters by name: at most ``max_loras`` resident, least recently
+    used evicted first; an evicted one is read again from its file when a request
+    names it, and refused if the file changed since it was loaded (its identity).
+    Requests hold the adapter they run with, so eviction and unloading never touch a
+    running request. Thread-safe (the server prepares requests on other threads)."""
+
+    def __init__(self, cfg: ModelConfig, max_rank: int = DEFAULT_MAX_RANK,
+                 max_loras: int = DEFAULT_MAX_LORAS) -> None:
+        self.cfg, self.max_rank, self.max_loras = cfg, max_rank, max_loras
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        adapter = load_lora(path, name, self.cfg, self.max_rank)
+        with self._lock:
+            old = self._entries.pop(name, None)
+            entry = _Entry(str(path), adapter.identity, adapter)
+            if old is not None:  # the name's counters go on
+                entry.counts = old.counts
+            entry.counts["loads"] += 1
+            self._entries[name] = entry
+            self._evict()
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            if self._entries.pop(name, None) is None:
+                raise KeyError(f"no LoRA adapter {name!r} is loaded")
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        """The adapter for a new request (reloaded if evicted); None if unknown."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            self._entries.move_to_end(name)
+            adapter = entry.adapter
+        if adapter is None:
+            adapter = load_lora(entry.path, name, self.cfg, self.max_rank)
+            if adapter.identity != entry.identity:
+                raise LoRAError(f"LoRA adapter {name!r}: {entry.path} changed since it was "
+                                "loaded (load it again to serve the new file)")
+            with self._lock:
+                entry.adapter = adapter
+                entry.counts["loads"] += 1
+                self._evict()
+        with self._lock:
+            entry.counts["requests"] += 1
+        return adapter
+
+    def count_tokens(self, adapter: LoRAAdapter, tokens: int) -> None:
+        with self._lock:
+            entry = self._entries.get(adapter.name)
+            if entry is not None and entry.identity == adapter.identity:
+                entry.counts["tokens"] += tokens
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            resident = [e.adapter for e in self._entries.values() if e.adapter is not None]
+            return {"adapters": {n: dict(e.counts, resident=int(e.adapter is not None))
+                                 for n, e in self._entries.items()},
+                    "resident": len(resident),
+                    "resident_bytes": sum(a.nbytes for a in resident)}
+
+    def _evict(self) -> None:
+        """Drop least recently used adapters past ``max_loras`` (lock held)."""
+        resident = [n for n, e in self._entries.items() if e.adapter is not None]
+        for name in resident[:max(0, len(resident) - self.max_loras)]:
+            entry = self._entries[name]
+            entry.adapter = None
+            entry.counts["evictions"] += 1
+            log.info("LoRA adapter %r evicted (more than %d resident)", name, self.max_loras)
 
 
 # ------------------------------------------------------------------ applying them

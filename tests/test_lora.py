@@ -113,6 +113,32 @@ def test_unknown_adapter_and_unload(adapters, smollm2_gguf) -> None:
         llm.generate(["Hi"], SamplingParams(max_tokens=2), lora="peft")
 
 
+def test_resident_adapters_are_bounded_and_reloaded_from_their_files(
+        adapters, smollm2_gguf, tmp_path) -> None:
+    """--max-loras 1: loading a second adapter evicts the first; a request for it reads
+    it again (same tokens as before), and a file changed meanwhile is refused."""
+    import ember
+    from ember.engine.intake import InvalidRequest
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapters["peft"], copy)
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64, max_loras=1,
+                    loras={"peft": copy})
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    before = llm.generate(["Once upon a time"], greedy, lora="peft")[0].token_ids
+    llm.load_lora("gguf", adapters["gguf"])  # evicts "peft"
+    stats = llm.engine.loras.metrics()
+    assert stats["resident"] == 1 and stats["adapters"]["peft"]["evictions"] == 1
+    assert llm.generate(["Once upon a time"], greedy, lora="peft")[0].token_ids == before
+    stats = llm.engine.loras.metrics()["adapters"]
+    assert stats["peft"]["loads"] == 2 and stats["gguf"]["evictions"] == 1
+    assert stats["peft"]["requests"] == 2 and stats["peft"]["tokens"] == 12
+    llm.load_lora("gguf", adapters["gguf"])  # evicts "peft" again
+    shutil.copy(adapters["zero"] / "adapter_model.safetensors", copy)
+    with pytest.raises(InvalidRequest, match="changed since it was loaded"):
+        llm.generate(["Hi"], greedy, lora="peft")
+
+
 def test_adapters_that_do_not_fit_are_refused_naming_why(adapters, base_f32, tmp_path) -> None:
     cfg = base_f32.config
     with pytest.raises(LoRAError, match="rank 4 is above max_lora_rank 2"):

@@ -53,7 +53,7 @@ from ember.engine.verify import (
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
-from ember.lora import LoRAAdapter, load_lora
+from ember.lora import LoRAAdapter, LoRAError, LoRARegistry
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.moe import MoEOptions
@@ -99,7 +99,7 @@ class LLMEngine:
             log.info("recurrent state: %d sequences, %.1f MiB (f32, zeroed on first use)",
                      slots, states.nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
-        self.loras: dict[str, LoRAAdapter] = {}  # loaded adapters by name
+        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
@@ -126,7 +126,10 @@ class LLMEngine:
         ``lora`` names a loaded adapter (:meth:`load_lora`) its tokens run with."""
         adapter = None
         if lora is not None:
-            adapter = self.loras.get(lora)
+            try:
+                adapter = self.loras.get(lora)
+            except LoRAError as e:
+                raise InvalidRequest("lora", str(e), lora) from None
             if adapter is None:
                 raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded", lora)
         return self.intake.prepare(prompt_ids, params, lora=adapter, **options)
@@ -136,16 +139,14 @@ class LLMEngine:
         """Load the adapter at ``path`` (GGUF or PEFT directory) as ``name``, checked
         against the base (:func:`ember.lora.load_lora`); a name already loaded is
         replaced (requests running with the old one finish with it)."""
-        adapter = load_lora(path, name, self.loaded.config, self.config.max_lora_rank)
-        self.loras[name] = adapter
+        adapter = self.loras.load(name, path)
         log.info("LoRA adapter %r: %s, rank %d, %s, %.1f MiB", name, path, adapter.rank,
                  "/".join(adapter.targets), adapter.nbytes / 2**20)
         return adapter
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``; requests already running with it finish with it."""
-        if self.loras.pop(name, None) is None:
-            raise KeyError(f"no LoRA adapter {name!r} is loaded")
+        self.loras.unload(name)
 
     def check_queue(self, pending: int = 0) -> None:
         self.admission.check_queue(pending)
@@ -219,6 +220,8 @@ class LLMEngine:
             self.admission.retired(req)
             if req.speculator is not None:
                 self.spec_totals.add(req.speculator.stats)
+            if req.lora is not None:
+                self.loras.count_tokens(req.lora, req.num_output)
 
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
         self._zero_fresh_blocks()
@@ -352,8 +355,11 @@ class LLMEngine:
         self.commit.prompt_tokens = self.commit.generation_tokens = self.steps = 0
 
     def metrics(self) -> dict[str, Any]:
-        return snapshot(self.scheduler, self.kv, self.commit, self.steps, self.spec_totals,
-                        self.transfer.metrics(), self.moe_metrics())
+        stats = snapshot(self.scheduler, self.kv, self.commit, self.steps, self.spec_totals,
+                         self.transfer.metrics(), self.moe_metrics())
+        if self.loras.names():
+            stats["lora"] = self.loras.metrics()
+        return stats
 
     def moe_metrics(self) -> dict[str, Any] | None:
         return moe_metrics(self.loaded.model.experts)

@@ -131,6 +131,7 @@ class Metrics:
                s.get("preemptions", 0))
         lines += _disk_lines(s.get("kv_disk"))
         lines += _moe_lines(s.get("moe"))
+        lines += _lora_lines(s.get("lora"))
         lines += self._extra()
         spec = s.get("spec", {"sources": {}, "bonus": 0, "steps": {}})
         for i, what in ((0, "drafted"), (1, "accepted")):
@@ -218,6 +219,26 @@ def _moe_lines(m: dict[str, Any] | None) -> list[str]:
             ("cached_bytes", "gauge", "Resident bytes of built experts.")):
         name = f"ember_moe_{key}" + ("_total" if kind == "counter" else "")
         lines += family(name, kind, help, [("", m[key])])
+    return lines
+
+
+def _lora_lines(m: dict[str, Any] | None) -> list[str]:
+    """Per LoRA adapter: requests, generated tokens, loads and evictions (none without
+    adapters)."""
+    if m is None:
+        return []
+    lines = []
+    adapters = sorted(m["adapters"].items())
+    for key, help in (("requests", "Requests run with the adapter."),
+                      ("tokens", "Tokens generated with the adapter (finished requests)."),
+                      ("loads", "Times the adapter was read from its file."),
+                      ("evictions", "Times the adapter was evicted (over --max-loras).")):
+        lines += family(f"ember_lora_{key}_total", "counter", help,
+                        [(f'{{adapter="{_label(n)}"}}', c[key]) for n, c in adapters])
+    lines += family("ember_lora_resident", "gauge", "LoRA adapters resident in memory.",
+                    [("", m["resident"])])
+    lines += family("ember_lora_resident_bytes", "gauge", "Bytes of resident LoRA adapters.",
+                    [("", m["resident_bytes"])])
     return lines
 
 

@@ -64,6 +64,12 @@ def test_an_adapter_answers_as_the_engine_does_with_it(lora_server, smollm2_gguf
     want = [o.text for lr in (None, "peft") for o in llm.generate(prompts, greedy, lora=lr)]
     assert got == want
     assert got[:2] != got[2:]  # the adapter changes the answers
+    metrics = httpx.get(f"{lora_server.url}/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {KEY_A}"}).text
+    counts = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+              for line in metrics.splitlines() if line.startswith("ember_lora_")}
+    assert counts['ember_lora_requests_total{adapter="peft"}'] >= 2
+    assert counts["ember_lora_resident"] >= 1
 
 
 def test_models_lists_what_the_tenant_may_use_and_admin_loads_for_one_tenant(
