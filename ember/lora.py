@@ -277,6 +277,33 @@ def _file_hash(files: Sequence[Path]) -> bytes:
     return h.digest()
 
 
+# ------------------------------------------------------------------ PEFT -> GGUF
+def peft_to_gguf(peft_dir: str | Path, cfg: ModelConfig, out: str | Path) -> Path:
+    """Write the PEFT adapter at ``peft_dir`` as a llama.cpp GGUF adapter (f32), as
+    ``convert_lora_to_gguf.py`` does: B's q/k rows in the GGUF's order, one
+    ``adapter.lora.alpha`` (so every module must scale by alpha / its rank)."""
+    from ember.models.gguf import TensorToWrite, write_gguf
+
+    check_base(cfg)
+    raw, _ = _peft(Path(peft_dir), cfg)
+    alphas = {round(scale * a.shape[0], 6) for a, _, scale in raw.values()}
+    if len(alphas) != 1:
+        raise LoRAError(f"{peft_dir}: modules scale differently (alpha_pattern or "
+                        "rsLoRA): a GGUF adapter holds one alpha")
+    tensors = []
+    for (layer, target), (a, b, _) in sorted(raw.items()):
+        for part, t in (("lora_a", a), ("lora_b", b)):
+            arr = np.ascontiguousarray(t.float().numpy())
+            tensors.append(TensorToWrite(f"blk.{layer}.{target}.weight.{part}",
+                                         tuple(arr.shape), 0, lambda arr=arr: [arr]))
+    metadata = {"general.architecture": cfg.architecture, "general.type": "adapter",
+                "adapter.type": "lora", "adapter.lora.alpha": float(alphas.pop())}
+    path = Path(out)
+    with open(path, "wb") as f:
+        write_gguf(f, metadata, tensors)
+    return path
+
+
 # ------------------------------------------------------------------ the resident set
 @dataclass
 class _Entry:

@@ -62,6 +62,21 @@ def test_gguf_adapter_from_llama_cpps_converter_equals_the_peft_one(adapters, ba
     assert (a - b).abs().max().item() < 1e-4
 
 
+def test_embers_peft_to_gguf_writes_what_llama_cpps_converter_writes(
+        adapters, base_f32, tmp_path) -> None:
+    from ember.lora import peft_to_gguf
+    from ember.models.gguf import GGUFFile
+    from ember.models.linear import load_dense
+
+    ours = GGUFFile(peft_to_gguf(adapters["peft"], base_f32.config, tmp_path / "ours.gguf"))
+    theirs = GGUFFile(adapters["gguf"])
+    for key in ("general.architecture", "general.type", "adapter.type", "adapter.lora.alpha"):
+        assert ours.metadata[key] == theirs.metadata[key], key
+    assert set(ours.tensors) == set(theirs.tensors)
+    for name in theirs.tensors:
+        assert torch.equal(load_dense(ours, name), load_dense(theirs, name)), name
+
+
 def test_a_zero_adapter_is_the_base_bitwise(adapters, base_f32) -> None:
     zero = load_lora(adapters["zero"], "zero", base_f32.config)
     assert torch.equal(base_f32.model.score(IDS, lora=zero), base_f32.model.score(IDS))
