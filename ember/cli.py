@@ -232,6 +232,18 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="drop the page cache before the restart run (needs root)")
     b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
     b.set_defaults(func=cmd_bench_kv)
+    b = bench.add_parser("lora", help="streams with a different LoRA adapter each vs the "
+                                      "base model alone")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--streams", type=int, default=8, help="concurrent streams (= adapters)")
+    b.add_argument("--rank", type=int, default=16, help="every adapter's rank")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--gen", type=int, default=64, help="tokens generated per stream")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--out", type=Path, default=Path("bench-results/lora.json"))
+    b.set_defaults(func=cmd_bench_lora)
     b = bench.add_parser("moe", help="MoE experts resident vs streamed at cache budgets")
     b.add_argument("--model", "-m", default=None,
                    help="a qwen3moe GGUF (default: a random-weight one written once)")
@@ -458,6 +470,17 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
         raise ValueError("--reps must be at least 1 and --history at least 32")
     bench_main(args.model, args.weights, args.threads, args.history, args.reps,
                [d for d in args.kv_dtype.split(",") if d], args.drop_caches, args.out)
+    return 0
+
+
+def cmd_bench_lora(args: argparse.Namespace) -> int:
+    from ember.bench.lora import main as bench_main
+    from ember.models.registry import ensure_model
+
+    if min(args.streams, args.rank, args.prompt_len, args.gen, args.reps) < 1:
+        raise ValueError("--streams, --rank, --prompt-len, --gen and --reps must be >= 1")
+    bench_main(str(ensure_model(args.model)), args.weights, args.threads, args.streams,
+               args.rank, args.prompt_len, args.gen, args.reps, args.out)
     return 0
 
 

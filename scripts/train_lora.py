@@ -68,7 +68,7 @@ def main() -> None:
     import transformers
 
     import ember
-    from ember.lora import peft_to_gguf
+    from ember.models.lora import peft_to_gguf
     from ember.models.registry import ensure_model
 
     torch.manual_seed(0)

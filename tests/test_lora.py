@@ -21,8 +21,8 @@ import pytest
 import torch
 from lora_adapters import IDS
 
-from ember.lora import LoRAError, load_lora
 from ember.models.loader import load_model
+from ember.models.lora import LoRAError, load_lora
 from ember.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -64,9 +64,9 @@ def test_gguf_adapter_from_llama_cpps_converter_equals_the_peft_one(adapters, ba
 
 def test_embers_peft_to_gguf_writes_what_llama_cpps_converter_writes(
         adapters, base_f32, tmp_path) -> None:
-    from ember.lora import peft_to_gguf
     from ember.models.gguf import GGUFFile
     from ember.models.linear import load_dense
+    from ember.models.lora import peft_to_gguf
 
     ours = GGUFFile(peft_to_gguf(adapters["peft"], base_f32.config, tmp_path / "ours.gguf"))
     theirs = GGUFFile(adapters["gguf"])

@@ -53,9 +53,9 @@ from ember.engine.verify import (
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
-from ember.lora import LoRAAdapter, LoRAError, LoRARegistry
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
+from ember.models.lora import LoRAAdapter, LoRAError, LoRARegistry
 from ember.models.moe import MoEOptions
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor, SampleRow, sample_rows
@@ -137,7 +137,7 @@ class LLMEngine:
     # ------------------------------------------------------------ LoRA adapters
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load the adapter at ``path`` (GGUF or PEFT directory) as ``name``, checked
-        against the base (:func:`ember.lora.load_lora`); a name already loaded is
+        against the base (:func:`ember.models.lora.load_lora`); a name already loaded is
         replaced (requests running with the old one finish with it)."""
         adapter = self.loras.load(name, path)
         log.info("LoRA adapter %r: %s, rank %d, %s, %.1f MiB", name, path, adapter.rank,

@@ -27,8 +27,8 @@ from ember.errors import EmberError
 from ember.kv.blocks import blocks_for
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_salt
-from ember.lora import LoRAAdapter
 from ember.models.loader import LoadedModel
+from ember.models.lora import LoRAAdapter
 from ember.sampling.constraints import GrammarCompiler, GrammarError
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import ThinkingBudget, ThinkingTags, answer_reserve, open_in_prompt

@@ -66,7 +66,7 @@ class Request:
     error_param: str | None = None  # the request parameter that caused ``error``, if any
     cached_tokens: int = 0
     state_slot: int | None = None  # recurrent-state slot while it holds KV (hybrid models)
-    lora: Any = None  # its LoRA adapter (ember.lora.LoRAAdapter); None: the base model
+    lora: Any = None  # its LoRA adapter (ember.models.lora.LoRAAdapter); None: the base model
     text: str = ""  # full output text (stop string excluded once found)
     emitted_chars: int = 0  # how much of ``text`` has been streamed out
     streamed_tokens: int = 0  # how many output tokens have been streamed out

@@ -16,9 +16,9 @@ import torch
 
 from ember.engine.request import Request
 from ember.kv.blocks import KVStorage
-from ember.lora import LoRABatch
 from ember.models.decoder import DecoderModel
 from ember.models.layers.attention import AttentionBatch, RowSpec
+from ember.models.lora import LoRABatch
 from ember.spec.speculator import Proposal
 
 

@@ -284,7 +284,7 @@ class DecoderModel:
 
         Uses a private KV pool (of ``kv_dtype``: a name in ember.kv.dtypes.KV_DTYPES or
         a float format's torch dtype); meant for evaluation and tests. ``lora``: an
-        adapter (:class:`ember.lora.LoRAAdapter`) every token runs with.
+        adapter (:class:`ember.models.lora.LoRAAdapter`) every token runs with.
         """
         n = len(token_ids)
         n_blocks = blocks_for(n, block_size)
@@ -292,7 +292,7 @@ class DecoderModel:
         table.reserve(n)
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n, state=0)], block_size)
         if lora is not None:
-            from ember.lora import LoRABatch
+            from ember.models.lora import LoRABatch
 
             batch.lora = LoRABatch.of_rows([lora], [n])
         kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)

@@ -95,7 +95,7 @@ class AttentionBatch:
     def __init__(self, rows: list[RowSpec], block_size: int) -> None:
         self.rows = rows
         self.block_size = block_size
-        self.lora: Any = None  # the step's LoRA adapters (ember.lora.LoRABatch), if any
+        self.lora: Any = None  # the step's LoRA adapters (ember.models.lora.LoRABatch), if any
         positions, row_ends, token_rows = [], [], []
         offset = 0
         for i, row in enumerate(rows):
