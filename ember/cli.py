@@ -74,6 +74,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--conversation", type=Path, default=None, metavar="FILE",
                    help="keep the conversation and its KV here: a later chat on the same "
                         "FILE resumes it warm (docs/kv-cache.md)")
+    s.add_argument("--lora", default=None, metavar="PATH",
+                   help="answer with this LoRA adapter (GGUF or PEFT directory); a "
+                        "--conversation file's KV is reused only with the same adapter")
     s.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(s)
@@ -691,21 +694,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     llm, params = _llm(args)
+    lora = None
+    if args.lora:
+        llm.load_lora("chat", args.lora)
+        lora = "chat"
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    saved = _ConversationFile(llm, args.conversation) if args.conversation else None
+    saved = _ConversationFile(llm, args.conversation, lora) if args.conversation else None
     if saved is not None and saved.state.messages:
         messages = saved.state.messages
-        warm = llm.engine.import_prefix(saved.state.blocks)
+        warm = llm.engine.import_prefix(saved.state.blocks, lora=lora)
         print(f"[resumed {len(messages)} messages from {args.conversation}, "
               f"{warm} tokens of KV restored]", file=sys.stderr)
     print("ember chat — empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
     try:
-        return _chat_loop(llm, params, messages, saved, args.verbose)
+        return _chat_loop(llm, params, messages, saved, args.verbose, lora)
     finally:
         llm.engine.close()
 
 
-def _chat_loop(llm, params, messages: list[dict], saved, verbose: bool) -> int:
+def _chat_loop(llm, params, messages: list[dict], saved, verbose: bool,
+               lora: str | None = None) -> int:
     while True:
         try:
             line = input("> ")
@@ -716,7 +724,7 @@ def _chat_loop(llm, params, messages: list[dict], saved, verbose: bool) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         try:
-            reply = _stream_reply(llm, llm.encode_chat(messages), params, verbose).text
+            reply = _stream_reply(llm, llm.encode_chat(messages), params, verbose, lora).text
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()  # the turn was abandoned; keep history consistent
@@ -734,10 +742,10 @@ class _ConversationFile:
     """``ember chat --conversation``: after each reply, append its new KV blocks and the
     messages, committed together (a kill mid-reply loses only that turn)."""
 
-    def __init__(self, llm, path: Path) -> None:
+    def __init__(self, llm, path: Path, lora: str | None = None) -> None:
         from ember.kv import conversation
 
-        self.llm, self.path = llm, path
+        self.llm, self.path, self.lora = llm, path, lora
         self.fp = llm.engine.kv_fingerprint()
         self.state = conversation.read(path, self.fp)
 
@@ -745,7 +753,7 @@ class _ConversationFile:
         from ember.kv import conversation
 
         history = self.llm.encode_chat(messages, add_generation_prompt=False)
-        blocks = self.llm.engine.export_prefix(history)
+        blocks = self.llm.engine.export_prefix(history, lora=self.lora)
         have = self.state.blocks
         if [b.key for b in blocks[:len(have)]] != [b.key for b in have]:
             self.state = conversation.Conversation()  # history rewritten: start over
@@ -754,11 +762,12 @@ class _ConversationFile:
                                          blocks[len(have):])
 
 
-def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool):
+def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool,
+                  lora: str | None = None):
     """Stream a reply to stdout; returns the final output."""
     start = time.perf_counter()
     first = last = None
-    for out in llm.stream_ids(prompt_ids, params):
+    for out in llm.stream_ids(prompt_ids, params, lora=lora):
         if first is None:
             first = time.perf_counter()
         sys.stdout.write(out.delta_text)

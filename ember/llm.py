@@ -106,24 +106,28 @@ class LLM:
                 self.engine.step()
 
     # ------------------------------------------------------------ KV files
-    def save_prefix(self, tokens: Prompt, path: str | Path, tenant: str | None = None) -> int:
-        """Write the KV of ``tokens``' full blocks to a new conversation file at ``path``
-        (computing what is not cached); returns how many tokens it holds."""
+    def save_prefix(self, tokens: Prompt, path: str | Path, tenant: str | None = None,
+                    lora: str | None = None) -> int:
+        """Write the KV of ``tokens``' full blocks (computed with adapter ``lora``, if
+        given) to a new conversation file at ``path`` (computing what is not cached);
+        returns how many tokens it holds."""
         ids = self.encode(tokens)
         # computes what the cache lacks (a hit costs the last token) and caches it
-        self._run([ids], SamplingParams(max_tokens=1), tenant)
-        blocks = self.engine.export_prefix(ids, tenant)
+        self._run([ids], SamplingParams(max_tokens=1), tenant, lora)
+        blocks = self.engine.export_prefix(ids, tenant, lora)
         Path(path).unlink(missing_ok=True)
         conversation.append(path, self.engine.kv_fingerprint(), conversation.Conversation(),
                             None, blocks)
         return sum(len(b.tokens) for b in blocks)
 
-    def load_prefix(self, path: str | Path, tenant: str | None = None) -> list[int]:
+    def load_prefix(self, path: str | Path, tenant: str | None = None,
+                    lora: str | None = None) -> list[int]:
         """Cache the KV in a file from :meth:`save_prefix` (or ``ember chat
         --conversation``); returns the tokens it covers — a prompt that starts with them
-        skips their prefill. Raises ConversationError for another model's file."""
+        skips their prefill. Raises ConversationError for another model's file. Blocks
+        computed with another adapter than ``lora`` (or none) are not taken: 0 tokens."""
         conv = conversation.read(path, self.engine.kv_fingerprint())
-        n = self.engine.import_prefix(conv.blocks, tenant)
+        n = self.engine.import_prefix(conv.blocks, tenant, lora)
         return [t for b in conv.blocks for t in b.tokens][:n]
 
     def _run(

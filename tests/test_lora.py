@@ -211,3 +211,21 @@ def test_llama_cpp_with_the_same_gguf_adapter_picks_the_same_tokens(
     # llama.cpp applied the adapter: nearer ember with it than ember without (8.7 apart)
     base = base_f32.model.score(IDS)
     assert (ours - theirs).abs().max() < (base - theirs).abs().max() / 3
+
+
+def test_saved_kv_is_reused_only_with_the_adapter_it_was_computed_with(
+        adapters, smollm2_gguf, tmp_path) -> None:
+    """A conversation file's blocks are keyed with the adapter's identity: loaded for
+    the base model or another adapter they cover nothing, for the same adapter all."""
+    import ember
+
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+                    loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
+    text = "A long shared preamble about the weather in several cities, " * 3
+    path = tmp_path / "kv.ember"
+    saved = llm.save_prefix(text, path, lora="peft")
+    assert saved > 0
+    fresh = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+                      loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
+    assert fresh.load_prefix(path) == [] and fresh.load_prefix(path, lora="gguf") == []
+    assert len(fresh.load_prefix(path, lora="peft")) == saved

@@ -124,15 +124,20 @@ class LLMEngine:
                 *, lora: str | None = None, **options: Any) -> list[Request]:
         """Validate and build one prompt's requests (any thread); see :meth:`Intake.prepare`.
         ``lora`` names a loaded adapter (:meth:`load_lora`) its tokens run with."""
-        adapter = None
-        if lora is not None:
-            try:
-                adapter = self.loras.get(lora)
-            except LoRAError as e:
-                raise InvalidRequest("lora", str(e), lora) from None
-            if adapter is None:
-                raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded", lora)
-        return self.intake.prepare(prompt_ids, params, lora=adapter, **options)
+        return self.intake.prepare(prompt_ids, params, lora=self._adapter(lora), **options)
+
+    def _adapter(self, lora: str | None, request: bool = True) -> LoRAAdapter | None:
+        """The loaded adapter named ``lora`` (None: the base model); ``request``: for a
+        request (counted in its metrics)."""
+        if lora is None:
+            return None
+        try:
+            adapter = self.loras.get(lora, request)
+        except LoRAError as e:
+            raise InvalidRequest("lora", str(e), lora) from None
+        if adapter is None:
+            raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded", lora)
+        return adapter
 
     # ------------------------------------------------------------ LoRA adapters
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
@@ -332,11 +337,13 @@ class LLMEngine:
     def kv_fingerprint(self) -> bytes:
         return self.transfer.fingerprint()
 
-    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> list:
-        return self.transfer.export_prefix(tokens, tenant)
+    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None,
+                      lora: str | None = None) -> list:
+        return self.transfer.export_prefix(tokens, tenant, self._adapter(lora, False))
 
-    def import_prefix(self, records: Sequence, tenant: str | None = None) -> int:
-        return self.transfer.import_prefix(records, tenant)
+    def import_prefix(self, records: Sequence, tenant: str | None = None,
+                      lora: str | None = None) -> int:
+        return self.transfer.import_prefix(records, tenant, self._adapter(lora, False))
 
     def close(self) -> None:
         """Finish writing the disk tier and the expert histogram (if any). The engine

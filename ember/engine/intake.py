@@ -108,9 +108,11 @@ class Intake:
                     self._grammars = GrammarCompiler(self.tokenizer)
         return self._grammars
 
-    def salt_for(self, tenant: str | None) -> bytes:
-        """Prefix-cache salt: model fingerprint + tenant. Never from request content."""
-        return tenant_salt(self.model_salt, tenant)
+    def salt_for(self, tenant: str | None, lora: LoRAAdapter | None = None) -> bytes:
+        """Prefix-cache salt: model fingerprint + tenant (+ the LoRA adapter's identity:
+        no prefix is shared across adapters). Never from request content."""
+        salt = tenant_salt(self.model_salt, tenant)
+        return salt if lora is None else salt + b"\0lora:" + lora.identity
 
     def prepare(
         self,
@@ -159,8 +161,7 @@ class Intake:
                 block_table=self.kv.new_table(),
                 detokenizer=IncrementalDetokenizer(self.tokenizer),
                 stops=Stops.of(p, self.tokenizer.eog_ids, self.max_model_len),
-                salt=self.salt_for(tenant) + (b"" if lora is None
-                                              else b"\0lora:" + lora.identity),
+                salt=self.salt_for(tenant, lora),
                 lora=lora,
                 tenant=tenant or "",
                 priority=priority,

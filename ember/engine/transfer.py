@@ -25,7 +25,7 @@ from ember.models.config import ModelConfig
 class KVTransfer:
     def __init__(self, config: EngineConfig, model: ModelConfig, model_fingerprint: str,
                  kv: KVCacheManager, storage: KVStorage,
-                 salt_for: Callable[[str | None], bytes]) -> None:
+                 salt_for: Callable[[str | None, Any], bytes]) -> None:
         self.config = config
         self.model = model
         self.model_fingerprint = model_fingerprint
@@ -43,26 +43,29 @@ class KVTransfer:
                                 f"kv_heads:{m.n_kv_heads}", f"head_dim:{m.head_dim}",
                                 "layout:block,layer,kv,pos,head,dim")
 
-    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None
-                      ) -> list[BlockRecord]:
-        """The cached full blocks of ``tokens`` (the longest cached prefix), as records."""
+    def export_prefix(self, tokens: Sequence[int], tenant: str | None = None,
+                      lora: Any = None) -> list[BlockRecord]:
+        """The cached full blocks of ``tokens`` (the longest cached prefix) for
+        ``tenant`` and LoRA adapter ``lora`` (None: the base), as records."""
         prefix = self.kv.prefix
         if prefix is None:
             return []
-        salt = self.salt_for(tenant)
+        salt = self.salt_for(tenant, lora)
         keys: list[bytes] = []
         extend_keys(keys, salt, tokens, self.config.block_size)
         return [BlockRecord(*prefix.identity(hit.block), self.storage.block_bytes(hit.block))
                 for hit in prefix.lookup(salt, tokens, keys)]
 
-    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None) -> int:
+    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None,
+                      lora: Any = None) -> int:
         """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives)
-        for ``tenant``; returns how many tokens they cover. Records that do not verify
-        for this tenant (salt, chain keys, parents) end the import."""
+        for ``tenant`` and ``lora``; returns how many tokens they cover. Records that do
+        not verify for them (salt, chain keys, parents) end the import: blocks computed
+        with another adapter (or none) are never taken."""
         prefix = self.kv.prefix
         if prefix is None or not records:
             return 0
-        salt = self.salt_for(tenant)
+        salt = self.salt_for(tenant, lora)
         tokens = [t for rec in records for t in rec.tokens]
         keys: list[bytes] = []
         extend_keys(keys, salt, tokens, self.config.block_size)

@@ -344,8 +344,9 @@ class LoRARegistry:
             if self._entries.pop(name, None) is None:
                 raise KeyError(f"no LoRA adapter {name!r} is loaded")
 
-    def get(self, name: str) -> LoRAAdapter | None:
-        """The adapter for a new request (reloaded if evicted); None if unknown."""
+    def get(self, name: str, request: bool = True) -> LoRAAdapter | None:
+        """The adapter (reloaded if evicted), for a new request unless ``request`` is
+        False (then it is not counted); None if unknown."""
         with self._lock:
             entry = self._entries.get(name)
             if entry is None:
@@ -361,8 +362,9 @@ class LoRARegistry:
                 entry.adapter = adapter
                 entry.counts["loads"] += 1
                 self._evict()
-        with self._lock:
-            entry.counts["requests"] += 1
+        if request:
+            with self._lock:
+                entry.counts["requests"] += 1
         return adapter
 
     def count_tokens(self, adapter: LoRAAdapter, tokens: int) -> None:
