@@ -12,6 +12,7 @@ alone; no prefix shared across adapters; refusals that name what does not fit.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -229,3 +230,26 @@ def test_saved_kv_is_reused_only_with_the_adapter_it_was_computed_with(
                       loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
     assert fresh.load_prefix(path) == [] and fresh.load_prefix(path, lora="gguf") == []
     assert len(fresh.load_prefix(path, lora="peft")) == saved
+
+
+def test_speculation_and_grammars_work_with_an_adapter(adapters, smollm2_gguf) -> None:
+    """Drafts are verified with the request's adapter (the same tokens with speculation
+    on and off), and a grammar constrains an adapter's reply as any other."""
+    import ember
+    from ember.sampling.constraints import StructuredOutput
+
+    text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for spec in ("auto", "off"):
+        llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64, speculation=spec,
+                        loras={"peft": adapters["peft"]})
+        outs[spec] = llm.generate([text], greedy, lora="peft")[0]
+    assert outs["auto"].token_ids == outs["off"].token_ids
+    assert outs["auto"].spec is not None and outs["auto"].spec.accepted > 0
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=64,
+                            structured=StructuredOutput.json_schema(schema))
+    reply = llm.generate(["Give me a number as JSON:"], params, lora="peft")[0]
+    assert isinstance(json.loads(reply.text)["n"], int)
