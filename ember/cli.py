@@ -245,6 +245,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--gen", type=int, default=64, help="tokens generated per stream")
     b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also run llama.cpp's server (this binary) with the same adapters")
     b.add_argument("--out", type=Path, default=Path("bench-results/lora.json"))
     b.set_defaults(func=cmd_bench_lora)
     b = bench.add_parser("moe", help="MoE experts resident vs streamed at cache budgets")
@@ -483,7 +485,7 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
     if min(args.streams, args.rank, args.prompt_len, args.gen, args.reps) < 1:
         raise ValueError("--streams, --rank, --prompt-len, --gen and --reps must be >= 1")
     bench_main(str(ensure_model(args.model)), args.weights, args.threads, args.streams,
-               args.rank, args.prompt_len, args.gen, args.reps, args.out)
+               args.rank, args.prompt_len, args.gen, args.reps, args.out, args.llama_server)
     return 0
 
 

@@ -4,6 +4,10 @@ its random adapters are valid adapters of the rank asked for, and they change to
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+
+import pytest
 
 from ember.bench.lora import main, write_random_adapter
 from ember.models.loader import load_model
@@ -24,3 +28,16 @@ def test_bench_lora_reports_both_runs(tiny_gguf, tmp_path, capsys) -> None:
     assert result["ratio"] == result["lora_median"] / result["base_median"]
     assert result["adapter_bytes"] > 0
     assert "adapters (r=2" in capsys.readouterr().out
+
+
+LLAMA_BIN = os.environ.get("EMBER_LLAMA_BENCH")  # the directory of llama.cpp's binaries
+
+
+@pytest.mark.skipif(not LLAMA_BIN, reason="set EMBER_LLAMA_BENCH to the directory of "
+                    "llama-server to run this")
+def test_bench_lora_runs_llama_server_with_the_same_adapters(tiny_gguf, tmp_path) -> None:
+    out = tmp_path / "lora.json"
+    main(str(tiny_gguf), "f32", 1, streams=2, rank=2, prompt_len=6, gen=3, reps=1, out=out,
+         llama_server=str(Path(str(LLAMA_BIN)) / "llama-server"))
+    theirs = json.loads(out.read_text())["llama_server"]
+    assert theirs["base_median"] > 0 and theirs["lora_median"] > 0

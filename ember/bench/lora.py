@@ -5,7 +5,10 @@ together twice on one engine: all on the base model, then each with its own LoRA
 adapter (random weights, ``--rank`` on all seven projections of every layer, written
 as llama.cpp GGUF adapters). Reported side by side in one run, alternating, medians
 over ``--reps``: aggregate generated tokens/s of each, their ratio, each adapter's
-resident bytes and load time. Nothing here asserts a timing.
+resident bytes and load time. With ``--llama-server PATH`` llama.cpp's server runs the
+same streams with the same adapter files (``--lora`` each, applied per request with
+``"lora": [{"id": i, "scale": 1}]``; it does not batch requests whose adapters differ).
+Nothing here asserts a timing.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import platform
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,26 @@ def write_random_adapter(cfg: ModelConfig, rank: int, seed: int, out: Path) -> P
     return out
 
 
+def _llama_run(url: str, prompts: list[list[int]], adapters: list[int] | None,
+               gen: int) -> float:
+    """Aggregate tok/s of the streams on llama-server (each with adapter ``adapters[i]``
+    at scale 1, or none)."""
+    import httpx
+
+    def one(i: int) -> int:
+        body = {"prompt": prompts[i], "n_predict": gen, "temperature": 0, "ignore_eos": True,
+                "cache_prompt": False,
+                "lora": [] if adapters is None else [{"id": adapters[i], "scale": 1.0}]}
+        r = httpx.post(f"{url}/completion", json=body, timeout=600)
+        r.raise_for_status()
+        return int(r.json()["tokens_predicted"])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(one, range(len(prompts))))
+    return tokens / (time.perf_counter() - start)
+
+
 def _run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None],
          gen: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
@@ -64,7 +88,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None],
 
 
 def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
-         prompt_len: int, gen: int, reps: int, out: Path) -> dict[str, Any]:
+         prompt_len: int, gen: int, reps: int, out: Path,
+         llama_server: str | None = None) -> dict[str, Any]:
     loaded = load_model(model, weights)
     engine = LLMEngine(EngineConfig(model=model, weights=weights, threads=threads,
                                     max_num_seqs=max(streams, 1), max_loras=streams,
@@ -72,13 +97,14 @@ def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
                        loaded=loaded)
     cfg = loaded.config
     loads, nbytes = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(streams):
-            path = write_random_adapter(cfg, rank, i, Path(tmp) / f"a{i}.gguf")
-            start = time.perf_counter()
-            adapter = engine.load_lora(f"a{i}", str(path))
-            loads.append(time.perf_counter() - start)
-            nbytes.append(adapter.nbytes)
+    tmp = tempfile.TemporaryDirectory()
+    paths = [write_random_adapter(cfg, rank, i, Path(tmp.name) / f"a{i}.gguf")
+             for i in range(streams)]
+    for i, path in enumerate(paths):
+        start = time.perf_counter()
+        adapter = engine.load_lora(f"a{i}", str(path))
+        loads.append(time.perf_counter() - start)
+        nbytes.append(adapter.nbytes)
     rng = np.random.default_rng(0)
     prompts = []
     for _ in range(streams):
@@ -105,6 +131,32 @@ def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
     print(f"  {streams} adapters (r={rank:<3d})  {lora:8.1f} tok/s   {lora / base:.2f}x the base")
     print(f"  per adapter: {statistics.median(nbytes) / 2**20:.1f} MiB resident, "
           f"loaded in {statistics.median(loads) * 1e3:.0f} ms")
+    if llama_server:
+        result["llama_server"] = _llama_side(llama_server, loaded.path, threads, paths,
+                                             prompts, gen, reps)
+        theirs = result["llama_server"]
+        print(f"  llama-server: base {theirs['base_median']:.1f} tok/s, {streams} adapters "
+              f"{theirs['lora_median']:.1f} tok/s; ember with adapters "
+              f"{lora / theirs['lora_median']:.2f}x llama-server's")
+    tmp.cleanup()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _llama_side(binary: str, gguf: Path, threads: int | None, adapters: list[Path],
+                prompts: list[list[int]], gen: int, reps: int) -> dict[str, Any]:
+    from ember.bench.spec import LlamaServer
+
+    extra = [a for p in adapters for a in ("--lora", str(p))] + ["--lora-init-without-apply"]
+    with LlamaServer(binary, gguf, threads or 2, len(prompts), extra) as url:
+        ids = list(range(len(prompts)))
+        _llama_run(url, prompts, None, 4)
+        _llama_run(url, prompts, ids, 4)
+        base_runs, lora_runs = [], []
+        for _ in range(reps):
+            base_runs.append(_llama_run(url, prompts, None, gen))
+            lora_runs.append(_llama_run(url, prompts, ids, gen))
+    base, lora = statistics.median(base_runs), statistics.median(lora_runs)
+    return {"base_tok_s": base_runs, "lora_tok_s": lora_runs, "base_median": base,
+            "lora_median": lora, "ratio": lora / base}

@@ -182,7 +182,7 @@ def run_llama(binary: str, gguf: Path, threads: int, concurrency: list[int], rep
     configs = {"plain": [], **LLAMA_SPEC}
     tok_s: dict[str, dict[str, float]] = {}
     for label, extra in configs.items():
-        with _llama(binary, gguf, threads, max(concurrency), extra) as url:
+        with LlamaServer(binary, gguf, threads, max(concurrency), extra) as url:
             for n in concurrency:
                 for task in tasks(n):
                     rates = [_llama_task(url, task) for _ in range(reps)]
@@ -198,7 +198,7 @@ def run_llama(binary: str, gguf: Path, threads: int, concurrency: list[int], rep
     return out
 
 
-class _llama:
+class LlamaServer:
     """A llama-server process on a free port for the duration of a ``with``."""
 
     def __init__(self, binary: str, gguf: Path, threads: int, slots: int, extra: list[str]):
