@@ -385,21 +385,20 @@ class DecoderModel:
             out = self.norm(out, layer.post_attn_norm, c.norm_eps)
         x = x + out if c.residual_scale == 1.0 else x + c.residual_scale * out
         h = x if layer.ffn_norm is None else self.norm(x, layer.ffn_norm, c.norm_eps)
-        if layer.moe is not None:
-            out = layer.moe(h)
-        elif lora is not None:
-            out = self._adapted_mlp(i, layer, h, lora)
-        else:
-            assert layer.gate_up is not None and layer.down is not None
-            out = gated_mlp(layer.gate_up, layer.down, self.glu, h)
+        out = self._ffn(layer, h, lora, i)
         if layer.post_ffn_norm is not None:
             out = self.norm(out, layer.post_ffn_norm, c.norm_eps)
         return x + out if c.residual_scale == 1.0 else x + c.residual_scale * out
 
-    def _adapted_mlp(self, i: int, layer: DecoderLayer, h: torch.Tensor, lora: Any
-                     ) -> torch.Tensor:
-        """The gated MLP with each row's LoRA deltas on gate, up and down."""
+    def _ffn(self, layer: Any, h: torch.Tensor, lora: Any = None, i: int = -1
+             ) -> torch.Tensor:
+        """A layer's feed-forward part of ``h``: routed experts, or the gated MLP (with
+        each row's LoRA deltas on gate, up and down, ``i`` being the layer's index)."""
+        if layer.moe is not None:
+            return layer.moe(h)
         assert layer.gate_up is not None and layer.down is not None
+        if lora is None:
+            return gated_mlp(layer.gate_up, layer.down, self.glu, h)
         f = self.cfg.ffn_size
         gate_up = lora.add(i, (("ffn_gate", 0, f), ("ffn_up", f, 2 * f)), h, layer.gate_up(h))
         act = self.glu(*gate_up.chunk(2, dim=-1))

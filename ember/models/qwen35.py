@@ -51,7 +51,6 @@ from ember.models.decoder import (
 )
 from ember.models.gguf import GGUFFile
 from ember.models.layers.attention import AttentionBatch, paged_attention
-from ember.models.layers.mlp import gated_mlp
 from ember.models.layers.rope import RopeKey, rope_key
 from ember.models.linear import Linear, WeightFormat, load_dense
 from ember.models.moe import ExpertStore, MoEFeedForward, MoEOptions
@@ -193,7 +192,7 @@ class Qwen35Model(DecoderModel):
         assert isinstance(kv, HybridKVStorage)
         states = kv.states
         starting = [row.state for row in batch.rows if row.start == 0]
-        if any(s < 0 for s in starting) or any(row.state < 0 for row in batch.rows):
+        if any(row.state < 0 for row in batch.rows):
             raise ValueError("every row of a recurrent model needs a state slot")
         if starting:
             states.reset(starting)
@@ -233,12 +232,6 @@ class Qwen35Model(DecoderModel):
         attn = attn.reshape(n, q_dim) * torch.sigmoid(q_gate[..., hd:].reshape(n, q_dim))
         x = x + layer.o(attn)
         return x + self._ffn(layer, self.norm(x, layer.ffn_norm, c.norm_eps))
-
-    def _ffn(self, layer: DecoderLayer | DeltaNetLayer, h: torch.Tensor) -> torch.Tensor:
-        if layer.moe is not None:
-            return layer.moe(h)
-        assert layer.gate_up is not None and layer.down is not None
-        return gated_mlp(layer.gate_up, layer.down, self.glu, h)
 
     # ------------------------------------------------------------ recurrent layers
     def _delta_net_layer(self, layer: DeltaNetLayer, x: torch.Tensor, batch: AttentionBatch,

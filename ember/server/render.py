@@ -117,9 +117,10 @@ def tool_calls_of(req: Any, out: RequestOutput) -> list[Any] | None:
     return calls
 
 
-def _reasoning_of(text: str, reasoning: Reasoning) -> str | None:
+def _split(text: str, reasoning: Reasoning) -> tuple[str | None, str]:
+    """``(reasoning, answer)`` of a reply whose prompt may have opened the reasoning."""
     tags, opened = reasoning
-    return split_reasoning((tags.open if opened else "") + text, tags)[0]
+    return split_reasoning((tags.open if opened else "") + text, tags)
 
 
 def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
@@ -128,9 +129,7 @@ def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
     for i, o in enumerate(outs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
         if reasoning is not None:
-            tags, opened = reasoning
-            message["reasoning_content"], message["content"] = split_reasoning(
-                (tags.open if opened else "") + o.text, tags)
+            message["reasoning_content"], message["content"] = _split(o.text, reasoning)
         finish = o.finish_reason
         calls = tool_calls_of(req, o)
         if calls:
@@ -171,7 +170,7 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
         if out.finished and i not in texting and req.tool_plan is not None:
             calls = tool_calls_of(req, out)
             if calls:
-                thought = None if reasoning is None else _reasoning_of(out.text, reasoning)
+                thought = None if reasoning is None else _split(out.text, reasoning)[0]
                 if thought:  # the reasoning before the calls (harmony), sent whole
                     yield chunk([{"index": i, "delta": {"reasoning_content": thought},
                                   "logprobs": None, "finish_reason": None}])
@@ -263,8 +262,7 @@ def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
         status = "incomplete"
     reasoning = None
     if split is not None:
-        tags, opened = split
-        reasoning, text = split_reasoning((tags.open if opened else "") + text, tags)
+        reasoning, text = _split(text, split)
     item = {"id": msg_id or f"msg_{ids.id[5:]}", "type": "message", "role": "assistant",
             "status": "completed" if done else "in_progress",
             "content": [{"type": "output_text", "text": text, "annotations": [],
