@@ -41,6 +41,9 @@ class EngineConfig:
     spec_max_draft: int = 16  # most draft tokens one request verifies in a step
     max_lora_rank: int = 64  # LoRA adapters of a higher rank are refused at load
     max_loras: int = 8  # LoRA adapters kept resident (least recently used evicted)
+    # how resident adapters are held: f32, bf16 (half the bytes each step reads), or auto:
+    # bf16 where the base runs the fused native stack, f32 (the exact oracle) elsewhere
+    lora_dtype: str = "auto"
     spec_references: tuple[str, ...] = ()  # texts every request may draft from
     chat_template: str | None = None  # a Jinja chat template replacing the GGUF's
     calibrate_costs: bool = False  # measure step costs at startup (~2 s) instead of the table
@@ -84,6 +87,8 @@ class EngineConfig:
         positive("spec_max_draft")
         positive("max_lora_rank")
         positive("max_loras")
+        if self.lora_dtype not in ("auto", "f32", "bf16"):
+            raise InvalidConfig(f"lora_dtype must be auto, f32 or bf16, got {self.lora_dtype!r}")
         for name in ("num_kv_blocks", "max_model_len", "threads", "max_prefill_chunk"):
             positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1):

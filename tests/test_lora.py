@@ -83,14 +83,17 @@ def test_a_zero_adapter_is_the_base_bitwise(adapters, base_f32) -> None:
     assert torch.equal(base_f32.model.score(IDS, lora=zero), base_f32.model.score(IDS))
 
 
-def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, base_f32) -> None:
-    """The base and two adapters, four requests in one batch (and forked siblings):
-    each gives the tokens it gives alone; no prefix is shared across adapters."""
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, weights) -> None:
+    """The base and two adapters, four requests in one batch: each gives the tokens it
+    gives alone, op by op (f32) and in the fused native stack (q4: its logprobs too,
+    bitwise); no prefix is shared across adapters."""
     import ember
 
-    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+    llm = ember.LLM(str(smollm2_gguf), weights=weights, num_kv_blocks=128,
                     loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert (llm.engine.loaded.model.native is not None) == (weights == "q4")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Water boils at"]
     loras = [None, "peft", "gguf", "peft"]
     alone = [llm.generate([p], greedy, lora=lr)[0] for p, lr in zip(prompts, loras, strict=True)]
@@ -101,6 +104,8 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, ba
     while engine.has_unfinished():
         engine.step()
     assert [r.output_ids for r in reqs] == [list(o.token_ids) for o in alone]
+    if weights == "q4":  # batch invariant (f32's BLAS sums differently per batch size)
+        assert [r.logprobs for r in reqs] == [o.logprobs for o in alone]
     # a prompt cached for the base is not reused for an adapter, nor across adapters
     prompt = llm.encode("A long shared preamble about the weather in several cities, " * 3)
     first = engine.add_request(prompt, greedy)
@@ -113,6 +118,118 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, ba
         assert (req.cached_tokens > 0) == bool(cached), (lora, req.cached_tokens)
     assert first.cached_tokens == 0
     engine.kv.check_no_leaks()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_native_stack_adds_the_deltas_the_op_by_op_path_adds(
+        adapters, smollm2_q4, dtype) -> None:
+    """q4 SmolLM2 with an adapter (held in f32 or bf16): the fused stack is as far from
+    the op-by-op path on the same packed weights as it is without one (their int8
+    activations differ), and a zero adapter is the base bitwise."""
+    model, cfg = smollm2_q4.model, smollm2_q4.config
+    peft = load_lora(adapters["peft"], "peft", cfg, dtype=dtype)
+    fused, fused_base = model.score(IDS, lora=peft), model.score(IDS)
+    saved, model.native = model.native, None
+    try:
+        op, op_base = model.score(IDS, lora=peft), model.score(IDS)
+    finally:
+        model.native = saved
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return ((x - y).norm() / y.norm()).item()
+
+    print(f"fused vs op by op: {rel(fused, op):.4f} with the adapter, "
+          f"{rel(fused_base, op_base):.4f} without; the adapter moves logits "
+          f"{rel(op, op_base):.3f}")
+    assert rel(op, op_base) > 0.1
+    assert rel(fused, op) < 1.5 * rel(fused_base, op_base) + 1e-3
+    zero = load_lora(adapters["zero"], "zero", cfg, dtype=dtype)
+    assert torch.equal(model.score(IDS, lora=zero), fused_base)
+
+
+@pytest.mark.parametrize("build", ["native", "scalar", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_delta_kernel_is_the_low_rank_product_and_batch_invariant(
+        dtype, build) -> None:
+    """lora_delta (the stack's code, bound alone): y += B (A x) per token on its
+    adapter's columns, rows of no adapter untouched; each token's result is bitwise the
+    same alone, in a mixed batch (tokens of one adapter in blocks of two and three),
+    and on one thread or two. Weights in f32 or bf16 (widened exactly); this machine's
+    build, the portable one and plain AVX2."""
+    from native import build_variant, require_kernels
+
+    ext = require_kernels() if build == "native" else build_variant(
+        build, [] if build == "scalar" else ["-mavx2", "-mfma", "-mf16c"])
+    assert build == "native" or ext.simd() == build
+    q, kv, hidden, ffn = 64, 32, 96, 160  # not multiples of 32: the dot tails run too
+    stack = ext.DecoderStack(hidden, 8, 4, 8, 8, ffn, 1e-5)
+    stack.add_layer(torch.ones(hidden), torch.ones(hidden),
+                    *(_packed(ext, n, k) for n, k in ((q + 2 * kv, hidden), (hidden, q),
+                                                      (2 * ffn, hidden), (hidden, ffn))))
+    g = torch.Generator().manual_seed(0)
+    adapters, dense = [], []
+    for rank in (3, 8):
+        w, parts = stack.new_lora(), []
+        # parts of 40, 37 and 20 columns (vector blocks of 32 and their tails), gaps
+        for lo, n in ((0, 40), (50, 37), (q + kv, 20)):
+            a = torch.randn(rank, hidden, generator=g).to(dtype)
+            b = torch.randn(n, rank, generator=g).to(dtype)
+            w.set(0, 0, lo, a, b.T.contiguous())
+            parts.append((lo, a, b))
+        adapters.append(w)
+        dense.append(parts)
+    T = 7
+    x = torch.randn(T, hidden, generator=g)
+    base = torch.randn(T, q + 2 * kv, generator=g)
+    which = torch.tensor([1, -1, 0, 1, 1, -1, 0])
+    got = ext.lora_delta(adapters, which, 0, 0, x, base.clone())
+    want = base.clone()
+    for t, w in enumerate(which.tolist()):
+        for lo, a, b in dense[w] if w >= 0 else []:
+            want[t, lo:lo + b.shape[0]] += b.float() @ (a.float() @ x[t])
+    assert torch.equal(got[which < 0], base[which < 0])
+    for gap in (slice(40, 50), slice(87, q + kv), slice(q + kv + 20, None)):
+        assert torch.equal(got[:, gap], base[:, gap])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t in range(T):
+                alone = ext.lora_delta(adapters, which[t:t + 1], 0, 0, x[t:t + 1].clone(),
+                                       base[t:t + 1].clone())
+                assert torch.equal(alone[0], got[t]), (n, t)
+    finally:
+        torch.set_num_threads(threads)
+    # what does not fit is refused, naming it
+    with pytest.raises(RuntimeError, match="do not fit a projection of 96 inputs"):
+        adapters[0].set(0, 0, 0, torch.zeros(2, 95), torch.zeros(2, q))
+    with pytest.raises(RuntimeError, match="same output columns"):
+        adapters[0].set(0, 0, 1, torch.zeros(2, hidden), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="columns past"):
+        adapters[0].set(0, 3, 90, torch.zeros(2, ffn), torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.lora_delta(adapters, torch.full((T,), 2), 0, 0, x, base.clone())
+    other = ext.DecoderStack(hidden, 8, 4, 8, 8, ffn, 1e-5).new_lora()  # no layers
+    pool = torch.zeros(1, 1, 2, 16, 4, 8)
+    with pytest.raises(RuntimeError, match="another stack"):
+        stack.forward(x[:1].clone(), pool, [torch.zeros(1, 4, 2)], torch.zeros(1, dtype=torch.long),
+                      torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                      torch.zeros(1, dtype=torch.long), [other], torch.zeros(1, dtype=torch.long))
+
+
+def _packed(ext, n: int, k: int):
+    """A packed Q8_0 matrix [n, k] of random weights (k a multiple of 32), for ``ext``."""
+    import gguf
+    import numpy as np
+
+    from ember.models.gguf import GGMLType
+    from ember.models.linear import QuantLinear
+
+    w = np.random.default_rng(n * k).standard_normal((n, k), dtype=np.float32)
+    raw = gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    packed = QuantLinear.from_raw([(raw.reshape(-1), GGMLType.Q8_0, (n, k))]).packed
+    return ext.PackedLinear(k, packed.segments)
 
 
 def test_unknown_adapter_and_unload(adapters, smollm2_gguf) -> None:

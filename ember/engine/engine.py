@@ -99,7 +99,10 @@ class LLMEngine:
             log.info("recurrent state: %d sequences, %.1f MiB (f32, zeroed on first use)",
                      slots, states.nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
-        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras)
+        lora_dtype = config.lora_dtype
+        if lora_dtype == "auto":
+            lora_dtype = "bf16" if self.loaded.model.native is not None else "f32"
+        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel())
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)

@@ -198,15 +198,28 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // An empty adapter for this stack's shapes (its deltas added with LoRAWeights::set).
+  LoRAWeights new_lora() const {
+    return LoRAWeights(num_layers(), lora_inputs(), lora_outputs());
+  }
+
   // Run every layer over x [T, hidden] in place. pool: the KV pool (blocks, layers,
   // 2, bs, Hkv, D); ropes: RoPE tables [T, rope_dim/2, 2] (cos, sin) of each token's
   // position, one per base the layers use (set_attention picks);
   // slots [T]: where each token's K/V go; tables [R, NB]: each row's block ids;
-  // rows [T]: each token's row; positions [T]: each token's position in its row.
+  // rows [T]: each token's row; positions [T]: each token's position in its row;
+  // loras: the step's adapters (made by new_lora) and token_lora [T] the one each
+  // token uses (-1: none; an empty tensor without adapters).
   void forward(at::Tensor& x, at::Tensor& pool, const std::vector<at::Tensor>& ropes,
                const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& rows,
-               const at::Tensor& positions) const {
+               const at::Tensor& positions, const std::vector<LoRAWeights*>& loras,
+               const std::optional<at::Tensor>& token_lora) const {
     const int64_t T = x.size(0);
+    for (const LoRAWeights* w : loras) {
+      TORCH_CHECK(w != nullptr && w->fits(num_layers(), lora_inputs(), lora_outputs()),
+                  "DecoderStack: an adapter made for another stack");
+    }
+    const LoRAStep lora(loras, token_lora.value_or(at::Tensor()), T);
     for (const LayerWeights& L : layers_) {
       TORCH_CHECK(L.rope < static_cast<int64_t>(ropes.size()),
                   "DecoderStack: a layer uses RoPE table ", L.rope, " of ", ropes.size());
@@ -238,6 +251,7 @@ class DecoderStack {
       }
       clock.lap(kNorms);
       L.qkv.matmul_into(attn_in, T, qkvp);
+      if (!lora.empty()) lora.apply(i, kQKV, attn_in, hidden_, qkvp, qkv_n);
       clock.lap(kProjections);
       rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
                      positions.data_ptr<int64_t>(), kv);
@@ -247,6 +261,7 @@ class DecoderStack {
              softcap_);
       clock.lap(kAttention);
       L.o.matmul_into(attp, T, yp);
+      if (!lora.empty()) lora.apply(i, kOutput, attp, q_dim, yp, hidden_);
       clock.lap(kProjections);
       if (L.post_attn_norm.defined()) {
         rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
@@ -259,6 +274,7 @@ class DecoderStack {
       }
       clock.lap(kNorms);
       L.gate_up.matmul_into(ffn_in, T, gup);
+      if (!lora.empty()) lora.apply(i, kGateUp, ffn_in, hidden_, gup, 2 * ffn_);
       clock.lap(kProjections);
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -272,6 +288,7 @@ class DecoderStack {
       });
       clock.lap(kActivation);
       L.down.matmul_into(hp, T, yp);
+      if (!lora.empty()) lora.apply(i, kDown, hp, ffn_, yp, hidden_);
       clock.lap(kProjections);
       if (L.post_ffn_norm.defined()) {
         rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
@@ -305,6 +322,14 @@ class DecoderStack {
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1,
                 "norm weights must be CPU float32 [K]");
     return w.contiguous();
+  }
+
+  // The fused projections' inputs and outputs, in FusedProjection order.
+  std::array<int64_t, kFusedProjections> lora_inputs() const {
+    return {hidden_, heads_ * head_dim_, hidden_, ffn_};
+  }
+  std::array<int64_t, kFusedProjections> lora_outputs() const {
+    return {(heads_ + 2 * kv_heads_) * head_dim_, hidden_, 2 * ffn_, hidden_};
   }
 
   static const PackedLinear& linear(const PackedLinear& p, int64_t k, int64_t n) {

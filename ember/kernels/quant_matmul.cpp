@@ -8,6 +8,7 @@
 //   packed_linear.h   a layer's packed weight (huge pages, packing, PackedLinear)
 //   activations.h     the activations' quantization as tensors (for the tests)
 //   paged_attention.h attention over the pool in place
+//   lora_delta.h      low-rank adapter deltas per token, inside the stack
 //   fused_decoder.h   a whole decoder stack in one call per step
 //
 // Threads: at::parallel_for (follows torch.set_num_threads). SIMD: chosen at compile
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -93,9 +95,32 @@ std::string simd() {
 }
 
 #include "paged_attention.h"
+#include "lora_delta.h"
 #include "fused_decoder.h"
 
 }  // namespace
+
+// y [T, N] += the low-rank deltas of one fused projection (``proj``) of ``layer`` for
+// each token's adapter (token_lora [T], -1: none), from x [T, K]: the stack's own
+// code, bound alone for the tests.
+at::Tensor lora_delta(const std::vector<LoRAWeights*>& loras, const at::Tensor& token_lora,
+                      int64_t layer, int64_t proj, const at::Tensor& x, at::Tensor y) {
+  TORCH_CHECK(!loras.empty(), "lora_delta: no adapters");
+  TORCH_CHECK(proj >= 0 && proj < kFusedProjections, "lora_delta: no fused projection ", proj);
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_contiguous() &&
+                  y.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  y.scalar_type() == at::kFloat,
+              "lora_delta: x [T, K] and y [T, N] must be contiguous float32");
+  for (const LoRAWeights* w : loras) {
+    TORCH_CHECK(layer >= 0 && layer < w->layers(), "lora_delta: no layer ", layer);
+    TORCH_CHECK(w->input(proj) == x.size(1) && w->output(proj) == y.size(1),
+                "lora_delta: x or y does not fit the projection");
+  }
+  const LoRAStep step(loras, token_lora, x.size(0));
+  step.apply(layer, static_cast<int>(proj), x.data_ptr<float>(), x.size(1), y.data_ptr<float>(),
+             y.size(1));
+  return y;
+}
 
 // RMSNorm over the last dim, y = x / sqrt(mean(x^2) + eps) * w, in one pass per row.
 // torch's CPU rms_norm is ~6 small ops (~18 us for one 576-wide row); this is one
@@ -179,6 +204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_activations", &quantize_activations,
           "x -> (int8 codes, scales, float block sums, rounding errors, code sums, "
           "sums of the first 16 codes)", release());
+  mod.def("lora_delta", &lora_delta,
+          "y += each token's low-rank delta (loras, token_lora, layer, proj, x, y)", release());
   mod.def("simd", &simd, "which SIMD path this build uses");
   mod.def("rms_norm", &rms_norm, "RMSNorm over the last dim (x, weight, eps)", release());
   mod.def("paged_attention", &paged_attention,
@@ -187,6 +214,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("q"), pybind11::arg("pool"), pybind11::arg("layer"),
           pybind11::arg("tables"), pybind11::arg("rows"), pybind11::arg("positions"),
           pybind11::arg("scale"), pybind11::arg("window") = 0, release());
+  pybind11::class_<LoRAWeights>(mod, "LoRAWeights")
+      .def("set", &LoRAWeights::set,
+           "(layer, fused projection 0-3: qkv, o, gate_up, down, first column, A [r, in], "
+           "B transposed [r, columns], scaled)")
+      .def_property_readonly("num_layers", &LoRAWeights::layers);
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
                           bool, double>(),
@@ -213,7 +245,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            "time each stage of forward (resets the totals)")
       .def("stage_seconds", &DecoderStack::stage_seconds,
            "seconds per stage summed over forward calls since set_profiling(True)")
+      .def("new_lora", &DecoderStack::new_lora, "an empty LoRAWeights for this stack")
       .def("forward", &DecoderStack::forward,
-           "x (in place), pool, ropes (one table per base), slots, tables, rows, positions",
-           release());
+           "x (in place), pool, ropes (one table per base), slots, tables, rows, positions, "
+           "loras ([LoRAWeights]), token_lora (int64 [T], -1: none)",
+           pybind11::arg("x"), pybind11::arg("pool"), pybind11::arg("ropes"),
+           pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("rows"),
+           pybind11::arg("positions"), pybind11::arg("loras") = std::vector<LoRAWeights*>(),
+           pybind11::arg("token_lora") = pybind11::none(), release());
 }

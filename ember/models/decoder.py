@@ -329,14 +329,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
-        """The residual stream (T, hidden) after every layer, from the embeddings ``x``.
-        A step with LoRA adapters runs op by op (the native stack has no low-rank path)."""
-        if self.native is not None and batch.lora is None:
+        """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
+        if self.native is not None:
             x = x.clone(memory_format=torch.contiguous_format)  # updated in place
             ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
                      for rope in self.ropes.values()]  # in rope_keys order
+            loras = [] if batch.lora is None else batch.lora.native(self.native, x.shape[0])
             self.native.forward(x, kv.pool, ropes, batch.slot_mapping, batch.tables,
-                                batch.token_rows, batch.positions)
+                                batch.token_rows, batch.positions, *loras)
             return x
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
         q_scale = attention_temperature(self.cfg, batch.positions)
@@ -358,8 +358,7 @@ class DecoderModel:
             qkv = qkv + layer.qkv_bias
         lora = batch.lora
         if lora is not None:
-            qkv = lora.add(i, (("attn_q", 0, q_dim), ("attn_k", q_dim, q_dim + kv_dim),
-                               ("attn_v", q_dim + kv_dim, q_dim + 2 * kv_dim)), h, qkv)
+            qkv = lora.add(i, "qkv", h, qkv)
         q = qkv[:, :q_dim].view(n, c.n_heads, c.head_dim)
         k = qkv[:, q_dim:q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim:].reshape(n, c.n_kv_heads, c.head_dim)
@@ -378,7 +377,7 @@ class DecoderModel:
                                scale=c.softmax_scale, softcap=c.attn_softcap, sinks=layer.sinks)
         out = layer.o(attn.reshape(n, q_dim))
         if lora is not None:
-            out = lora.add(i, (("attn_output", 0, c.hidden_size),), attn.reshape(n, q_dim), out)
+            out = lora.add(i, "o", attn.reshape(n, q_dim), out)
         if layer.o_bias is not None:
             out = out + layer.o_bias
         if layer.post_attn_norm is not None:
@@ -399,7 +398,6 @@ class DecoderModel:
         assert layer.gate_up is not None and layer.down is not None
         if lora is None:
             return gated_mlp(layer.gate_up, layer.down, self.glu, h)
-        f = self.cfg.ffn_size
-        gate_up = lora.add(i, (("ffn_gate", 0, f), ("ffn_up", f, 2 * f)), h, layer.gate_up(h))
+        gate_up = lora.add(i, "gate_up", h, layer.gate_up(h))
         act = self.glu(*gate_up.chunk(2, dim=-1))
-        return lora.add(i, (("ffn_down", 0, self.cfg.hidden_size),), act, layer.down(act))
+        return lora.add(i, "down", act, layer.down(act))

@@ -16,14 +16,18 @@ An adapter changes a projection ``y = W x`` into ``y = W x + s · B (A x)`` with
   llama.cpp's converter does for the weights.
 
 Everything is checked against the base at load — architecture, targets, shapes, rank
-(``max_rank``) — and refused naming what does not fit. Deltas are kept in f32 with
-``s`` folded into ``B``. An adapter's identity is the hash of its file bytes: the
+(``max_rank``) — and refused naming what does not fit. Deltas are kept in f32 or
+bf16 (``dtype``; half the bytes a step reads per adapter) with ``s`` folded into ``B``,
+B transposed (the native kernel reads a block of its columns contiguously). An
+adapter's identity is the hash of its file bytes: the
 prefix cache keys requests with an adapter apart from the base and from other
 adapters, so a cached prefix is never served across them.
 
 :class:`LoRABatch` applies a step's adapters to the rows that use them (rows of
 different adapters and rows without one in one step): the base matmul runs once for
-the whole batch, the low-rank part per adapter over its rows.
+the whole batch, the low-rank part per adapter over its rows — inside the fused
+native stack (``ember/kernels/lora_delta.h``, batch invariant) where the model runs
+one, op by op in PyTorch (the oracle) elsewhere.
 """
 
 from __future__ import annotations
@@ -62,10 +66,17 @@ class LoRAError(EmberError):
     what does not fit)."""
 
 
+# The fused projections of a decoder layer, in the native stack's order
+# (ember/kernels/lora_delta.h): each target adds to some of one's output columns.
+FUSED = ("qkv", "o", "gate_up", "down")
+
+
 @dataclass(frozen=True)
 class LoRADelta:
-    a: torch.Tensor  # (rank, in) f32
-    b: torch.Tensor  # (out, rank) f32, the scale folded in
+    a: torch.Tensor  # (rank, in), f32 or bf16
+    bt: torch.Tensor  # (rank, out): B transposed, the scale folded in, as ``a``
+    fused: int  # the fused projection (index in FUSED) the target is part of
+    lo: int  # its first output column there
 
 
 @dataclass
@@ -78,11 +89,31 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(d.a.nbytes + d.b.nbytes for d in self.deltas.values())
+        return sum(d.a.nbytes + d.bt.nbytes for d in self.deltas.values())
 
     @property
     def targets(self) -> list[str]:
         return sorted({t for _, t in self.deltas}, key=TARGETS.index)
+
+    def on(self, layer: int, fused: int) -> list[LoRADelta]:
+        """The deltas on one fused projection of ``layer``."""
+        by = self.__dict__.get("_by_fused")
+        if by is None:
+            by = self.__dict__["_by_fused"] = {}
+            for (i, _), d in self.deltas.items():
+                by.setdefault((i, d.fused), []).append(d)
+        return by.get((layer, fused), [])
+
+    def native(self, stack: Any) -> Any:
+        """The adapter as the native ``stack``'s ``LoRAWeights`` (made once per stack;
+        it shares the tensors)."""
+        made = self.__dict__.setdefault("_native", {})
+        if id(stack) not in made:
+            weights = stack.new_lora()
+            for (layer, _), d in self.deltas.items():
+                weights.set(layer, d.fused, d.lo, d.a, d.bt)
+            made[id(stack)] = (stack, weights)  # the stack held: its id stays its own
+        return made[id(stack)][1]
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -90,6 +121,13 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv, h, f = cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.hidden_size, cfg.ffn_size
     return {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
             "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+
+
+def fused_columns(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each target's fused projection (index in FUSED) and first output column there."""
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.ffn_size
+    return {"attn_q": (0, 0), "attn_k": (0, q), "attn_v": (0, q + kv), "attn_output": (1, 0),
+            "ffn_gate": (2, 0), "ffn_up": (2, f), "ffn_down": (3, 0)}
 
 
 def check_base(cfg: ModelConfig) -> None:
@@ -101,16 +139,20 @@ def check_base(cfg: ModelConfig) -> None:
                         f"({cfg.architecture})")
 
 
+LORA_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
 def load_lora(path: str | Path, name: str, cfg: ModelConfig,
-              max_rank: int = DEFAULT_MAX_RANK) -> LoRAAdapter:
+              max_rank: int = DEFAULT_MAX_RANK, dtype: str = "f32") -> LoRAAdapter:
     """The adapter at ``path`` (a GGUF file or a PEFT directory), checked against the
-    base model's configuration ``cfg``."""
+    base model's configuration ``cfg``, held in ``dtype`` (a name in LORA_DTYPES)."""
+    held = LORA_DTYPES[dtype]
     check_base(cfg)
     p = Path(path)
     if not p.exists():
         raise LoRAError(f"LoRA adapter {name!r}: {p} does not exist")
     raw, identity = (_peft(p, cfg) if p.is_dir() else _gguf(p, cfg))
-    shapes = projection_shapes(cfg)
+    shapes, columns = projection_shapes(cfg), fused_columns(cfg)
     deltas, rank = {}, 0
     for (layer, target), (a, b, scale) in raw.items():
         where = f"LoRA adapter {name!r}: blk.{layer}.{target}"
@@ -127,8 +169,9 @@ def load_lora(path: str | Path, name: str, cfg: ModelConfig,
         if r > max_rank:
             raise LoRAError(f"{where}: rank {r} is above max_lora_rank {max_rank}")
         rank = max(rank, r)
-        deltas[(layer, target)] = LoRADelta(a.float().contiguous(),
-                                            (b.float() * scale).contiguous())
+        deltas[(layer, target)] = LoRADelta(a.to(held).contiguous(),
+                                            (b.float() * scale).T.to(held).contiguous(),
+                                            *columns[target])
     if not deltas:
         raise LoRAError(f"LoRA adapter {name!r}: {p} holds no LoRA tensors")
     return LoRAAdapter(name, p, identity, rank, deltas)
@@ -322,13 +365,13 @@ class LoRARegistry:
     running request. Thread-safe (the server prepares requests on other threads)."""
 
     def __init__(self, cfg: ModelConfig, max_rank: int = DEFAULT_MAX_RANK,
-                 max_loras: int = DEFAULT_MAX_LORAS) -> None:
-        self.cfg, self.max_rank, self.max_loras = cfg, max_rank, max_loras
+                 max_loras: int = DEFAULT_MAX_LORAS, dtype: str = "f32") -> None:
+        self.cfg, self.max_rank, self.max_loras, self.dtype = cfg, max_rank, max_loras, dtype
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def load(self, name: str, path: str) -> LoRAAdapter:
-        adapter = load_lora(path, name, self.cfg, self.max_rank)
+        adapter = load_lora(path, name, self.cfg, self.max_rank, self.dtype)
         with self._lock:
             old = self._entries.pop(name, None)
             entry = _Entry(str(path), adapter.identity, adapter)
@@ -354,7 +397,7 @@ class LoRARegistry:
             self._entries.move_to_end(name)
             adapter = entry.adapter
         if adapter is None:
-            adapter = load_lora(entry.path, name, self.cfg, self.max_rank)
+            adapter = load_lora(entry.path, name, self.cfg, self.max_rank, self.dtype)
             if adapter.identity != entry.identity:
                 raise LoRAError(f"LoRA adapter {name!r}: {entry.path} changed since it was "
                                 "loaded (load it again to serve the new file)")
@@ -417,16 +460,23 @@ class LoRABatch:
             return None
         return cls([(a, torch.tensor(idx, dtype=torch.long)) for a, idx in by.values()])
 
-    def add(self, layer: int, parts: Sequence[tuple[str, int, int]], x: torch.Tensor,
-            y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base projection of ``x``) plus each row's adapter delta, for the
-        output ``parts`` (target, first column, end column) of a fused projection."""
+    def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the ``fused`` projection of ``x`` in ``layer``, a name in FUSED) plus
+        each row's adapter deltas."""
+        which = FUSED.index(fused)
         for adapter, index in self.groups:
-            deltas = [(adapter.deltas.get((layer, t)), lo, hi) for t, lo, hi in parts]
-            if not any(d is not None for d, _, _ in deltas):
+            deltas = adapter.on(layer, which)
+            if not deltas:
                 continue
             xs = x[index]
-            for d, lo, hi in deltas:
-                if d is not None:
-                    y[index, lo:hi] += (xs @ d.a.T) @ d.b.T
+            for d in deltas:
+                y[index, d.lo:d.lo + d.bt.shape[1]] += (xs @ d.a.float().T) @ d.bt.float()
         return y
+
+    def native(self, stack: Any, tokens: int) -> tuple[list[Any], torch.Tensor]:
+        """The native ``stack``'s arguments: the adapters' ``LoRAWeights`` and the one
+        each of the step's ``tokens`` uses (-1: none)."""
+        which = torch.full((tokens,), -1, dtype=torch.long)
+        for g, (_, index) in enumerate(self.groups):
+            which[index] = g
+        return [adapter.native(stack) for adapter, _ in self.groups], which
