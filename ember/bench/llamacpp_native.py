@@ -147,6 +147,16 @@ class Binaries:
     version: str = ""
 
 
+def binary_env(binary: Path) -> dict[str, str]:
+    """The environment to run a llama.cpp ``binary`` in: a shared-library build's
+    libraries (beside it) first on LD_LIBRARY_PATH."""
+    env = dict(os.environ)
+    if any(binary.parent.glob("libllama*.so*")):
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            x for x in (str(binary.parent.resolve()), env.get("LD_LIBRARY_PATH", "")) if x)
+    return env
+
+
 def locate(path: str) -> Binaries:
     """``path``: llama-bench itself, the directory holding it, or a name on PATH.
 
@@ -169,11 +179,7 @@ def locate(path: str) -> Binaries:
     batched = bench.with_name(BATCHED)
     if not (batched.is_file() and os.access(batched, os.X_OK)):
         batched = None
-    env = dict(os.environ)
-    libdir = str(bench.parent.resolve())
-    if any(bench.parent.glob("libllama*.so*")):
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            x for x in (libdir, env.get("LD_LIBRARY_PATH", "")) if x)
+    env = binary_env(bench)
     bins = Binaries(bench.resolve(), batched.resolve() if batched else None, env)
     try:
         proc = subprocess.run([str(bins.bench), "--version"], capture_output=True, text=True,

@@ -89,11 +89,12 @@ def _run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None],
 
 def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
          prompt_len: int, gen: int, reps: int, out: Path,
-         llama_server: str | None = None) -> dict[str, Any]:
+         llama_server: str | None = None, lora_dtype: str = "auto") -> dict[str, Any]:
     loaded = load_model(model, weights)
     engine = LLMEngine(EngineConfig(model=model, weights=weights, threads=threads,
                                     max_num_seqs=max(streams, 1), max_loras=streams,
-                                    enable_prefix_caching=False, speculation="off"),
+                                    lora_dtype=lora_dtype, enable_prefix_caching=False,
+                                    speculation="off"),
                        loaded=loaded)
     cfg = loaded.config
     loads, nbytes = [], []
@@ -121,6 +122,7 @@ def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
         "model": str(loaded.path), "weights": weights, "threads": threads,
         "streams": streams, "rank": rank, "prompt_len": prompt_len, "gen": gen,
         "reps": reps, "machine": platform.processor() or platform.machine(),
+        "lora_dtype": engine.loras.dtype,
         "base_tok_s": base_runs, "lora_tok_s": lora_runs,
         "base_median": base, "lora_median": lora, "ratio": lora / base,
         "adapter_bytes": statistics.median(nbytes), "load_s": statistics.median(loads),
@@ -128,7 +130,8 @@ def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
     print(f"{streams} streams, prompts {prompt_len} tokens, {gen} generated, "
           f"{loaded.path.name} ({weights}), median of {reps}:")
     print(f"  base model           {base:8.1f} tok/s")
-    print(f"  {streams} adapters (r={rank:<3d})  {lora:8.1f} tok/s   {lora / base:.2f}x the base")
+    print(f"  {streams} adapters (r={rank}, {engine.loras.dtype:<4}) {lora:8.1f} tok/s   "
+          f"{lora / base:.2f}x the base")
     print(f"  per adapter: {statistics.median(nbytes) / 2**20:.1f} MiB resident, "
           f"loaded in {statistics.median(loads) * 1e3:.0f} ms")
     if llama_server:
@@ -148,7 +151,10 @@ def _llama_side(binary: str, gguf: Path, threads: int | None, adapters: list[Pat
                 prompts: list[list[int]], gen: int, reps: int) -> dict[str, Any]:
     from ember.bench.spec import LlamaServer
 
-    extra = [a for p in adapters for a in ("--lora", str(p))] + ["--lora-init-without-apply"]
+    # --no-repack: llama.cpp's adapters cannot use the repacked weight buffers (AMX on
+    # Intel: "cannot use buft 'AMX'", then a crash); plain buffers on every machine
+    extra = [a for p in adapters for a in ("--lora", str(p))] + [
+        "--lora-init-without-apply", "--no-repack"]
     with LlamaServer(binary, gguf, threads or 2, len(prompts), extra) as url:
         ids = list(range(len(prompts)))
         _llama_run(url, prompts, None, 4)

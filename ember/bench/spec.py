@@ -212,23 +212,37 @@ class LlamaServer:
                     *extra]
 
     def __enter__(self) -> str:
+        import tempfile
+
         import httpx
 
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        from ember.bench.llamacpp_native import binary_env
+
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=binary_env(Path(self.cmd[0])))
         url = f"http://127.0.0.1:{self.port}"
         for _ in range(600):
+            if self.proc.poll() is not None:
+                break
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"llama-server did not start: {' '.join(self.cmd)}")
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace").strip().splitlines()[-5:]
+        self.log.close()
+        raise RuntimeError(f"llama-server did not start: {' '.join(self.cmd)}: "
+                           + " | ".join(tail))
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+        self.log.close()
 
 
 def _llama_task(url: str, task: Task) -> float:
