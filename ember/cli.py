@@ -408,8 +408,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           admin_api_key=args.admin_api_key)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
-    if args.replicas and (args.lora or args.admin_api_key):
-        raise ValueError("--lora and --admin-api-key are not supported with --replicas yet")
     if not args.replicas:
         return run_server(config, args.host, args.port, args.graceful_seconds)
     from ember.cluster import deploy

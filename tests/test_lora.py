@@ -303,6 +303,34 @@ def test_adapters_that_do_not_fit_are_refused_naming_why(adapters, base_f32, tmp
         load_lora(bad, "x", cfg)
 
 
+def test_a_moe_base_takes_attention_adapters_and_refuses_ffn_targets(
+        tiny_moe_gguf, tmp_path) -> None:
+    """On a base with routed experts an adapter on the attention projections gives the
+    logits of the base with W + s·BA merged into those weights (f32); one that also
+    targets the FFN is refused, naming the target."""
+    from ember.bench.lora import write_random_adapter
+    from ember.models.lora import ATTENTION_TARGETS
+
+    model = load_model(str(tiny_moe_gguf), "f32")
+    cfg = model.config
+    assert cfg.n_experts
+    path = write_random_adapter(cfg, 4, 0, tmp_path / "attn.gguf", std=0.3,
+                                targets=ATTENTION_TARGETS)
+    adapter = load_lora(path, "attn", cfg)
+    ids = IDS[:12]
+    ours, base = model.model.score(ids, lora=adapter), model.model.score(ids)
+    merged = load_model(str(tiny_moe_gguf), "f32").model
+    for (i, _), d in adapter.deltas.items():
+        which = merged.layers[i].qkv if d.fused == 0 else merged.layers[i].o
+        which.weight[d.lo:d.lo + d.bt.shape[1]] += (d.a.T @ d.bt).T
+    want = merged.score(ids)
+    assert (base - want).abs().max() > 0.1  # the adapter changes the logits visibly
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    every = write_random_adapter(cfg, 4, 0, tmp_path / "all.gguf")
+    with pytest.raises(LoRAError, match="blk.0.ffn_gate.*routed experts.*attn_output only"):
+        load_lora(every, "all", cfg)
+
+
 LLAMA_PYTHON = os.environ.get("EMBER_LLAMA_PYTHON")
 
 

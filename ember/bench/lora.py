@@ -18,6 +18,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,16 +37,18 @@ WORDS = ("river stone market lantern orchard harbor meadow engine garden letter 
          "winter signal violin compass thunder").split()
 
 
-def write_random_adapter(cfg: ModelConfig, rank: int, seed: int, out: Path) -> Path:
-    """A GGUF LoRA adapter of ``rank`` on every projection of every layer (random
-    weights, scaled so that the deltas are small next to the base's outputs)."""
+def write_random_adapter(cfg: ModelConfig, rank: int, seed: int, out: Path,
+                         std: float = 0.01, targets: Sequence[str] = TARGETS) -> Path:
+    """A GGUF LoRA adapter of ``rank`` on ``targets`` (default: every projection) of
+    every layer (random weights of deviation ``std``: the default keeps the deltas
+    small next to the base's outputs)."""
     rng = np.random.default_rng(seed)
     tensors = []
     for layer in range(cfg.n_layers):
-        for target in TARGETS:
+        for target in targets:
             n_out, n_in = projection_shapes(cfg)[target]
             for part, shape in (("lora_a", (rank, n_in)), ("lora_b", (n_out, rank))):
-                arr = (rng.standard_normal(shape) * 0.01).astype(np.float32)
+                arr = (rng.standard_normal(shape) * std).astype(np.float32)
                 tensors.append(TensorToWrite(f"blk.{layer}.{target}.weight.{part}", shape, 0,
                                              lambda arr=arr: [arr]))
     metadata = {"general.architecture": cfg.architecture, "general.type": "adapter",

@@ -36,6 +36,7 @@ from ember.engine.served import with_chat_template
 from ember.engine.thread import EngineStopped
 from ember.kv.prefix import extend_keys, tenant_salt
 from ember.models.loader import LoadedModel
+from ember.models.lora import LoRAAdapter, load_lora
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import ThinkingTags
 
@@ -454,12 +455,22 @@ class FrontEngine:
         self._replicas = replicas
         self._ids = itertools.count()
         self._prefix = f"rq-{secrets.token_hex(4)}"
+        # LoRA adapters by name: (path, identity), checked here against the base; each
+        # replica loads the file when a request first needs it (GroupSpec.lora)
+        self.loras: dict[str, tuple[str, bytes]] = {}
 
-    def load_lora(self, name: str, path: str) -> Any:
-        raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Check the adapter at ``path`` against the base and record its identity (the
+        replicas' copies must have it); the tensors are not kept here."""
+        adapter = load_lora(path, name, self.loaded.config, self.config.max_lora_rank)
+        self.loras[name] = (str(path), adapter.identity)
+        return adapter
 
     def unload_lora(self, name: str) -> None:
-        raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
+        """New requests may no longer name it; the replicas evict it when it is the
+        least recently used (running requests finish with it)."""
+        if self.loras.pop(name, None) is None:
+            raise KeyError(f"no LoRA adapter {name!r} is loaded")
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams | Sequence[SamplingParams],
                 *, request_id: str | None = None, tenant: str | None = None,
@@ -470,26 +481,32 @@ class FrontEngine:
         """Dispatch one prompt's choices to a replica (see the module docstring)."""
         if processors:
             raise InvalidRequest("processors", "logit processors cannot cross to a replica")
+        adapter = None
         if lora is not None:
-            raise InvalidRequest("lora", "LoRA adapters are not served by replicas yet")
+            if lora not in self.loras:
+                raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded")
+            adapter = (lora, *self.loras[lora])
         choices = [params] if isinstance(params, SamplingParams) else list(params)
         spec = GroupSpec(
             request_id=request_id or f"{self._prefix}-{next(self._ids)}",
             prompt_ids=list(prompt_ids), params=choices, tenant=tenant or "",
             priority=priority, slo=slo, weight=weight,
             waited=0.0 if arrival is None else max(0.0, time.monotonic() - arrival),
-            references=tuple(references), keys=self.prefix_keys(prompt_ids, tenant))
+            references=tuple(references), lora=adapter,
+            keys=self.prefix_keys(prompt_ids, tenant, adapter[2] if adapter else None))
         group = self._replicas.dispatch(spec)
         return [RemoteRequest(rid, len(spec.prompt_ids), slo.ttft if slo else None,
                               slo.tpot if slo else None, group) for rid in spec.request_ids]
 
-    def prefix_keys(self, prompt_ids: Sequence[int], tenant: str | None) -> list[bytes]:
-        """The chain keys the replicas' prefix caches give this prompt's full blocks."""
+    def prefix_keys(self, prompt_ids: Sequence[int], tenant: str | None,
+                    adapter: bytes | None = None) -> list[bytes]:
+        """The chain keys the replicas' prefix caches give this prompt's full blocks (for
+        ``tenant``, with the LoRA adapter whose identity is ``adapter``, if any)."""
         if not self.config.enable_prefix_caching:
             return []
         keys: list[bytes] = []
         try:
-            extend_keys(keys, tenant_salt(self.model_salt, tenant), list(prompt_ids),
+            extend_keys(keys, tenant_salt(self.model_salt, tenant, adapter), list(prompt_ids),
                         self.config.block_size)
         except (OverflowError, TypeError, ValueError):
             return []  # not valid token ids: the replica will say so

@@ -28,6 +28,9 @@ class GroupSpec:
     references: tuple[str, ...] = ()
     keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys, for routing
     avoid: tuple[str, ...] = ()  # replicas that refused or died on it: route elsewhere
+    # the LoRA adapter it runs with: (name, path, identity) as the front loaded it; the
+    # replica loads the same file on demand and refuses it if its identity changed
+    lora: tuple[str, str, bytes] | None = None
 
     @property
     def request_ids(self) -> list[str]:

@@ -24,6 +24,7 @@ from ember.engine.engine import LLMEngine
 from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
+from ember.models.lora import LoRAError
 
 
 def _replica_id() -> str:
@@ -82,10 +83,17 @@ class EmberReplica:
 
     def _submit(self, spec: GroupSpec, deliver: Any) -> list[str]:
         with self.thread.slot() as slot:
+            lora = None
+            if spec.lora is not None:
+                lora, path, identity = spec.lora
+                try:
+                    self.engine.loras.ensure(lora, path, identity)
+                except LoRAError as e:
+                    raise InvalidRequest("model", str(e)) from None
             group = self.engine.prepare(
                 spec.prompt_ids, spec.params, request_id=spec.request_id, tenant=spec.tenant,
                 priority=spec.priority, slo=spec.slo, weight=spec.weight,
-                arrival=time.monotonic() - spec.waited, references=spec.references)
+                arrival=time.monotonic() - spec.waited, references=spec.references, lora=lora)
             return slot.submit(group, deliver)
 
     def record_routing_stats(self) -> dict[str, Any]:

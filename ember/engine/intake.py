@@ -111,8 +111,7 @@ class Intake:
     def salt_for(self, tenant: str | None, lora: LoRAAdapter | None = None) -> bytes:
         """Prefix-cache salt: model fingerprint + tenant (+ the LoRA adapter's identity:
         no prefix is shared across adapters). Never from request content."""
-        salt = tenant_salt(self.model_salt, tenant)
-        return salt if lora is None else salt + b"\0lora:" + lora.identity
+        return tenant_salt(self.model_salt, tenant, None if lora is None else lora.identity)
 
     def prepare(
         self,

@@ -39,11 +39,13 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def tenant_salt(model_salt: bytes, tenant: str | None) -> bytes:
-    """A tenant's prefix-cache salt: the model's fingerprint + the tenant, never request
-    content. The engine and the replica router (which must predict the engine's keys)
-    both derive it here."""
-    return model_salt + b"\0tenant:" + (tenant or "").encode()
+def tenant_salt(model_salt: bytes, tenant: str | None, adapter: bytes | None = None) -> bytes:
+    """A tenant's prefix-cache salt: the model's fingerprint + the tenant (+ the identity
+    of the LoRA adapter the request runs with: no prefix is shared across adapters),
+    never request content. The engine and the replica router (which must predict the
+    engine's keys) both derive it here."""
+    salt = model_salt + b"\0tenant:" + (tenant or "").encode()
+    return salt if adapter is None else salt + b"\0lora:" + adapter
 
 
 def root_key(salt: bytes) -> bytes:

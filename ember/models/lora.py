@@ -130,9 +130,13 @@ def fused_columns(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "ffn_gate": (2, 0), "ffn_up": (2, f), "ffn_down": (3, 0)}
 
 
+ATTENTION_TARGETS = TARGETS[:4]
+
+
 def check_base(cfg: ModelConfig) -> None:
-    """Refuse a base model whose projections adapters cannot address yet."""
-    why = ("recurrent layers" if cfg.recurrent else "routed experts" if cfg.n_experts
+    """Refuse a base model whose projections adapters cannot address yet (a model with
+    routed experts takes adapters on its attention projections only: load_lora)."""
+    why = ("recurrent layers" if cfg.recurrent
            else "a gated attention output" if cfg.attn_output_gate else None)
     if why:
         raise LoRAError(f"LoRA adapters are not supported for models with {why} "
@@ -161,6 +165,10 @@ def load_lora(path: str | Path, name: str, cfg: ModelConfig,
                             f"(supported: {', '.join(TARGETS)})")
         if not 0 <= layer < cfg.n_layers:
             raise LoRAError(f"{where}: the base model has {cfg.n_layers} layers")
+        if cfg.n_experts and target not in ATTENTION_TARGETS:
+            raise LoRAError(f"{where}: the base model's feed-forward layers are routed "
+                            f"experts; adapters on it may target {', '.join(ATTENTION_TARGETS)}"
+                            " only")
         out, inp = shapes[target]
         r = a.shape[0]
         if a.shape != (r, inp) or b.shape != (out, r):
@@ -371,7 +379,24 @@ class LoRARegistry:
         self._lock = threading.Lock()
 
     def load(self, name: str, path: str) -> LoRAAdapter:
+        return self._register(name, path, load_lora(path, name, self.cfg, self.max_rank,
+                                                    self.dtype))
+
+    def ensure(self, name: str, path: str, identity: bytes) -> None:
+        """Have ``name`` be the adapter at ``path`` whose identity is ``identity``,
+        loading it if this registry has another (or none): how a replica serves what
+        its front loaded. Refused if the file is no longer the one the front checked."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None and entry.identity == identity and entry.path == str(path):
+                return
         adapter = load_lora(path, name, self.cfg, self.max_rank, self.dtype)
+        if adapter.identity != identity:
+            raise LoRAError(f"LoRA adapter {name!r}: {path} changed since it was loaded "
+                            "(load it again to serve the new file)")
+        self._register(name, path, adapter)
+
+    def _register(self, name: str, path: str, adapter: LoRAAdapter) -> LoRAAdapter:
         with self._lock:
             old = self._entries.pop(name, None)
             entry = _Entry(str(path), adapter.identity, adapter)

@@ -97,20 +97,34 @@ def test_models_lists_what_the_tenant_may_use_and_admin_loads_for_one_tenant(
         assert name in e.value.body["message"]
 
 
-def test_unloading_lets_running_requests_finish(lora_server, smollm2_adapters) -> None:
+def test_unloading_lets_running_requests_finish(lora_server, smollm2_gguf,
+                                                smollm2_adapters) -> None:
+    """The adapter is unloaded while a request with it is still running on the server
+    (its metrics say so after the unload returned): the request runs to its end with
+    the adapter — the in-process engine's text with it — and new requests get 404."""
+    import ember
+
     client = _client(lora_server, KEY_A)
     body = {"lora_name": "temp", "lora_path": str(smollm2_adapters["peft"])}
     assert _admin(lora_server, "load_lora_adapter", body).status_code == 200
-    stream = client.completions.create(model="temp", prompt="Count: 1, 2, 3,", max_tokens=48,
+    prompt, n = "Count: 1, 2, 3,", 200
+    stream = client.completions.create(model="temp", prompt=prompt, max_tokens=n,
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
-    next(chunks)  # it is running
+    text = next(chunks).choices[0].text  # it is running
     assert _admin(lora_server, "unload_lora_adapter",
                   {"lora_name": "temp"}).status_code == 200
-    usage = [c.usage for c in chunks if c.usage is not None]
-    assert usage and usage[-1].completion_tokens == 48
+    assert lora_server.metrics()["ember_requests_running"] == 1  # unloaded mid-request
+    rest = list(chunks)
+    text += "".join(c.choices[0].text for c in rest if c.choices)
+    usage = [c.usage for c in rest if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == n
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64,
+                    loras={"peft": smollm2_adapters["peft"]})
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    assert text == llm.generate([prompt], greedy, lora="peft")[0].text
     with pytest.raises(openai.NotFoundError):
         _complete(client, "temp", "Hi")
     assert _admin(lora_server, "unload_lora_adapter",

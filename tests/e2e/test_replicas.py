@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ember.sampling.params import SamplingParams
+
 pytest.importorskip("ray.serve")
 
 from e2e_server import KEY_A, KEY_B, EmberServer, served_weights, start_server  # noqa: E402
@@ -39,6 +41,7 @@ from test_server import (  # noqa: E402,F401  (collected here, against the repli
 )
 
 REPLICA_READY_TIMEOUT = 240.0  # Ray's start, then two replicas loading the model
+ADMIN = "sk-admin-0123456789"
 
 
 def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
@@ -61,10 +64,25 @@ def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path) -> Itera
 
 
 @pytest.fixture(scope="module")
-def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
-    """The tiny model on two replicas, one sequence and a one-slot queue each."""
+def tiny_adapters(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two random LoRA adapters (GGUF) for the tiny model, visible in its answers."""
+    from ember.bench.lora import write_random_adapter
+    from ember.models.loader import load_model_meta
+
+    cfg = load_model_meta(str(tiny_gguf), "f32").config
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    return [write_random_adapter(cfg, 4, seed, root / f"a{seed}.gguf", std=0.3)
+            for seed in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path,
+                     tiny_adapters: list[Path]) -> Iterator[EmberServer]:
+    """The tiny model on two replicas, one sequence and a one-slot queue each, with a
+    LoRA adapter served from the start and runtime loading allowed."""
     yield from _serve(tiny_gguf, e2e_log_dir, "--max-num-seqs", "1", "--max-queue", "1",
-                      "--no-prefix-caching", "--num-kv-blocks", "256")
+                      "--no-prefix-caching", "--num-kv-blocks", "256",
+                      "--lora", f"first={tiny_adapters[0]}", "--admin-api-key", ADMIN)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +174,44 @@ def test_same_text_from_another_tenant_is_not_routed_by_the_first_tenants_cache(
     assert a_cached >= r.usage.prompt_tokens - 16
     assert after["predicted"] - mid["predicted"] == a_cached == after["actual"] - mid["actual"]
     assert after["affinity"] == mid["affinity"] + 1
+
+
+# ====================================================================== LoRA
+def test_adapters_on_replicas_answer_as_one_engine_and_load_at_run_time(
+        tiny_mech_server, tiny_gguf, tiny_adapters):
+    """An adapter from --lora and one loaded through the admin route answer on the
+    replicas what one in-process engine answers with them; unloaded, it is a 404."""
+    import ember
+
+    server = tiny_mech_server
+    llm = ember.LLM(str(tiny_gguf), weights="f32", num_kv_blocks=64, speculation="off",
+                    loras={"first": tiny_adapters[0], "second": tiny_adapters[1]})
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True})
+
+    listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+    assert listed["first"]["parent"] == server.model_id and "second" not in listed
+    r = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                   headers={"Authorization": f"Bearer {ADMIN}"},
+                   json={"lora_name": "second", "lora_path": str(tiny_adapters[1])})
+    assert r.status_code == 200, r.text
+    answers = {}
+    for name in ("first", "second", server.model_id):
+        r = complete(name)
+        assert r.status_code == 200, r.text
+        answers[name] = r.json()["choices"][0]["text"]
+    for name in ("first", "second"):
+        assert answers[name] == llm.generate(["Once upon a time"], greedy, lora=name)[0].text
+    assert len(set(answers.values())) == 3
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", timeout=60,
+                   headers={"Authorization": f"Bearer {ADMIN}"}, json={"lora_name": "second"})
+    assert r.status_code == 200, r.text
+    r = complete("second")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 # ====================================================================== failures
