@@ -104,7 +104,9 @@ FAMILIES: dict[str, Family] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                             "mrope_interleaved": True}},
-        n_layers=4, convert_args=("--no-mtp",), native_stack=False),  # --no-mtp: no MTP head
+        # --no-mtp: no MTP head. atol: the f32 delta-rule scan sums in another order than
+        # transformers' chunked one; 1.2e-4 measured on an Intel AVX-512/AMX machine
+        n_layers=4, convert_args=("--no-mtp",), native_stack=False, atol=2e-4),
     # Qwen 3.5 MoE: the same hybrid, every MLP routed (softmax, top 2 of 4, renormalised)
     # plus a shared expert gated by sigmoid(gate · h)
     "qwen35moe": Family("Qwen3_5MoeTextConfig", {
