@@ -25,3 +25,25 @@ def test_bad_key_lines_name_the_file_and_line(tmp_path: Path, line: str):
     f.write_text(f"ok tenant\n{line}\n")
     with pytest.raises(EmberError, match=r"keys.txt:2"):
         load_api_keys([], f)
+
+
+@pytest.mark.parametrize("header,token", [
+    ("Bearer sk-1", "sk-1"), ("bearer   sk-1", "sk-1"), ("Bearer abc+/~._-==", "abc+/~._-=="),
+    ("Bearer sk-1\xa0", None), ("Bearer sk-1\x85", None), ("Bearer \u2003sk-1", None),
+    ("Bearer sk-1 x", None), ("Bearer sk=1", None), ("Bearer", None), ("Bearer ", None),
+    ("Basic sk-1", None), ("sk-1", None), ("Bearer\tsk-1", None)])
+def test_a_bearer_token_is_taken_exactly_as_sent(header: str, token: str | None):
+    """RFC 9110 token68 after 'Bearer' and spaces: no Unicode whitespace is stripped,
+    so a key followed by NBSP or NEL is not the key."""
+    from ember.server.app import bearer_token
+
+    assert bearer_token(header) == token
+
+
+def test_a_key_no_client_can_send_is_refused_at_start(tmp_path: Path):
+    f = tmp_path / "keys.txt"
+    f.write_text("good tenant\nbad\u00e9key tenant\n")
+    with pytest.raises(EmberError, match=r"keys.txt:2: an API key must be a bearer token"):
+        load_api_keys([], f)
+    with pytest.raises(EmberError, match=r"--api-key #2"):
+        load_api_keys(["fine", "has space"], None)

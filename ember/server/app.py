@@ -27,6 +27,7 @@ import gc
 import hashlib
 import hmac
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -95,6 +96,8 @@ def load_api_keys(keys: list[str], keys_file: Path | None
                   ) -> tuple[dict[str, str], dict[str, float]]:
     """``--api-key K`` (tenant derived from the key) and a file of ``KEY [TENANT [WEIGHT]]``
     lines; returns key -> tenant and tenant -> fair-share weight (default 1)."""
+    for i, key in enumerate(keys, 1):
+        check_key(key, f"--api-key #{i}")
     out = {k: _tenant_of(k) for k in keys}
     weights: dict[str, float] = {}
     if keys_file is not None:
@@ -106,6 +109,7 @@ def load_api_keys(keys: list[str], keys_file: Path | None
             if len(parts) > 3:
                 raise EmberError(f"{keys_file}:{n}: expected 'KEY [TENANT [WEIGHT]]', "
                                  f"got {line!r}")
+            check_key(parts[0], f"{keys_file}:{n}")
             tenant = parts[1] if len(parts) >= 2 else _tenant_of(parts[0])
             out[parts[0]] = tenant
             if len(parts) == 3:
@@ -121,6 +125,30 @@ def _weight(text: str, where: str) -> float:
     if not weight > 0 or weight != weight or weight == float("inf"):
         raise EmberError(f"{where}: the weight must be a positive number, got {text!r}")
     return weight
+
+
+# RFC 9110 token68: what a bearer credential may hold. A key is compared byte for byte
+# with what the client sent, never after stripping (Python's str.strip also removes
+# NBSP, NEL and other Unicode spaces, which would make "KEY\xa0" the key).
+_TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+
+def check_key(key: str, where: str) -> None:
+    """Refuse a configured key no client can send as a bearer token (not token68)."""
+    if not _TOKEN68.fullmatch(key):
+        raise EmberError(f"{where}: an API key must be a bearer token: letters, digits and "
+                         "-._~+/ with '=' only at the end (RFC 9110 token68)")
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token68>`` header value, exactly as
+    sent (the HTTP parser already dropped the spaces and tabs around the value); None
+    if the header is anything else."""
+    scheme, sep, token = authorization.partition(" ")
+    if not sep or scheme.lower() != "bearer":
+        return None
+    token = token.lstrip(" ")  # 1*SP between the scheme and the token
+    return token if _TOKEN68.fullmatch(token) else None
 
 
 def _tenant_of(key: str) -> str:
@@ -198,6 +226,11 @@ class Server:
         self.load_error: str | None = None
         self.metrics = Metrics(self._engine_stats, self._extra_metrics)
         self._start = start or (lambda: backend.local(config.engine))
+        for where, key in [("--api-key", k) for k in config.api_keys] + [
+                ("--metrics-api-key", config.metrics_api_key),
+                ("--admin-api-key", config.admin_api_key)]:
+            if key is not None:
+                check_key(key, where)
         self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
         self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
         self._admin_key = _digest(config.admin_api_key) if config.admin_api_key else None
@@ -267,11 +300,11 @@ class Server:
 
     # ------------------------------------------------------------ auth
     def _bearer(self, request: Request) -> bytes:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None:
+            raise APIError(401, "missing or malformed API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
-        return _digest(token.strip())
+        return _digest(token)
 
     def tenant(self, request: Request) -> str:
         """The tenant of the request's API key (every key is compared: constant time)."""
@@ -293,9 +326,8 @@ class Server:
         """Whether a raw ``Authorization`` header holds a valid key (or none is needed)."""
         if not self._keys:
             return True
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
-        return (scheme.lower() == "bearer" and bool(token.strip())
-                and self._owner(_digest(token.strip())) is not None)
+        token = bearer_token(authorization.decode("latin-1"))
+        return token is not None and self._owner(_digest(token)) is not None
 
     def check_metrics_access(self, request: Request) -> None:
         if self._metrics_key is None:

@@ -332,6 +332,9 @@ def test_prefix_cache_is_isolated_per_tenant(smol_server, model):
     pytest.param({"Authorization": "Bearer"}, id="bearer-without-key"),
     pytest.param({"Authorization": f"Bearer {KEY_A}x"}, id="key-with-suffix"),
     pytest.param({"Authorization": f"Bearer {KEY_A[:-1]}"}, id="key-prefix"),
+    # sent as raw bytes: a key followed by NBSP or NEL is not the key (no Unicode strip)
+    pytest.param({"Authorization": f"Bearer {KEY_A}".encode() + b"\xa0"}, id="key-nbsp"),
+    pytest.param({"Authorization": f"Bearer {KEY_A}".encode() + b"\x85"}, id="key-nel"),
 ])
 def test_requests_without_a_valid_key_get_401(smol_server, model, headers):
     body = {"model": model, "messages": user("hi"), "max_tokens": 1}
