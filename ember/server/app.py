@@ -66,6 +66,7 @@ from ember.server.transport import (
     JSONBody,
     decode_json,
     disconnected,
+    drain_request,
     guarded_protocol,
     read_body,
 )
@@ -622,6 +623,7 @@ class AdmissionGate:
                 and self.server.authorized(dict(scope["headers"]).get(b"authorization", b""))):
             e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
             self.server.metrics.count_http(scope["path"], 429)
+            await drain_request(scope, receive, self.server.config.body_timeout)
             body = JSONBody(e.body(), status_code=429,
                             headers={**e.headers, "Connection": "close"})
             await body(scope, receive, send)

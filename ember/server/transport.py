@@ -3,9 +3,10 @@ vanished clients.
 
 - :func:`read_body` accepts only JSON content types (a web page cannot POST JSON to
   a key-less local server cross-origin without a CORS preflight, which ember never
-  answers), refuses a body over the size limit before reading it when it declares
-  its length (413) and as soon as it exceeds it otherwise, and gives the whole body
-  a deadline (408), so a slow sender cannot hold a request open.
+  answers), refuses a body over the size limit (413) — keeping none of it, but
+  reading and dropping the rest first, so that an uploading client can read the 413
+  instead of a connection reset — and gives the whole body a deadline (408), so a
+  slow sender cannot hold a request open.
 - :func:`decode_json` turns the bytes into Python values and refuses, naming the
   field, what would break later layers: nesting deeper than :data:`MAX_JSON_DEPTH`
   (recursive code downstream) and lone UTF-16 surrogates (they cannot be encoded
@@ -55,22 +56,76 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
         raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                        f"got {content_type or 'no Content-Type'!r}", code="unsupported_media_type")
     declared = request.headers.get("content-length")
+    stream = request.stream()
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if int(declared) <= MAX_DRAINED_BYTES and not _expects_continue(request):
+            await _drain(stream, timeout)
         raise _too_large(int(declared), max_bytes)
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
+            async for chunk in stream:
                 size += len(chunk)
                 if size > max_bytes:
-                    raise _too_large(size, max_bytes)
+                    break
                 chunks.append(chunk)
+            else:
+                return b"".join(chunks)
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
     except ClientDisconnect:
         raise ClientGone() from None
-    return b"".join(chunks)
+    await _drain(stream, timeout)
+    raise _too_large(size, max_bytes)
+
+
+# An oversized body is read and dropped before the 413 (up to this much, while it keeps
+# arriving): a server that answers and closes while the client is still uploading
+# resets the connection, and most clients then report the reset, not the 413. A client
+# that sent "Expect: 100-continue" has not sent the body: it gets the 413 at once.
+MAX_DRAINED_BYTES = 64 * 1024 * 1024
+DRAIN_IDLE_SECONDS = 1.0  # a sender silent this long is not uploading: stop waiting
+DRAIN_SECONDS = 10.0
+
+
+async def drain_request(scope: dict[str, Any], receive: Any, timeout: float) -> None:
+    """Read and drop a raw ASGI request's body before answering it without reading it
+    (see MAX_DRAINED_BYTES), unless it expects a 100 Continue."""
+    headers = dict(scope.get("headers", []))
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return
+
+    async def chunks() -> Any:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            yield message.get("body", b"")
+            if not message.get("more_body", False):
+                return
+
+    await _drain(chunks(), timeout)
+
+
+def _expects_continue(request: Request) -> bool:
+    return request.headers.get("expect", "").lower() == "100-continue"
+
+
+async def _drain(stream: Any, timeout: float) -> None:
+    """Read and drop the rest of a body, until it ends, MAX_DRAINED_BYTES have come, the
+    sender pauses DRAIN_IDLE_SECONDS, or the deadline passes."""
+    loop = asyncio.get_running_loop()
+    deadline, drained = loop.time() + min(timeout, DRAIN_SECONDS), 0
+    while drained <= MAX_DRAINED_BYTES:
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        try:
+            async with asyncio.timeout(min(left, DRAIN_IDLE_SECONDS)):
+                drained += len(await anext(stream))
+        except (TimeoutError, StopAsyncIteration, ClientDisconnect):
+            return
 
 
 def _too_large(size: int, limit: int) -> APIError:

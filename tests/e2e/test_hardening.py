@@ -178,6 +178,83 @@ def test_a_chunked_body_over_the_limit_is_413(hard):
     assert_error(r, 413, None)
 
 
+TRIES = 50
+
+
+def test_every_client_reads_the_413_of_an_oversized_body(hard):
+    """A body 1 MB over the limit, 50 times each from http.client, requests, httpx
+    (sync, and async with other requests in flight) and the openai SDK: every time the
+    client reads the 413 JSON error, never a reset or a broken pipe (the server reads
+    and drops the body before answering)."""
+    import http.client
+
+    import openai
+    import requests
+
+    port = int(hard.url.rsplit(":", 1)[1])
+    body = json.dumps(chat(hard, messages=user("x" * (LIMIT + 1_000_000)))).encode()
+    headers = {"Content-Type": "application/json"}
+
+    def with_http_client() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+            r = conn.getresponse()
+            assert json.loads(r.read())["error"]["code"] == "request_too_large"
+            return r.status
+        finally:
+            conn.close()
+
+    def with_requests() -> int:
+        r = requests.post(hard.url + "/v1/chat/completions", data=body, headers=headers,
+                          timeout=30)
+        assert r.json()["error"]["code"] == "request_too_large"
+        return r.status_code
+
+    def with_httpx() -> int:
+        return post(hard, "/v1/chat/completions", body).status_code
+
+    sdk = openai.OpenAI(base_url=hard.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+    def with_openai() -> int:
+        try:
+            sdk.chat.completions.create(model=hard.model_id, max_tokens=2,
+                                        messages=user("x" * (LIMIT + 1_000_000)))
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+
+    for client in (with_http_client, with_requests, with_httpx, with_openai):
+        statuses = [client() for _ in range(TRIES)]
+        assert statuses == [413] * TRIES, (client.__name__, statuses)
+
+    async def with_async_httpx() -> list[int]:
+        async with httpx.AsyncClient(base_url=hard.url, timeout=60) as ac:
+            async def big() -> int:
+                r = await ac.post("/v1/chat/completions", content=body, headers=headers)
+                return r.status_code
+
+            async def small() -> int:
+                return (await ac.post("/v1/chat/completions", json=chat(hard))).status_code
+
+            got = await asyncio.gather(*(f() for _ in range(TRIES) for f in (big, small)))
+            return list(got)
+
+    statuses = asyncio.run(with_async_httpx())
+    assert statuses == [413, 200] * TRIES, statuses
+    no_server_errors(hard)
+
+
+def test_a_client_expecting_100_continue_gets_the_413_without_sending_the_body(hard):
+    with socket.create_connection(("127.0.0.1", int(hard.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (LIMIT + 1))
+        s.settimeout(10)
+        answer = _read_response(s)  # a 413, not "100 Continue": the body was not asked for
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
 # ====================================================================== 2. one user freezes nobody
 def test_health_stays_responsive_while_a_5mb_prompt_is_rejected(hard):
     latencies: list[float] = []
