@@ -196,7 +196,7 @@ def test_other_simd_builds_read_and_write_q8_0_pools_alike(variant: str, flags: 
         table = BlockTable(BlockAllocator(4), 16)
         table.reserve(len(ids))
         kv = model.new_kv_storage(4, 16, dtype)
-        kv.zero_blocks(table.allocator.take_fresh())
+        kv.zero_blocks(table.allocator.take_unzeroed())
         saved, model.native = model.native, stack
         try:
             model.forward(torch.tensor(ids), AttentionBatch.build(

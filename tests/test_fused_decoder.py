@@ -101,7 +101,7 @@ def test_narrow_pools_hold_the_rounded_or_quantized_kv(models, kv_dtype):
         table = BlockTable(BlockAllocator(-(-n // bs)), bs)
         table.reserve(n)
         kv = q4.new_kv_storage(-(-n // bs), bs, dt)
-        kv.zero_blocks(table.allocator.take_fresh())  # the last block's tail: zeros in both
+        kv.zero_blocks(table.allocator.take_unzeroed())  # the last block's tail: zeros in both
         batch = AttentionBatch.build([RowSpec(table.block_ids(n), 0, n)], bs)
         outs.append(q4.forward(torch.tensor(ids), batch, kv, torch.arange(n)))
         pools.append(kv.pool[:, 0])  # layer 0's K and V of every position

@@ -352,6 +352,10 @@ class ReplicaSet:
                 return
             time.sleep(0.02)
 
+    def purge_cache(self, tenant: str) -> dict[str, int]:
+        raise InvalidRequest("tenant", "purging a tenant's cached prefixes is not supported "
+                             "with --replicas yet (restart the replicas, or run without)")
+
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
         from ember.server.metrics import family as lines_of

@@ -53,6 +53,7 @@ from ember.engine.verify import (
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
+from ember.kv.prefix import tenant_scope
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.lora import LoRAAdapter, LoRAError, LoRARegistry
@@ -232,7 +233,7 @@ class LLMEngine:
                 self.loras.count_tokens(req.lora, req.num_output)
 
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
-        self._zero_fresh_blocks()
+        self._zero_new_blocks()
         try:
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
@@ -307,7 +308,7 @@ class LLMEngine:
                 fallback.append(child)
                 continue
             if copy is not None:
-                self._zero_fresh_blocks()  # before the copy fills one of them
+                self._zero_new_blocks()  # before the copy fills one of them
                 self.runner.kv.copy_block(*copy)
             if parent.params.prompt_logprobs is not None:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
@@ -317,11 +318,12 @@ class LLMEngine:
         self.scheduler.requeue(fallback)
         return started
 
-    def _zero_fresh_blocks(self) -> None:
-        """Zero blocks handed out for the first time, before anything reads them."""
-        fresh = self.kv.allocator.take_fresh()
-        if fresh:
-            self.runner.kv.zero_blocks(fresh)
+    def _zero_new_blocks(self) -> None:
+        """Zero the blocks handed out since the last call, before anything reads them:
+        never written, or another request's (another tenant's) keys and values."""
+        blocks = self.kv.allocator.take_unzeroed()
+        if blocks:
+            self.runner.kv.zero_blocks(blocks)
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> None:
         """Sample and commit a forked sibling's first token from its parent's row."""
@@ -337,6 +339,26 @@ class LLMEngine:
             req.speculator.observe([token])
 
     # ---------------------------------------------------------------- KV in and out
+    def purge_cache(self, tenant: str | None) -> dict[str, int]:
+        """Forget ``tenant``'s cached prefixes (every adapter's) in RAM, then on disk;
+        blocks its running requests hold are freed when they finish. Conversation files
+        are the user's: untouched. Run it on the engine thread (EngineThread.call);
+        the disk part may run anywhere (:meth:`purge_disk`)."""
+        match = tenant_scope(self.intake.model_salt, tenant)
+        ram = self.kv.prefix.purge(match) if self.kv.prefix else 0
+        if self.kv.tier is not None:
+            self.kv.tier.forget_reads()
+        return {"ram_blocks": ram}
+
+    def purge_disk(self, tenant: str | None) -> dict[str, int]:
+        """Delete ``tenant``'s blocks from the KV disk tier (thread-safe; after
+        :meth:`purge_cache`, so that RAM spills none of them again)."""
+        if self.transfer.disk is None:
+            return {"disk_blocks": 0, "disk_bytes": 0}
+        blocks, nbytes = self.transfer.disk.purge(
+            tenant_scope(self.intake.model_salt, tenant))
+        return {"disk_blocks": blocks, "disk_bytes": nbytes}
+
     def kv_fingerprint(self) -> bytes:
         return self.transfer.fingerprint()
 

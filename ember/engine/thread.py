@@ -21,7 +21,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ember.engine.commit import finish
 from ember.engine.engine import LLMEngine
@@ -34,6 +36,7 @@ from ember.sampling.sampler import LogitProcessor
 log = logging.getLogger("ember.engine")
 
 OutputCallback = Callable[[RequestOutput], None]
+T = TypeVar("T")
 
 
 class EngineStopped(EmberError):
@@ -44,6 +47,14 @@ class EngineStopped(EmberError):
 class _Submit:
     group: list[Request]
     callback: OutputCallback
+
+
+@dataclass
+class _Call:
+    """Something to run on the engine thread, between steps (see EngineThread.call)."""
+
+    fn: Callable[[LLMEngine], Any]
+    result: Future
 
 
 class RequestStream:
@@ -101,7 +112,7 @@ class Slot:
 class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Call | None] = queue.Queue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._lock = threading.Lock()  # guards the three fields below
@@ -155,6 +166,16 @@ class EngineThread:
         s.request_id = self.submit(prompt_ids, params, s.put, **kw)  # type: ignore[arg-type]
         return s
 
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps (what must not race
+        a step: the prefix cache, say) and return what it returns, or raise what it
+        raises."""
+        result: Future = Future()
+        if self._stopping or not self.alive:
+            raise EngineStopped("the engine is not running")
+        self._inbox.put(_Call(fn, result))
+        return result.result(timeout)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._in_inbox:
@@ -170,6 +191,12 @@ class EngineThread:
         """Prometheus lines beyond the engine's metrics: none here (a replica set adds
         its replicas' and its router's)."""
         return []
+
+    def purge_cache(self, tenant: str) -> dict[str, int]:
+        """Forget ``tenant``'s cached prefixes: RAM between two steps, then the disk
+        tier from this thread (see LLMEngine.purge_cache); what was removed."""
+        removed = self.call(lambda engine: engine.purge_cache(tenant))
+        return {**removed, **self.engine.purge_disk(tenant)}
 
     def abort_all(self) -> None:
         """Abort every request the thread delivers outputs for (thread-safe)."""
@@ -240,7 +267,16 @@ class EngineThread:
             block = False
             if item is None:
                 return False
-            self._enqueue(item)
+            if isinstance(item, _Call):
+                self._run_call(item)
+            else:
+                self._enqueue(item)
+
+    def _run_call(self, item: _Call) -> None:
+        try:
+            item.result.set_result(item.fn(self.engine))
+        except Exception as e:  # the caller's to handle
+            item.result.set_exception(e)
 
     def _enqueue(self, item: _Submit) -> None:
         ids = [r.request_id for r in item.group]
@@ -279,7 +315,9 @@ class EngineThread:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:  # handed over as the engine stopped: ends like the rest
+            if isinstance(item, _Call):
+                item.result.set_exception(EngineStopped("the engine stopped"))
+            elif item is not None:  # handed over as the engine stopped: ends like the rest
                 for req in item.group:
                     finish(req, FinishReason.ABORT)
                     self._deliver(item.callback, self.engine.output(req))

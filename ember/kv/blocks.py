@@ -57,10 +57,12 @@ class KVStorage:
         self.kv_dtype = kv_dtype(dtype)
         self.head_dim = head_dim
         # Uninitialized on purpose: pages are only touched once used, so a large pool
-        # costs nothing up front. Attention reads whole blocks, whose unwritten tail it
-        # masks out; a masked value still multiplies a zero weight, and 0 × NaN is NaN,
-        # so each block is zeroed the first time it is handed out (``zero_blocks`` with
-        # ``BlockAllocator.take_fresh``).
+        # costs nothing up front. Every block is zeroed each time it is handed out
+        # (``zero_blocks`` with ``BlockAllocator.take_unzeroed``), before its new owner
+        # can read it: attention reads whole blocks, whose unwritten tail it masks out,
+        # and a masked value still multiplies a zero weight (0 × NaN is NaN); and a
+        # block freed by one request (one tenant) must not show its keys and values to
+        # the next.
         width = self.kv_dtype.row_width(head_dim)
         self.pool = torch.empty((num_blocks, n_layers, 2, block_size, n_kv_heads, width),
                                 dtype=self.kv_dtype.storage)
@@ -72,7 +74,7 @@ class KVStorage:
         return self.pool[0].numel() * self.pool.element_size()
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        """Zero blocks used for the first time (later uses leave finite values)."""
+        """Zero blocks handed to a new owner (every layer's keys and values)."""
         self.pool[torch.tensor(blocks, dtype=torch.long)] = 0
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -109,19 +111,20 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._never_used = num_blocks  # blocks num_blocks-_never_used.. were never handed out
-        self._fresh: list[int] = []  # handed out for the first time since take_fresh()
+        # handed out since take_unzeroed(): never written, or holding a previous
+        # owner's keys and values (an ordered set)
+        self._unzeroed: dict[int, None] = {}
 
-    def take_fresh(self) -> list[int]:
-        """Blocks handed out for the first time since the last call (their memory was
-        never written: the storage zeroes them before they are read)."""
-        fresh, self._fresh = self._fresh, []
-        return fresh
+    def take_unzeroed(self) -> list[int]:
+        """Blocks handed out since the last call whose memory is not known to be zero
+        (never written, or a previous owner's): the storage zeroes them before anything
+        reads them."""
+        blocks, self._unzeroed = list(self._unzeroed), {}
+        return blocks
 
     def filled(self, block: int) -> None:
-        """The caller wrote all of ``block`` (a restore): it must not be zeroed as fresh."""
-        if block in self._fresh:
-            self._fresh.remove(block)
+        """The caller wrote all of ``block`` (a restore): it need not be zeroed."""
+        self._unzeroed.pop(block, None)
 
     @property
     def num_free(self) -> int:
@@ -132,9 +135,7 @@ class BlockAllocator:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
         block = self._free.popleft()
         self.refcount[block] = 1
-        if block >= self.num_blocks - self._never_used:  # the free list starts in order
-            self._never_used = self.num_blocks - block - 1
-            self._fresh.append(block)
+        self._unzeroed[block] = None
         return block
 
     def incref(self, block: int) -> None:

@@ -42,7 +42,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +237,41 @@ class DiskStore:
         self.stats.hits += 1
         self.stats.bytes_read += len(data)
         return rec
+
+    def purge(self, match: Callable[[bytes], bool]) -> tuple[int, int]:
+        """Delete every stored block whose salt ``match`` accepts (a tenant's): queued
+        ones are dropped, files are read as far as their salt; returns (blocks, bytes)."""
+        removed = nbytes = 0
+        with self._lock:
+            for key, rec in list(self._pending.items()):
+                if match(rec.salt):
+                    del self._pending[key]
+                    self._pending_bytes -= len(rec.payload)
+                    removed, nbytes = removed + 1, nbytes + len(rec.payload)
+        self.flush()  # what the writer holds lands first, then is looked at like the rest
+        with self._lock:
+            keys = list(self._index)
+        for key in keys:
+            salt = self._salt_of(key)
+            if salt is not None and match(salt):
+                with self._lock:
+                    size = self._index.get(key, 0)
+                    self._forget(key)
+                removed, nbytes = removed + 1, nbytes + size
+        return removed, nbytes
+
+    def _salt_of(self, key: bytes) -> bytes | None:
+        """The salt in a stored block's header (None: gone, or not a block of ours)."""
+        try:
+            with open(self._path(key), "rb") as f:
+                head = f.read(_HEAD.size)
+                if len(head) < _HEAD.size:
+                    return None
+                magic, _, _, _, _, n_salt, _, _ = _HEAD.unpack(head)
+                salt = f.read(n_salt)
+        except FileNotFoundError:
+            return None
+        return salt if magic == MAGIC and len(salt) == n_salt else None
 
     def discard(self, key: bytes) -> None:
         """Delete a block that verified but does not belong where it was looked up."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +46,13 @@ def tenant_salt(model_salt: bytes, tenant: str | None, adapter: bytes | None = N
     engine's keys) both derive it here."""
     salt = model_salt + b"\0tenant:" + (tenant or "").encode()
     return salt if adapter is None else salt + b"\0lora:" + adapter
+
+
+def tenant_scope(model_salt: bytes, tenant: str | None) -> Callable[[bytes], bool]:
+    """Whether a salt is ``tenant``'s (with or without an adapter): what a purge of the
+    tenant's cached prefixes removes. Exact, so tenant "a" never matches tenant "ab"."""
+    base = tenant_salt(model_salt, tenant)
+    return lambda salt: salt == base or salt.startswith(base + b"\0lora:")
 
 
 def root_key(salt: bytes) -> bytes:
@@ -214,6 +221,15 @@ class PrefixCache:
         for block in blocks:
             self.allocator.decref(block)
             self.on_released(block)
+
+    def purge(self, match: Callable[[bytes], bool]) -> int:
+        """Forget every cached block whose salt ``match`` accepts (a tenant's); a block
+        a running request holds is freed when that request lets it go. Returns how
+        many were forgotten."""
+        blocks = [b for b, e in self._entries.items() if match(e.salt)]
+        for block in blocks:
+            self._uncache(block)
+        return len(blocks)
 
     def evict(self, n: int) -> int:
         """Free up to ``n`` least recently used evictable blocks; return how many."""

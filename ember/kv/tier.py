@@ -149,6 +149,11 @@ class DiskTier:
         self.restored_blocks += len(found) - start
         return found
 
+    def forget_reads(self) -> None:
+        """Drop every prefetched or decided run (after a purge: nothing read before it
+        may be restored)."""
+        self._fetches.clear()
+
     def wait_for_reads(self, timeout: float) -> None:
         """Block until a prefetch in flight completes or ``timeout`` s pass."""
         pending = [f for f in self._fetches.values() if f is not None and not f.done()]

@@ -296,7 +296,7 @@ class DecoderModel:
 
             batch.lora = LoRABatch.of_rows([lora], [n])
         kv = self.new_kv_storage(n_blocks, block_size, kv_dtype)
-        kv.zero_blocks(table.allocator.take_fresh())
+        kv.zero_blocks(table.allocator.take_unzeroed())
         return self.forward(torch.tensor(token_ids), batch, kv, torch.arange(n))
 
     @torch.inference_mode()

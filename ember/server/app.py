@@ -414,10 +414,11 @@ class Server:
                 if allowed is None or tenant in allowed]
 
     # ------------------------------------------------------------ LoRA administration
-    def check_admin(self, request: Request) -> None:
+    def check_admin(self, request: Request,
+                    what: str = "loading and unloading LoRA adapters at run time") -> None:
         if self._admin_key is None:
-            raise APIError(403, "loading and unloading LoRA adapters at run time needs the "
-                             "server started with --admin-api-key", code="admin_disabled")
+            raise APIError(403, f"{what} needs the server started with --admin-api-key",
+                             code="admin_disabled")
         if not hmac.compare_digest(self._bearer(request), self._admin_key):
             raise APIError(401, "invalid admin API key", code="invalid_api_key")
 
@@ -797,6 +798,20 @@ def create_app(server: Server) -> FastAPI:
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
         return _ok(request, server, server.unload_adapter(body))
+
+    @app.delete("/v1/cache", responses=openapi.CACHE_ADMIN)
+    async def purge_cache(request: Request, tenant: str | None = None) -> Response:
+        """Forget a tenant's cached prefixes, in RAM and on the disk tier (admin key)."""
+        server.check_admin(request, "purging cached prefixes")
+        thread = server._thread()
+        if not tenant:
+            raise APIError(400, "name the tenant whose cache to purge: "
+                           "DELETE /v1/cache?tenant=NAME", param="tenant")
+        loop = asyncio.get_running_loop()
+        with as_api_errors({}):
+            removed = await loop.run_in_executor(server.prep_pool, thread.purge_cache, tenant)
+        log.info("purged the cached prefixes of tenant %r: %s", tenant, removed)
+        return _ok(request, server, {"tenant": tenant, **removed})
 
     @app.post("/v1/chat/completions", **openapi.route(P.ChatCompletionRequest,
                                                       openapi.ChatCompletion))

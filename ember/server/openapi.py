@@ -261,6 +261,12 @@ LORA_ADMIN: dict[int | str, Any] = {
     401: _error("Missing or invalid admin API key."),
     403: _error("The server was started without --admin-api-key."),
     404: _error("No such adapter (unload).")}
+CACHE_ADMIN: dict[int | str, Any] = {
+    200: {"description": "What was removed: the tenant, RAM blocks, disk blocks and bytes.",
+          "content": {"application/json": {"schema": {"type": "object"}}}},
+    400: _error("No tenant named (?tenant=NAME), or not supported with --replicas."),
+    401: _error("Missing or invalid admin API key."),
+    403: _error("The server was started without --admin-api-key.")}
 TOKENIZER_INFO: dict[int | str, Any] = {
     200: {"model": TokenizerInfo, "description": "The served model's tokenizer."}, **_AUTH,
     503: _error("The model is loading.")}

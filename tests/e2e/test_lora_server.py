@@ -129,3 +129,31 @@ def test_unloading_lets_running_requests_finish(lora_server, smollm2_gguf,
         _complete(client, "temp", "Hi")
     assert _admin(lora_server, "unload_lora_adapter",
                   {"lora_name": "temp"}).status_code == 404
+
+
+def test_admin_purges_one_tenants_cached_prefixes(lora_server) -> None:
+    """DELETE /v1/cache?tenant=tenant-a (admin key): tenant A's next identical request
+    finds nothing cached, tenant B's still does; the route refuses without the admin
+    key (401) or without a tenant (400)."""
+    prompt = "A long shared preamble about the weather in several cities. " * 4
+    clients = {"tenant-a": _client(lora_server, KEY_A), "tenant-b": _client(lora_server, KEY_B)}
+
+    def cached(tenant: str) -> int:
+        r = clients[tenant].completions.create(model=lora_server.model_id, prompt=prompt,
+                                               max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    for tenant in clients:
+        cached(tenant)
+        assert cached(tenant) > 0  # the second time, its own copy is cached
+
+    def purge(query: str, key: str = ADMIN) -> httpx.Response:
+        return httpx.delete(f"{lora_server.url}/v1/cache{query}", timeout=60,
+                            headers={"Authorization": f"Bearer {key}"})
+
+    assert purge("?tenant=tenant-a", KEY_A).status_code == 401
+    assert purge("").status_code == 400
+    r = purge("?tenant=tenant-a")
+    assert r.status_code == 200, r.text
+    assert r.json()["tenant"] == "tenant-a" and r.json()["ram_blocks"] > 0
+    assert cached("tenant-a") == 0 and cached("tenant-b") > 0

@@ -1,0 +1,101 @@
+"""Tenants share compute, not state: a KV block handed to a new owner is zero before it
+can be read, and a tenant's cached prefixes can be purged from RAM and disk."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _run(engine, prompt: list[int], tenant: str):
+    req = engine.add_request(prompt, GREEDY, tenant=tenant)
+    while engine.has_unfinished():
+        engine.step()
+    return req
+
+
+def test_a_freed_block_is_zero_before_another_tenant_can_read_it(make_tiny_engine) -> None:
+    """Tenant A's blocks, freed (no prefix cache to keep them), still hold its keys and
+    values; when tenant B is handed them, every one reads zero before B's first step
+    writes into it."""
+    engine = make_tiny_engine(num_kv_blocks=8, enable_prefix_caching=False)
+    pool = engine.runner.kv.pool
+    a = engine.add_request(list(range(100, 160)), GREEDY, tenant="a")
+    held: list[int] = []
+    while engine.has_unfinished():
+        engine.step()
+        held = held or list(a.block_table.blocks)
+    assert held and all(pool[b].abs().sum() > 0 for b in held)  # A's data stayed behind
+    seen: dict[int, int] = {}  # block -> nonzero values when handed to B's first step
+    execute = engine.runner.execute
+
+    def checked(rows):  # (the engine catches what a step raises: record, assert later)
+        for row in rows:
+            if row.start == 0:  # the request's first step: nothing of its own written yet
+                for block in row.request.block_table.blocks:
+                    seen[block] = int(torch.count_nonzero(pool[block]))
+        return execute(rows)
+
+    engine.runner.execute = checked
+    b = _run(engine, list(range(300, 350)), "b")
+    assert b.finish_reason is not None and len(b.output_ids) == GREEDY.max_tokens
+    assert set(seen) & set(held)  # B was given some of A's blocks...
+    assert not any(seen.values()), seen  # ...and every block it was given read zero
+    engine.kv.check_no_leaks()
+
+
+def test_purging_a_tenant_forgets_its_prefixes_in_ram_and_on_disk(
+        make_tiny_engine, tmp_path) -> None:
+    """Tenants "a" and "ab" cache the same text; purging "a" removes its blocks from RAM
+    and its files from the disk tier (and nothing of "ab"'s): its follow-up recomputes
+    everything, "ab"'s is still cached."""
+    from pathlib import Path
+
+    engine = make_tiny_engine(num_kv_blocks=64, kv_cache_dir=str(tmp_path),
+                              kv_restore="always", kv_fsync="never")
+    prompt = list(range(100, 100 + 4 * 16 + 3))
+    for tenant in ("a", "ab"):
+        _run(engine, prompt, tenant)
+    engine.transfer.disk.flush()
+    files = lambda: sorted(Path(engine.transfer.disk.dir).glob("*.kvb"))  # noqa: E731
+    before = files()
+    assert len(before) == 2 * 4  # both tenants' four full blocks spilled (they finished)
+    sizes = sum(f.stat().st_size for f in before)
+    removed = engine.purge_cache("a")
+    removed.update(engine.purge_disk("a"))
+    assert removed["ram_blocks"] == 4 and removed["disk_blocks"] == 4
+    assert len(files()) == 4
+    assert removed["disk_bytes"] == sizes - sum(f.stat().st_size for f in files())
+    again = _run(engine, prompt, "a")
+    assert again.cached_tokens == 0  # neither RAM nor disk had it
+    assert _run(engine, prompt, "ab").cached_tokens == 4 * 16
+    engine.kv.check_no_leaks()
+
+
+def test_a_purge_frees_blocks_a_running_request_holds_when_it_finishes(
+        make_tiny_engine) -> None:
+    engine = make_tiny_engine(num_kv_blocks=64)
+    prompt = list(range(100, 100 + 3 * 16 + 1))
+    _run(engine, prompt, "a")
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True), tenant="a")
+    engine.step()
+    assert req.cached_tokens == 3 * 16
+    assert engine.purge_cache("a")["ram_blocks"] >= 3  # held by the running request
+    while engine.has_unfinished():
+        engine.step()
+    engine.kv.check_no_leaks()  # the purged blocks it held were freed, none leaked
+    assert _run(engine, prompt, "a").cached_tokens == 0
+
+
+def test_a_tenants_scope_is_its_salt_with_or_without_an_adapter_and_no_other() -> None:
+    from ember.kv.prefix import tenant_salt, tenant_scope
+
+    model = b"model-fingerprint"
+    scope = tenant_scope(model, "a")
+    assert scope(tenant_salt(model, "a")) and scope(tenant_salt(model, "a", b"\x01" * 32))
+    assert not scope(tenant_salt(model, "ab")) and not scope(tenant_salt(model, "b"))
+    assert not scope(tenant_salt(b"another-model", "a"))
