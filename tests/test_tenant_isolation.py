@@ -99,3 +99,22 @@ def test_a_tenants_scope_is_its_salt_with_or_without_an_adapter_and_no_other() -
     assert scope(tenant_salt(model, "a")) and scope(tenant_salt(model, "a", b"\x01" * 32))
     assert not scope(tenant_salt(model, "ab")) and not scope(tenant_salt(model, "b"))
     assert not scope(tenant_salt(b"another-model", "a"))
+
+
+def test_a_flooding_tenant_evicts_its_own_prefixes_not_a_quiet_tenants(
+        make_tiny_engine) -> None:
+    """A quiet tenant caches one 4-block prompt; another sends 30 different 4-block
+    prompts through a 24-block pool (so the cache must evict, again and again): the
+    quiet tenant's follow-up still finds its whole prompt cached (plain LRU would have
+    evicted it first, being the oldest), and the flood's last prompt is cached too."""
+    engine = make_tiny_engine(num_kv_blocks=24)
+    quiet = list(range(100, 100 + 4 * 16 + 1))
+    _run(engine, quiet, "quiet")
+    for i in range(30):
+        _run(engine, list(range(1000 + 100 * i, 1000 + 100 * i + 4 * 16 + 1)), "flood")
+    assert engine.kv.prefix.held_by(engine.intake.salt_for("flood")) > 4
+    assert engine.metrics()["tenants"]["quiet"]["cached_blocks"] == 4
+    assert _run(engine, quiet, "quiet").cached_tokens == 4 * 16
+    last = list(range(1000 + 100 * 29, 1000 + 100 * 29 + 4 * 16 + 1))
+    assert _run(engine, last, "flood").cached_tokens == 4 * 16
+    engine.kv.check_no_leaks()

@@ -41,13 +41,20 @@ def moe_metrics(experts: ExpertStore | None) -> dict[str, Any] | None:
             "cached_bytes": experts.cached_bytes}
 
 
-def tenant_counts(scheduler: Scheduler) -> dict[str, dict[str, int]]:
-    """Running and waiting requests per tenant (safe to call from any thread)."""
+def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[str, int]]:
+    """Running and waiting requests and cached prefix blocks per tenant (safe to call
+    from any thread)."""
     counts: dict[str, dict[str, int]] = {}
+
+    def of(tenant: str) -> dict[str, int]:
+        return counts.setdefault(tenant, {"running": 0, "waiting": 0, "cached_blocks": 0})
+
     for state, reqs in (("running", list(scheduler.running)),
                         ("waiting", list(scheduler.waiting))):
         for req in reqs:
-            counts.setdefault(req.tenant, {"running": 0, "waiting": 0})[state] += 1
+            of(req.tenant or "")[state] += 1
+    for tenant, n in (kv.prefix.held_by_tenant() if kv.prefix else {}).items():
+        of(tenant)["cached_blocks"] = n
     return counts
 
 
@@ -63,7 +70,7 @@ def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: in
         "prefix_cache_queries": prefix.queries if prefix else 0,
         "prefix_cache_hits": prefix.hits if prefix else 0,
         "preemptions": scheduler.num_preemptions,
-        "tenants": tenant_counts(scheduler),
+        "tenants": tenant_counts(scheduler, kv),
         "spec": spec.as_dict(),
         "kv_disk": disk,
         "moe": moe,

@@ -14,16 +14,20 @@ very same salt and tokens, so a hash collision anywhere in a chain can only cost
 miss, never serve another prompt's or another tenant's cache.
 
 The cache holds one reference on each cached block. Blocks whose only reference is
-the cache's are *evictable*; they sit in an LRU and are reclaimed only when the
-pool runs out of free blocks. With a disk tier (ember.kv.tier) a block is handed to
-it the first time it becomes evictable, so that it outlives eviction and the process.
+the cache's are *evictable*; they are reclaimed only when the pool runs out of free
+blocks, fairly between tenants: from the tenant that holds the most cached blocks
+(every adapter of a tenant counts as the tenant), least recently used first within
+it. So a tenant flooding the cache with prefixes evicts its own before anyone else's,
+and a tenant holding less than another keeps its prefixes however hard the other
+floods. With a disk tier (ember.kv.tier) a block is handed to it the first time it
+becomes evictable, so that it outlives eviction and the process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +57,12 @@ def tenant_scope(model_salt: bytes, tenant: str | None) -> Callable[[bytes], boo
     tenant's cached prefixes removes. Exact, so tenant "a" never matches tenant "ab"."""
     base = tenant_salt(model_salt, tenant)
     return lambda salt: salt == base or salt.startswith(base + b"\0lora:")
+
+
+def tenant_of(salt: bytes) -> bytes:
+    """The tenant part of a salt (its adapter's identity dropped): the scope cache
+    fairness counts by."""
+    return salt.split(b"\0lora:", 1)[0]
 
 
 def root_key(salt: bytes) -> bytes:
@@ -96,13 +106,48 @@ class Spill(Protocol):
               tokens: tuple[int, ...]) -> None: ...
 
 
+class _FairLRU:
+    """Evictable blocks, least recently used first, one order per tenant scope."""
+
+    def __init__(self) -> None:
+        self._by_scope: dict[bytes, OrderedDict[int, None]] = {}
+        self._scope: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._scope)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._scope
+
+    def add(self, block: int, scope: bytes) -> None:
+        """``block`` became evictable (or was used again): the most recent of its scope."""
+        self.pop(block)
+        self._scope[block] = scope
+        self._by_scope.setdefault(scope, OrderedDict())[block] = None
+
+    def pop(self, block: int) -> None:
+        scope = self._scope.pop(block, None)
+        if scope is not None:
+            lru = self._by_scope[scope]
+            del lru[block]
+            if not lru:
+                del self._by_scope[scope]
+
+    def victim(self, held: Counter[bytes]) -> int:
+        """The least recently used block of the scope holding the most cached blocks
+        (of those with an evictable one; ties: the first such scope)."""
+        scope = max(self._by_scope, key=lambda s: held[s])
+        return next(iter(self._by_scope[scope]))
+
+
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self._by_key: dict[bytes, int] = {}
         self._entries: dict[int, _Entry] = {}  # block id -> identity
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._evictable = _FairLRU()
+        self._held: Counter[bytes] = Counter()  # cached blocks per tenant scope
         self.spill: Spill | None = None
         self._stored: set[int] = set()  # cached blocks the spill already has
         self._serials = itertools.count(ROOT + 1)
@@ -162,7 +207,7 @@ class PrefixCache:
     def acquire(self, found: Sequence[CachedBlock], queried_tokens: int) -> None:
         """Take a reference on each found block for a request; count the query once."""
         for hit in found:
-            self._evictable.pop(hit.block, None)
+            self._evictable.pop(hit.block)
             self.allocator.incref(hit.block)
         self.queries += queried_tokens
         self.hits += len(found) * self.block_size
@@ -193,6 +238,7 @@ class PrefixCache:
         self._by_key[key] = block
         self.version += 1
         self._entries[block] = _Entry(key, serial, parent, salt, tokens, parent_key)
+        self._held[tenant_of(salt)] += 1
         if stored:
             self._stored.add(block)
         self.allocator.incref(block)
@@ -204,8 +250,7 @@ class PrefixCache:
         entry = self._entries.get(block)
         if entry is None or self.allocator.refcount[block] != 1:
             return
-        self._evictable[block] = None
-        self._evictable.move_to_end(block)
+        self._evictable.add(block, tenant_of(entry.salt))
         if self.spill is not None and block not in self._stored:
             self._stored.add(block)
             self.spill.spill(block, entry.key, entry.parent_key, entry.salt, entry.tokens)
@@ -213,7 +258,7 @@ class PrefixCache:
     def pin(self, blocks: Sequence[int]) -> None:
         """Hold a reference on cached ``blocks`` so that no eviction can take them."""
         for block in blocks:
-            self._evictable.pop(block, None)
+            self._evictable.pop(block)
             self.allocator.incref(block)
 
     def unpin(self, blocks: Sequence[int]) -> None:
@@ -232,19 +277,32 @@ class PrefixCache:
         return len(blocks)
 
     def evict(self, n: int) -> int:
-        """Free up to ``n`` least recently used evictable blocks; return how many."""
+        """Free up to ``n`` evictable blocks, each the least recently used of the tenant
+        holding the most cached blocks; return how many."""
         freed = 0
         while freed < n and self._evictable:
-            block = next(iter(self._evictable))
-            self._uncache(block)
+            self._uncache(self._evictable.victim(self._held))
             freed += 1
         return freed
+
+    def held_by(self, salt: bytes) -> int:
+        """Cached blocks of the tenant ``salt`` belongs to (all its adapters)."""
+        return self._held[tenant_of(salt)]
+
+    def held_by_tenant(self) -> dict[str, int]:
+        """Cached blocks per tenant name (safe from another thread: one C-level copy)."""
+        return {scope.rpartition(b"\0tenant:")[2].decode(errors="replace"): n
+                for scope, n in self._held.copy().items()}
 
     def _uncache(self, block: int) -> None:
         """Forget a block and drop the cache's reference (freeing it if unused)."""
         entry = self._entries.pop(block)
         del self._by_key[entry.key]
         self.version += 1
-        self._evictable.pop(block, None)
+        self._evictable.pop(block)
+        scope = tenant_of(entry.salt)
+        self._held[scope] -= 1
+        if not self._held[scope]:
+            del self._held[scope]
         self._stored.discard(block)
         self.allocator.decref(block)

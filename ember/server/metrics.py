@@ -151,6 +151,11 @@ class Metrics:
                             f"Requests {state}, per tenant.",
                             [(f'{{tenant="{_label(t)}"}}', c[state])
                              for t, c in sorted(tenants.items())])
+        lines += family("ember_tenant_cached_blocks", "gauge",
+                        "Prefix-cache blocks held, per tenant (the cache evicts from the "
+                        "tenant holding the most first).",
+                        [(f'{{tenant="{_label(t)}"}}', c.get("cached_blocks", 0))
+                         for t, c in sorted(tenants.items())])
         metric("ember_prefill_tokens_total", "counter",
                "Prompt tokens computed by the model (tokens served from cache excluded).",
                s.get("prompt_tokens", 0))
