@@ -86,6 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="accept this bearer key (repeatable); its tenant is derived from it")
     s.add_argument("--api-keys-file", type=Path,
                    help="lines of 'KEY [TENANT [WEIGHT]]' (WEIGHT: the tenant's fair share)")
+    s.add_argument("--tenant-limits", type=Path, metavar="FILE",
+                   help="lines of 'TENANT max_running=N max_queued=N' ('*': every other "
+                        "tenant): requests of a tenant running at once, and waiting beyond "
+                        "them (more: 429 naming the limit)")
     s.add_argument("--replicas", type=int, default=0, metavar="N",
                    help="run N engine replicas on Ray Serve behind this server, routed by "
                         "tenant-aware prefix affinity (needs: pip install 'ember[ray]')")
@@ -375,9 +379,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
-    from ember.server.app import ServerConfig, load_api_keys, run_server
+    from ember.server.app import ServerConfig, load_api_keys, load_tenant_limits, run_server
 
     engine = EngineConfig(
+        tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
         model=args.model, weights=args.weights, threads=args.threads,
         allow_drift=args.allow_drift, moe_stream=args.moe_stream,
         moe_cache_bytes=args.moe_cache_bytes,

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.models.registry import DEFAULT_MODEL
+
+# The tenant_limits entry that applies to every tenant not named there.
+EVERY_TENANT = "*"
 
 
 class InvalidConfig(ValueError):
     """An engine option is out of range; the message names the option and its value."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold at once (None: no limit of its own)."""
+
+    max_running: int | None = None  # its requests running at once; more wait their turn
+    max_queued: int | None = None  # its requests waiting beyond those; more are refused
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < (1 if name == "max_running" else 0)):
+                raise InvalidConfig(f"tenant limit {name} must be a "
+                                    f"{'positive' if name == 'max_running' else 'non-negative'}"
+                                    f" integer, got {value!r}")
 
 
 @dataclass
@@ -51,12 +71,19 @@ class EngineConfig:
     # its drift from f32 KV is KL < 1e-5, within q4's noise, at half the bytes (`ember eval`)
     kv_dtype: str = "f16"
     kv_cache_dir: str | None = None  # a disk tier for the prefix cache (docs/kv-cache.md)
+    # per tenant name (EVERY_TENANT: the rest): running and queued requests at once
+    tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
     kv_disk_bytes: int = 16 * 1024**3  # the disk tier's budget (LRU beyond it)
     kv_fsync: str = "batch"  # disk tier durability: always | batch | never
     kv_restore: str = "auto"  # auto: restore from disk where faster than recomputing; always
     allow_drift: bool = False  # use weights/KV whose `ember eval` drift crosses the limits
     moe_stream: bool = False  # MoE models: page experts from the file (docs/models.md)
     moe_cache_bytes: int = 1024**3  # the streamed experts' cache (pinned + per-layer LRU)
+
+    def limits_for(self, tenant: str | None) -> TenantLimits:
+        """The limits of ``tenant``: its own entry, else the one for every tenant."""
+        own = self.tenant_limits.get(tenant or "")
+        return own or self.tenant_limits.get(EVERY_TENANT) or TenantLimits()
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -69,6 +96,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "max_queue", "kv_disk_bytes", "moe_cache_bytes"):
             positive(name)
+        for tenant, limits in self.tenant_limits.items():
+            if not isinstance(limits, TenantLimits):
+                raise InvalidConfig(f"tenant_limits[{tenant!r}] must be a TenantLimits, "
+                                    f"got {limits!r}")
         from ember.kv.blocks import KV_DTYPES
         from ember.kv.disk import FSYNC_POLICIES
 

@@ -3,6 +3,7 @@ can be read, and a tenant's cached prefixes can be purged from RAM and disk."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ember.sampling.params import SamplingParams
@@ -118,3 +119,62 @@ def test_a_flooding_tenant_evicts_its_own_prefixes_not_a_quiet_tenants(
     last = list(range(1000 + 100 * 29, 1000 + 100 * 29 + 4 * 16 + 1))
     assert _run(engine, last, "flood").cached_tokens == 4 * 16
     engine.kv.check_no_leaks()
+
+
+def test_a_tenants_running_limit_makes_its_requests_wait_not_anyone_elses(
+        make_tiny_engine) -> None:
+    """max_running=1 for tenant "a" (max_num_seqs 4): of its three requests one runs at
+    a time, while tenant "b"'s two run beside it at once; every request finishes."""
+    from ember.config import TenantLimits
+
+    engine = make_tiny_engine(tenant_limits={"a": TenantLimits(max_running=1)},
+                              max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reqs = [engine.add_request(list(range(100 + 10 * i, 130 + 10 * i)), params, tenant=t)
+            for i, t in enumerate("aabab")]
+    most = {"a": 0, "b": 0}
+    while engine.has_unfinished():
+        engine.step()
+        for t in most:
+            most[t] = max(most[t], sum(r.tenant == t for r in engine.scheduler.running))
+    assert most == {"a": 1, "b": 2}
+    assert all(len(r.output_ids) == 8 for r in reqs)
+    engine.kv.check_no_leaks()
+
+
+def test_a_tenants_queue_limit_refuses_its_requests_naming_its_own_limit(
+        make_tiny_engine, monkeypatch) -> None:
+    """max_queued=2 for every tenant ("*"): tenant "a"'s third waiting request is
+    refused with a message naming a's limit; tenant "b" still gets in."""
+    from ember.config import TenantLimits
+    from ember.engine.thread import EngineThread, TenantQueueFull
+
+    engine = make_tiny_engine(tenant_limits={"*": TenantLimits(max_queued=2)})
+    # one of a's requests already waits in the scheduler: it counts with the slots
+    engine.add_request(list(range(100, 140)), GREEDY, tenant="a")
+    monkeypatch.setattr(EngineThread, "alive", property(lambda self: True))
+    thread = EngineThread(engine)  # not started: nothing leaves the queue meanwhile
+    first = thread.slot("a")
+    with pytest.raises(TenantQueueFull, match=r"tenant 'a' has 2 requests queued.*max_queued=2"):
+        thread.slot("a")
+    other = [thread.slot("b"), thread.slot("b")]  # b's own two
+    first.release()
+    again = thread.slot("a")  # a freed place is the tenant's again
+    for s in (*other, again):
+        s.release()
+    assert thread._slots == 0 and not any(thread._tenant_slots.values())
+
+
+def test_the_tenant_limits_file_names_what_it_refuses(tmp_path) -> None:
+    from ember.config import TenantLimits
+    from ember.errors import EmberError
+    from ember.server.app import load_tenant_limits
+
+    f = tmp_path / "limits.txt"
+    f.write_text("# limits\ntenant-a max_running=2 max_queued=8\n\n* max_queued=16  # rest\n")
+    assert load_tenant_limits(f) == {"tenant-a": TenantLimits(2, 8),
+                                     "*": TenantLimits(None, 16)}
+    for bad in ("t max_running=0", "t max_running=x", "t burst=3", "t max_queued"):
+        f.write_text(f"ok max_queued=1\n{bad}\n")
+        with pytest.raises(EmberError, match=r"limits.txt:2"):
+            load_tenant_limits(f)

@@ -131,7 +131,9 @@ class ReplicaSet:
         return self._thread.is_alive() and not self._loop.is_closed()
 
     # ------------------------------------------------------------ the EngineThread API
-    def slot(self) -> _Slot:
+    def slot(self, tenant: str | None = None) -> _Slot:
+        """A place in the front's queue (a tenant's max_queued is not counted across
+        replicas yet: each replica applies its max_running)."""
         with self._lock:
             if self._stopping or not self.alive:
                 raise EngineStopped("the replicas are not running")

@@ -105,7 +105,8 @@ class LLMEngine:
             lora_dtype = "bf16" if self.loaded.model.native is not None else "f32"
         self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk, StepCostModel())
+                                   config.max_prefill_chunk, StepCostModel(),
+                                   lambda tenant: config.limits_for(tenant).max_running)
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)

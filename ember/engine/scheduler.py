@@ -71,12 +71,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk: int | None = None,
-                 costs: StepCostModel | None = None) -> None:
+                 costs: StepCostModel | None = None,
+                 max_running: Callable[[str], int | None] = lambda tenant: None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max(1, max_num_batched_tokens // 4)
         self.costs = costs or StepCostModel()
+        self.max_running = max_running  # per tenant (None: only max_num_seqs)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.served: dict[str, float] = defaultdict(float)  # weighted tokens per tenant
@@ -190,6 +192,9 @@ class Scheduler:
         queues = self._prompt_queues()
         can_admit = True
         self._partial = sum(1 for r in self.running if r.remaining_prefill > 1)
+        running: dict[str, int] = defaultdict(int)
+        for r in self.running:
+            running[r.tenant] += 1
         while queues:
             key = min(queues, key=lambda k: (k[0], self._service(k[1])))
             req = queues[key].pop(0)
@@ -198,9 +203,13 @@ class Scheduler:
             if req.status is RequestStatus.WAITING:
                 if not can_admit or self.kv.loading(req):
                     continue  # a prefix being read from disk holds up only its own request
+                cap, now = self.max_running(req.tenant), running[req.tenant]
+                if cap is not None and now and now + req.group_size > cap:
+                    continue  # its tenant's limit: it waits, nobody else's turn is held up
                 if not self._admit(req, out, limit):
                     can_admit = False  # blocked: later arrivals may not overtake it
                     continue
+                running[req.tenant] += req.group_size
             elif req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             else:

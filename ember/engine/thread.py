@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ember.engine.admission import QueueFull
 from ember.engine.commit import finish
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
@@ -43,10 +44,16 @@ class EngineStopped(EmberError):
     """The engine thread is not running (shut down or crashed)."""
 
 
+class TenantQueueFull(QueueFull):
+    """The tenant's own queue limit (``max_queued``) is reached (the server answers 429
+    naming it)."""
+
+
 @dataclass
 class _Submit:
     group: list[Request]
     callback: OutputCallback
+    tenant: str | None  # whose slot it took (its tenant_limits queue)
 
 
 @dataclass
@@ -79,9 +86,10 @@ class Slot:
     """A place in the engine's queue, held from admission until the requests are handed
     over (or released). Use as a context manager: leaving without submitting releases."""
 
-    def __init__(self, owner: EngineThread) -> None:
+    def __init__(self, owner: EngineThread, tenant: str | None = None) -> None:
         self._owner = owner
         self._open = True
+        self.tenant = tenant
 
     @property
     def open(self) -> bool:
@@ -95,12 +103,12 @@ class Slot:
         if not self._open:
             raise RuntimeError("slot already used")
         self._open = False
-        return self._owner._hand_over(group, callback)
+        return self._owner._hand_over(group, callback, self.tenant)
 
     def release(self) -> None:
         if self._open:
             self._open = False
-            self._owner._release_slot()
+            self._owner._release_slot(self.tenant)
 
     def __enter__(self) -> Slot:
         return self
@@ -117,6 +125,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._lock = threading.Lock()  # guards the three fields below
         self._slots = 0  # groups admitted to the queue but not yet in the scheduler
+        self._tenant_slots: dict[str, int] = {}  # of those, per tenant that has limits
         self._in_inbox: set[str] = set()  # ids handed over, not yet enqueued
         self._cancelled: set[str] = set()  # of those, the ones aborted meanwhile
         self._stopping = False
@@ -131,14 +140,31 @@ class EngineThread:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------ callers
-    def slot(self) -> Slot:
-        """Take a place in the queue now; raises ``QueueFull`` or ``EngineStopped``."""
+    def slot(self, tenant: str | None = None) -> Slot:
+        """Take a place in the queue now, for ``tenant`` (its ``max_queued`` limit
+        applies); raises ``QueueFull`` or ``EngineStopped``."""
         with self._lock:
             if self._stopping or not self.alive:
                 raise EngineStopped("the engine is not running")
             self.engine.check_queue(pending=self._slots)
+            limit = self.engine.config.limits_for(tenant).max_queued
+            if limit is None:
+                tenant = None  # nothing to count
+            else:
+                tenant = tenant or ""
+                self._check_tenant_queue(tenant, limit)
+                self._tenant_slots[tenant] = self._tenant_slots.get(tenant, 0) + 1
             self._slots += 1
-        return Slot(self)
+        return Slot(self, tenant)
+
+    def _check_tenant_queue(self, tenant: str, limit: int) -> None:
+        """Refuse a request of ``tenant`` whose waiting ones already number ``limit``
+        (the message names the tenant's own limit, nothing of anyone else's)."""
+        waiting = sum(1 for r in list(self.engine.scheduler.waiting) if (r.tenant or "") == tenant)
+        queued = waiting + self._tenant_slots.get(tenant, 0)
+        if queued >= limit:
+            raise TenantQueueFull(f"tenant {tenant!r} has {queued} requests queued, its "
+                                  f"limit (max_queued={limit})")
 
     def queue_full(self) -> bool:
         """Whether :meth:`slot` would raise ``QueueFull`` now (a lock-free read)."""
@@ -223,19 +249,26 @@ class EngineThread:
             time.sleep(0.02)
         return True
 
-    def _hand_over(self, group: list[Request], callback: OutputCallback) -> list[str]:
+    def _hand_over(self, group: list[Request], callback: OutputCallback,
+                   tenant: str | None) -> list[str]:
         ids = [r.request_id for r in group]
         with self._lock:
             if self._stopping or not self.alive:
-                self._slots -= 1
+                self._free_slot(tenant)
                 raise EngineStopped("the engine is not running")
             self._in_inbox.update(ids)
-        self._inbox.put(_Submit(group, callback))
+        self._inbox.put(_Submit(group, callback, tenant))
         return ids
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, tenant: str | None) -> None:
         with self._lock:
-            self._slots -= 1
+            self._free_slot(tenant)
+
+    def _free_slot(self, tenant: str | None) -> None:
+        """One slot fewer (lock held); ``tenant``: counted for its limits."""
+        self._slots -= 1
+        if tenant is not None:
+            self._tenant_slots[tenant] -= 1
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -290,7 +323,7 @@ class EngineThread:
         for rid in ids:
             self._callbacks[rid] = item.callback
         with self._lock:
-            self._slots -= 1
+            self._free_slot(item.tenant)
             self._in_inbox.difference_update(r.request_id for r in item.group)
             cancelled = self._cancelled.intersection(ids)
             self._cancelled.difference_update(cancelled)

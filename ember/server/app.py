@@ -41,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, InvalidConfig, TenantLimits
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
 from ember.engine.request import Request as EngineRequest
@@ -116,6 +116,29 @@ def load_api_keys(keys: list[str], keys_file: Path | None
             if len(parts) == 3:
                 weights[tenant] = _weight(parts[2], f"{keys_file}:{n}")
     return out, weights
+
+
+def load_tenant_limits(path: Path) -> dict[str, TenantLimits]:
+    """A file of ``TENANT key=value ...`` lines (``max_running``, ``max_queued``; the
+    tenant ``*``: every tenant without a line of its own); '#' starts a comment."""
+    out: dict[str, TenantLimits] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        tenant, *settings = fields
+        values: dict[str, int] = {}
+        for setting in settings:
+            key, eq, value = setting.partition("=")
+            if key not in ("max_running", "max_queued") or not eq or not value.isdigit():
+                raise EmberError(f"{path}:{n}: expected max_running=N or max_queued=N, got "
+                                 f"{setting!r}")
+            values[key] = int(value)
+        try:
+            out[tenant] = TenantLimits(**values)
+        except InvalidConfig as e:
+            raise EmberError(f"{path}:{n}: {e}") from None
+    return out
 
 
 def _weight(text: str, where: str) -> float:
@@ -344,7 +367,7 @@ class Server:
         raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
         thread = self._thread()
         with as_api_errors({}):
-            first = thread.slot()
+            first = thread.slot(tenant)
         try:
             preparing = self._prep.submit(self._prepare, route, raw, tenant, arrival)
             try:
@@ -356,7 +379,7 @@ class Server:
             slots = [first]
             try:
                 with as_api_errors({}):
-                    slots += [thread.slot() for _ in groups[1:]]
+                    slots += [thread.slot(tenant) for _ in groups[1:]]
             except BaseException:
                 for group in groups:
                     thread.discard(group)

@@ -17,7 +17,7 @@ from typing import Any
 from ember.engine.admission import QueueFull
 from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
-from ember.engine.thread import EngineStopped
+from ember.engine.thread import EngineStopped, TenantQueueFull
 
 RETRY_AFTER_SECONDS = 1  # what a 429 for a full queue asks the client to wait
 
@@ -71,6 +71,10 @@ def as_api_errors(names: dict[str, str]) -> Iterator[None]:
     names to the request's."""
     try:
         yield
+    except TenantQueueFull as e:
+        raise APIError(429, f"{e}; retry later", type="rate_limit_error",
+                       code="tenant_queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except QueueFull as e:
         raise overloaded(str(e)) from None
     except InvalidRequest as e:

@@ -26,10 +26,19 @@ pytestmark = pytest.mark.slow
 ADMIN = "sk-admin-0123456789"
 
 
+KEY_Q = "sk-tenant-q-5555555555"  # a tenant allowed nothing in the queue
+
+
 @pytest.fixture(scope="module")
 def lora_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
-                smollm2_adapters) -> Iterator[EmberServer]:
-    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
+                smollm2_adapters, tmp_path_factory) -> Iterator[EmberServer]:
+    root = tmp_path_factory.mktemp("lora-server")
+    keys = root / "keys.txt"
+    keys.write_text(keys_file.read_text() + f"{KEY_Q} tenant-q\n")
+    limits = root / "limits.txt"
+    limits.write_text("tenant-q max_queued=0\n* max_running=4 max_queued=64\n")
+    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
+                      "--tenant-limits", str(limits),
                       "--lora", f"peft={smollm2_adapters['peft']}",
                       "--admin-api-key", ADMIN, "--num-kv-blocks", "256", api_key=KEY_A)
 
@@ -157,3 +166,16 @@ def test_admin_purges_one_tenants_cached_prefixes(lora_server) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["tenant"] == "tenant-a" and r.json()["ram_blocks"] > 0
     assert cached("tenant-a") == 0 and cached("tenant-b") > 0
+
+
+def test_a_tenant_over_its_queue_limit_gets_a_429_naming_its_own_limit(lora_server) -> None:
+    r = httpx.post(f"{lora_server.url}/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY_Q}"},
+                   json={"model": lora_server.model_id, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    error = r.json()["error"]
+    assert error["code"] == "tenant_queue_full"
+    assert "tenant 'tenant-q'" in error["message"] and "max_queued=0" in error["message"]
+    assert "tenant-a" not in error["message"] and "tenant-b" not in error["message"]
+    ok = _complete(_client(lora_server, KEY_A), lora_server.model_id, "Hi")
+    assert isinstance(ok, str)  # other tenants are served
