@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any
 
 from ember.cluster.protocol import APP, DEPLOYMENT
@@ -42,10 +43,22 @@ def replica_threads(config: EngineConfig, replicas: int) -> int:
 
 
 def _token_auth_unless_joining(address: str | None) -> None:
-    """A Ray ember starts itself requires its token (a cluster's mode is its own). Ray
-    reads this when imported: call it before anything imports ray."""
+    """A Ray ember starts itself requires its token (a cluster's mode is its own) and
+    listens on loopback only. Ray reads both when imported: call it before anything
+    imports ray.
+
+    Loopback: on Linux Ray turns a node address of 127.0.0.1 into the machine's
+    outward address (its "cluster" mode), and its GCS, raylet, workers and agents then
+    listen on every interface (measured with ``ss -ltnp``, Ray 2.60). Ray's
+    single-machine mode (what it runs on macOS and Windows) keeps the node on 127.0.0.1,
+    and every listener with it; a private cluster of one machine is exactly that."""
     if not address:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        constants = sys.modules.get("ray._private.ray_constants")
+        if constants is not None:  # imported already: the flag is read at call time
+            constants.ENABLE_RAY_CLUSTER = os.environ[  # type: ignore[attr-defined]
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
 
 
 def start_ray(address: str | None, replicas: int, threads: int = 1) -> None:

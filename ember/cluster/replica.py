@@ -36,8 +36,31 @@ def _replica_id() -> str:
         return f"pid-{os.getpid()}"
 
 
+def _loopback_serve_grpc() -> None:
+    """In ember's private single-machine Ray (loopback only: see
+    ``deploy._token_auth_unless_joining``), make this replica's inter-deployment gRPC
+    server listen on loopback too: Ray Serve 2.60 binds it to every interface
+    (``[::]:0``, hard-coded in its replica), after the deployment's constructor runs."""
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        return  # a cluster ember joined: its listeners are its operator's
+    try:
+        from ray.serve._private import replica as serve_replica
+    except ImportError:
+        return
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "ember_loopback", False):
+        return
+
+    def loopback(server: Any, address: str) -> Any:
+        return add(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    loopback.ember_loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = loopback
+
+
 class EmberReplica:
     def __init__(self, config: EngineConfig) -> None:
+        _loopback_serve_grpc()
         self.engine = LLMEngine(config)
         self.thread = EngineThread(self.engine).start()
         self.replica = _replica_id()

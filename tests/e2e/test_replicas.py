@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -174,6 +176,24 @@ def test_same_text_from_another_tenant_is_not_routed_by_the_first_tenants_cache(
     assert a_cached >= r.usage.prompt_tokens - 16
     assert after["predicted"] - mid["predicted"] == a_cached == after["actual"] - mid["actual"]
     assert after["affinity"] == mid["affinity"] + 1
+
+
+# ====================================================================== exposure
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_private_ray_listens_on_loopback_only(smol_server):
+    """Every TCP listener of the server's process tree (Ray's GCS, raylet, workers,
+    agents: all started by it) is bound to loopback, as ``ss -ltnp`` shows them."""
+    import psutil
+
+    root = psutil.Process(smol_server.proc.pid)
+    pids = {root.pid} | {p.pid for p in root.children(recursive=True)}
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ours = [line.split() for line in out.splitlines()
+            if any(f"pid={pid}," in line for pid in pids)]
+    assert len(ours) >= 3, out  # the server's port, Ray's GCS and raylet at least
+    exposed = [f"{fields[3]} {fields[-1]}" for fields in ours
+               if not fields[3].startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:"))]
+    assert not exposed, exposed
 
 
 # ====================================================================== LoRA
