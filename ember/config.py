@@ -50,6 +50,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
+    # a step carrying prompt tokens is sized (by the step cost model) to take at most
+    # this long, so a request arriving while a long prompt prefills waits short steps
+    max_prefill_step_seconds: float = 0.5
     block_size: int = 16
     kv_cache_bytes: int = 2 * 1024**3
     num_kv_blocks: int | None = None
@@ -120,6 +123,10 @@ class EngineConfig:
         positive("max_loras")
         if self.lora_dtype not in ("auto", "f32", "bf16"):
             raise InvalidConfig(f"lora_dtype must be auto, f32 or bf16, got {self.lora_dtype!r}")
+        if not (isinstance(self.max_prefill_step_seconds, int | float)
+                and self.max_prefill_step_seconds > 0):
+            raise InvalidConfig("max_prefill_step_seconds must be a positive number of "
+                                f"seconds, got {self.max_prefill_step_seconds!r}")
         for name in ("num_kv_blocks", "max_model_len", "threads", "max_prefill_chunk"):
             positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1):

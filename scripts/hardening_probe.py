@@ -12,6 +12,9 @@ Each probe is independent; pick them with ``--probes`` (default: all):
   sent and refused, and how long the refusal took.
 - ``admission``: time to first token of a short request sent while an 8,000-token
   prompt prefills (the long prompt is sent as token ids).
+- ``fairprefill``: a 500-message (~7,800-token) chat, and meanwhile a stream of short
+  streamed chats one after another; their time to first token (p50, p99, max) and
+  how many were answered while the long one ran.
 - ``abandon``: a non-streamed request whose client gives up after 1 s; seconds until
   the server is idle again (``ember_requests_running`` back to 0).
 - ``slow``: 200 connections that send a header byte every 0.5 s; how many are still
@@ -136,6 +139,41 @@ def probe_admission(url: str, model: str, long_tokens: int = 8000) -> None:
           f"{long_tokens}-token prompt prefilled (which took {done['long']:.2f} s)")
 
 
+def probe_fairprefill(url: str, model: str, turns: int = 250) -> None:
+    messages: list[dict[str, str]] = []
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Message number {i} about the weather"},
+                     {"role": "assistant", "content": f"Reply {i}: it is sunny"}]
+    messages.append({"role": "user", "content": "Summarize."})
+    done: dict[str, Any] = {}
+
+    def long_chat() -> None:
+        t = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=1200, json={
+            "model": model, "messages": messages, "max_tokens": 4})
+        done["long"] = (r.status_code, time.monotonic() - t, r.json().get("usage"))
+
+    th = threading.Thread(target=long_chat)
+    th.start()
+    time.sleep(1.0)
+    ttfts = []
+    while th.is_alive():
+        t = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=1200, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 2, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    ttfts.append(time.monotonic() - t)
+                    break
+        time.sleep(0.2)
+    th.join()
+    status, seconds, usage = done["long"]
+    print(f"fairprefill: long chat {status} in {seconds:.1f} s "
+          f"({(usage or {}).get('prompt_tokens')} prompt tokens); short chats' TTFT "
+          f"{summary(ttfts)}")
+
+
 def probe_abandon(url: str, model: str, key: str | None) -> None:
     try:
         httpx.post(f"{url}/v1/chat/completions", timeout=1.0, json={
@@ -182,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--metrics-key", default=None)
-    p.add_argument("--probes", default="burst,health,admission,abandon,slow")
+    p.add_argument("--probes", default="burst,health,admission,fairprefill,abandon,slow")
     p.add_argument("--burst-prompt-tokens", type=int, default=0,
                    help="burst prompts of this many token ids (default: the text 'hello')")
     args = p.parse_args(argv)
@@ -190,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         "burst": lambda: probe_burst(args.url, args.model, args.burst_prompt_tokens),
         "health": lambda: probe_health(args.url, args.model),
         "admission": lambda: probe_admission(args.url, args.model),
+        "fairprefill": lambda: probe_fairprefill(args.url, args.model),
         "abandon": lambda: probe_abandon(args.url, args.model, args.metrics_key),
         "slow": lambda: probe_slow(args.url),
     }

@@ -129,7 +129,8 @@ def test_prompt_chunks_keep_decoding_streams_within_their_tpot(make_tiny_engine)
 
 
 def test_without_objectives_a_long_prompt_gets_the_whole_budget(make_tiny_engine):
-    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512)
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,
+                         max_prefill_step_seconds=10.0)
     engine.add_request(prompt(8, 1), SamplingParams(temperature=0, max_tokens=50,
                                                     ignore_eos=True))
     engine.step()
@@ -271,3 +272,51 @@ def test_at_most_two_prompts_are_part_way_through_their_prefill(make_tiny_engine
         partial = [r for r in reqs if 0 < r.kv_len < len(r.token_ids) - 1]
         assert len(partial) <= PARTIAL_PREFILLS
     assert sum(1 for r in reqs if r.num_output) >= 2  # finished ones make room for others
+
+
+def test_a_prefill_step_is_sized_to_its_time_limit(make_tiny_engine):
+    """max_prefill_step_seconds 0.2 at 10 ms + 1 ms a token: a long prompt alone runs
+    in chunks of the ~189 tokens that fit, not the 512-token budget."""
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,
+                         max_prefill_step_seconds=0.2)
+    long = engine.add_request(prompt(1500, 7), GREEDY)
+    outs = record(engine)
+    for _ in range(3):
+        engine.step()
+    sizes = [sum(r.num_tokens for r in o.rows if r.request is long) for o in outs]
+    costs = engine.scheduler.costs
+    assert all(150 <= n <= 200 for n in sizes), sizes
+    assert all(costs.predict(o.shape) <= 0.2 for o in outs)
+
+
+def test_a_short_request_is_not_held_behind_a_long_prompt_of_its_own_tenant(make_tiny_engine):
+    """A 1,500-token prompt prefills in 0.2 s steps; a short request of the same tenant
+    arriving meanwhile runs its whole prompt in the next step (its first token then),
+    and the long prompt still advances at least MIN_PREFILL tokens every step."""
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,
+                         max_prefill_step_seconds=0.2)
+    long = engine.add_request(prompt(1500, 7), GREEDY)
+    engine.step()
+    outs = record(engine)
+    short = engine.add_request(prompt(100, 8), GREEDY)
+    assert steps_until_first_token(engine, short) == 1
+    assert sum(r.num_tokens for r in outs[0].rows if r.request is long) >= MIN_PREFILL
+    while not long.num_output:
+        engine.step()
+    sizes = [sum(r.num_tokens for r in o.rows if r.request is long) for o in outs]
+    assert all(n >= MIN_PREFILL for n in sizes[:-1]) and sizes[-1] > 0, sizes
+
+
+def test_steps_much_slower_than_predicted_refit_the_cost_model_at_once():
+    """A table that prices steps at a third of what they take (measured with more
+    threads, say) is refit after MIN_SAMPLES steps, not after REFIT_EVERY."""
+    from ember.engine.costs import MIN_SAMPLES, REFIT_EVERY
+
+    model = StepCostModel(FIXED)
+    shapes = [StepShape(k, 1, k * k, logits=1) for k in range(64, 64 + 32 * MIN_SAMPLES, 32)]
+    before = [model.predict(s) for s in shapes]
+    for shape, seconds in zip(shapes, before, strict=True):
+        model.observe(shape, 3 * seconds)
+    assert MIN_SAMPLES < REFIT_EVERY
+    after = [model.predict(s) for s in shapes]
+    assert all(a > 2 * b for a, b in zip(after, before, strict=True)), (before, after)

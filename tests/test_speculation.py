@@ -426,7 +426,9 @@ def test_no_draft_is_proposed_in_a_step_where_none_could_pay(make_tiny_engine, b
     ps = prompts(16, seed=4)
     reqs = [(p, GREEDY) for p in ps]
     expected = plain(make_tiny_engine, reqs)
-    engine = make_tiny_engine()
+    # (prompts in whole chunks, so that the sixteen streams decode together: a step time
+    # limit would spread the prefills and leave a few decoding alone, where drafts pay)
+    engine = make_tiny_engine(max_prefill_step_seconds=1e9)
     engine.scheduler.costs = StepCostModel(Coefficients(
         0.01, 1e-5, 0.0, 0.0, 0.0, per_excess=0.01 if busy else 0.0, knee=1), learn=False)
     asked = []

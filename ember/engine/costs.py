@@ -45,6 +45,12 @@ from ember.models.layers.attention import SHORT_QUERY
 WINDOW = 256
 REFIT_EVERY = 16
 MIN_SAMPLES = 8
+# A step this many times slower than predicted refits at once (at most every
+# MIN_REFIT_GAP steps): a table measured with more threads, or a context longer than
+# it saw, would otherwise price steps too cheaply for REFIT_EVERY steps — steps the
+# scheduler sized to keep waiting requests' first tokens near.
+MISJUDGED = 1.5
+MIN_REFIT_GAP = 4
 CLAMP = (0.25, 4.0)
 NUM_FEATURES = 8
 KNEES = (1, 2, 4, 8, 16, 32, 64, 128)  # candidate token counts of the compute knee
@@ -129,6 +135,7 @@ class StepCostModel:
         self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0
         self._y = np.zeros(WINDOW)
         self._n = 0
+        self._refit_at = 0  # self._n at the last refit
 
     def predict(self, shape: StepShape) -> float:
         if shape.rows == 0:
@@ -150,14 +157,17 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not self.learn or shape.rows == 0:
             return
+        misjudged = seconds > MISJUDGED * self.predict(shape)
         i = self._n % WINDOW
         self._x[i] = shape.features(0.0)
         self._y[i] = seconds
         self._n += 1
-        if self._n >= MIN_SAMPLES and self._n % REFIT_EVERY == 0:
+        if self._n >= MIN_SAMPLES and (self._n - self._refit_at >= REFIT_EVERY or (
+                misjudged and self._n - self._refit_at >= MIN_REFIT_GAP)):
             self._refit()
 
     def _refit(self) -> None:
+        self._refit_at = self._n
         n = min(self._n, WINDOW)
         prior = self.coef.as_array()
         self.coef = fit_at_best_knee(self._x[:n], self._y[:n],

@@ -106,7 +106,8 @@ class LLMEngine:
         self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel(),
-                                   lambda tenant: config.limits_for(tenant).max_running)
+                                   lambda tenant: config.limits_for(tenant).max_running,
+                                   config.max_prefill_step_seconds)
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)

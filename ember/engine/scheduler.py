@@ -72,13 +72,15 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk: int | None = None,
                  costs: StepCostModel | None = None,
-                 max_running: Callable[[str], int | None] = lambda tenant: None) -> None:
+                 max_running: Callable[[str], int | None] = lambda tenant: None,
+                 max_prefill_step_seconds: float = math.inf) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max(1, max_num_batched_tokens // 4)
         self.costs = costs or StepCostModel()
         self.max_running = max_running  # per tenant (None: only max_num_seqs)
+        self.max_prefill_step_seconds = max_prefill_step_seconds
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.served: dict[str, float] = defaultdict(float)  # weighted tokens per tenant
@@ -141,8 +143,12 @@ class Scheduler:
                     if spec is not None:
                         spec.granted(0)
                         spec.stats.off_steps += 1
-        self._hand_out_prompt_tokens(out, limit)
-        self._top_up(out, limit)
+        # prompt chunks are also sized to keep the step short: a request arriving while a
+        # long prompt prefills waits for one such step, not one of the full token budget
+        # at a long context (seconds on a CPU); seats and drafts keep the TPOT limit only
+        prefill_limit = min(limit, self.max_prefill_step_seconds)
+        self._hand_out_prompt_tokens(out, limit, prefill_limit)
+        self._top_up(out, prefill_limit)
         return out
 
     def _add_drafts(self, out: SchedulerOutput, proposals: dict[Request, Proposal],
@@ -187,7 +193,8 @@ class Scheduler:
                  if r.slo_tpot is not None and r.remaining_prefill == 1]
         return STALL_MARGIN * min(tpots) if tpots else math.inf
 
-    def _hand_out_prompt_tokens(self, out: SchedulerOutput, limit: float) -> None:
+    def _hand_out_prompt_tokens(self, out: SchedulerOutput, limit: float,
+                                prefill_limit: float) -> None:
         """2: prompt chunks in rounds — priority class, then least-served tenant."""
         queues = self._prompt_queues()
         can_admit = True
@@ -206,14 +213,14 @@ class Scheduler:
                 cap, now = self.max_running(req.tenant), running[req.tenant]
                 if cap is not None and now and now + req.group_size > cap:
                     continue  # its tenant's limit: it waits, nobody else's turn is held up
-                if not self._admit(req, out, limit):
+                if not self._admit(req, out, limit, prefill_limit):
                     can_admit = False  # blocked: later arrivals may not overtake it
                     continue
                 running[req.tenant] += req.group_size
             elif req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             else:
-                n = self._chunk(req, out, limit)
+                n = self._chunk(req, out, prefill_limit, floor=MIN_PREFILL)
                 if n == 0 or not self._reserve_or_preempt(req, n, out):
                     continue
                 self._add_row(out, req, n)
@@ -221,25 +228,30 @@ class Scheduler:
                 return
 
     def _prompt_queues(self) -> dict[tuple[int, str], list[Request]]:
-        """Requests that want prompt tokens, per (priority, tenant), oldest first; running
-        ones before waiting ones, so a tenant finishes what it started."""
+        """Requests that want prompt tokens, per (priority, tenant): those whose prompt
+        fits in one chunk first, then the longer ones; each kind oldest first, running
+        ones before waiting ones, so a tenant finishes what it started. A short request
+        arriving while a long prompt of the same tenant prefills is not held behind it
+        (the long one still gets MIN_PREFILL tokens a step)."""
         queues: dict[tuple[int, str], list[Request]] = defaultdict(list)
         prefilling = [r for r in self.running if r.remaining_prefill > 1]
-        for req in sorted(prefilling, key=lambda r: r.admitted_seq):
-            queues[(req.priority, req.tenant)].append(req)
-        for req in sorted(self.waiting, key=lambda r: (r.arrival_time, r.request_id)):
+        ordered = sorted(prefilling, key=lambda r: r.admitted_seq) + sorted(
+            self.waiting, key=lambda r: (r.arrival_time, r.request_id))
+        for req in sorted(ordered, key=lambda r: r.remaining_prefill > self.max_prefill_chunk):
             queues[(req.priority, req.tenant)].append(req)
         return dict(queues)
 
-    def _admit(self, req: Request, out: SchedulerOutput, limit: float) -> bool:
-        """Admit a waiting request with its first chunk, if seats, KV and time allow."""
+    def _admit(self, req: Request, out: SchedulerOutput, limit: float,
+               prefill_limit: float) -> bool:
+        """Admit a waiting request with its first chunk, if seats, KV and time allow
+        (``limit``: the TPOT objectives' step time; ``prefill_limit``: its chunk's)."""
         if self._seats() + req.group_size > self.max_num_seqs:
             return False
         if not self._seat_fits(req, limit):
             return False
         found = self.kv.probe_prefix(req)
         cached = len(found) * self.kv.block_size
-        n = self._chunk(req, out, limit, start=cached)
+        n = self._chunk(req, out, prefill_limit, start=cached)
         partial = cached + n < len(req.token_ids)
         if n == 0 or (partial and self._partial >= PARTIAL_PREFILLS):
             return False
@@ -266,19 +278,25 @@ class Scheduler:
         return decode_only <= SEAT_MARGIN * limit / STALL_MARGIN
 
     def _chunk(self, req: Request, out: SchedulerOutput, limit: float,
-               start: int | None = None) -> int:
-        """Prompt tokens ``req`` may run now: its chunk cap, the budget, and the time limit."""
+               start: int | None = None, floor: int | None = None) -> int:
+        """Prompt tokens ``req`` may run now: its chunk cap, the budget, and the time limit
+        (``floor``: at least that many, whatever the limit — a running prefill's)."""
         start = req.kv_len if start is None else start
         n = min(len(req.token_ids) - start, self.max_prefill_chunk,
                 self.max_num_batched_tokens - out.num_tokens)
-        return self._fit_time(out, start, n, limit)
+        return self._fit_time(out, start, n, limit, floor)
 
-    def _fit_time(self, out: SchedulerOutput, start: int, n: int, limit: float) -> int:
-        """The most of ``n`` tokens from ``start`` that keeps the step within ``limit``."""
+    def _fit_time(self, out: SchedulerOutput, start: int, n: int, limit: float,
+                  floor: int | None = None) -> int:
+        """The most of ``n`` tokens from ``start`` that keeps the step within ``limit``
+        (``floor``: a least number of tokens; default: what makes the step's prompt
+        tokens MIN_PREFILL)."""
         if n <= 0 or limit == math.inf:
             return max(n, 0)
-        prompt_so_far = out.num_tokens - sum(1 for r in out.rows if r.num_tokens == 1)
-        floor = max(0, min(n, MIN_PREFILL - prompt_so_far))
+        if floor is None:
+            prompt_so_far = out.num_tokens - sum(1 for r in out.rows if r.num_tokens == 1)
+            floor = MIN_PREFILL - prompt_so_far
+        floor = max(0, min(n, floor))
 
         def fits(k: int) -> bool:
             return self.costs.predict(out.shape.plus(k, start + k)) <= limit
