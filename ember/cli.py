@@ -134,6 +134,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prefill-chunk", type=int, default=None,
                    help="most prompt tokens one request prefills per step while others "
                         "wait (default: a quarter of --max-num-batched-tokens)")
+    s.add_argument("--max-prefill-step-seconds", type=float, default=0.5,
+                   help="a step carrying prompt tokens is sized to take at most this long, "
+                        "so a request arriving during a long prefill waits short steps "
+                        "(default 0.5)")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
     s.add_argument("--num-kv-blocks", type=int, default=None)
@@ -388,6 +392,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         moe_cache_bytes=args.moe_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
+        max_prefill_step_seconds=args.max_prefill_step_seconds,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
         max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
