@@ -101,50 +101,49 @@ def main(model: str, weights: str, threads: int | None, streams: int, rank: int,
                        loaded=loaded)
     cfg = loaded.config
     loads, nbytes = [], []
-    tmp = tempfile.TemporaryDirectory()
-    paths = [write_random_adapter(cfg, rank, i, Path(tmp.name) / f"a{i}.gguf")
-             for i in range(streams)]
-    for i, path in enumerate(paths):
-        start = time.perf_counter()
-        adapter = engine.load_lora(f"a{i}", str(path))
-        loads.append(time.perf_counter() - start)
-        nbytes.append(adapter.nbytes)
-    rng = np.random.default_rng(0)
-    prompts = []
-    for _ in range(streams):
-        text = " ".join(rng.choice(WORDS, size=prompt_len))
-        prompts.append(loaded.encode_prompt(text)[:prompt_len])
-    base_runs, lora_runs = [], []
-    _run(engine, prompts, [None] * streams, 4)  # warm up both paths
-    _run(engine, prompts, [f"a{i}" for i in range(streams)], 4)
-    for _ in range(reps):  # alternating, so drift in the machine hits both alike
-        base_runs.append(_run(engine, prompts, [None] * streams, gen))
-        lora_runs.append(_run(engine, prompts, [f"a{i}" for i in range(streams)], gen))
-    base, lora = statistics.median(base_runs), statistics.median(lora_runs)
-    result = {
-        "model": str(loaded.path), "weights": weights, "threads": threads,
-        "streams": streams, "rank": rank, "prompt_len": prompt_len, "gen": gen,
-        "reps": reps, "machine": platform.processor() or platform.machine(),
-        "lora_dtype": engine.loras.dtype,
-        "base_tok_s": base_runs, "lora_tok_s": lora_runs,
-        "base_median": base, "lora_median": lora, "ratio": lora / base,
-        "adapter_bytes": statistics.median(nbytes), "load_s": statistics.median(loads),
-    }
-    print(f"{streams} streams, prompts {prompt_len} tokens, {gen} generated, "
-          f"{loaded.path.name} ({weights}), median of {reps}:")
-    print(f"  base model           {base:8.1f} tok/s")
-    print(f"  {streams} adapters (r={rank}, {engine.loras.dtype:<4}) {lora:8.1f} tok/s   "
-          f"{lora / base:.2f}x the base")
-    print(f"  per adapter: {statistics.median(nbytes) / 2**20:.1f} MiB resident, "
-          f"loaded in {statistics.median(loads) * 1e3:.0f} ms")
-    if llama_server:
-        result["llama_server"] = _llama_side(llama_server, loaded.path, threads, paths,
-                                             prompts, gen, reps)
-        theirs = result["llama_server"]
-        print(f"  llama-server: base {theirs['base_median']:.1f} tok/s, {streams} adapters "
-              f"{theirs['lora_median']:.1f} tok/s; ember with adapters "
-              f"{lora / theirs['lora_median']:.2f}x llama-server's")
-    tmp.cleanup()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_random_adapter(cfg, rank, i, Path(tmp) / f"a{i}.gguf")
+                 for i in range(streams)]
+        for i, path in enumerate(paths):
+            start = time.perf_counter()
+            adapter = engine.load_lora(f"a{i}", str(path))
+            loads.append(time.perf_counter() - start)
+            nbytes.append(adapter.nbytes)
+        rng = np.random.default_rng(0)
+        prompts = []
+        for _ in range(streams):
+            text = " ".join(rng.choice(WORDS, size=prompt_len))
+            prompts.append(loaded.encode_prompt(text)[:prompt_len])
+        base_runs, lora_runs = [], []
+        _run(engine, prompts, [None] * streams, 4)  # warm up both paths
+        _run(engine, prompts, [f"a{i}" for i in range(streams)], 4)
+        for _ in range(reps):  # alternating, so drift in the machine hits both alike
+            base_runs.append(_run(engine, prompts, [None] * streams, gen))
+            lora_runs.append(_run(engine, prompts, [f"a{i}" for i in range(streams)], gen))
+        base, lora = statistics.median(base_runs), statistics.median(lora_runs)
+        result = {
+            "model": str(loaded.path), "weights": weights, "threads": threads,
+            "streams": streams, "rank": rank, "prompt_len": prompt_len, "gen": gen,
+            "reps": reps, "machine": platform.processor() or platform.machine(),
+            "lora_dtype": engine.loras.dtype,
+            "base_tok_s": base_runs, "lora_tok_s": lora_runs,
+            "base_median": base, "lora_median": lora, "ratio": lora / base,
+            "adapter_bytes": statistics.median(nbytes), "load_s": statistics.median(loads),
+        }
+        print(f"{streams} streams, prompts {prompt_len} tokens, {gen} generated, "
+              f"{loaded.path.name} ({weights}), median of {reps}:")
+        print(f"  base model           {base:8.1f} tok/s")
+        print(f"  {streams} adapters (r={rank}, {engine.loras.dtype:<4}) {lora:8.1f} tok/s   "
+              f"{lora / base:.2f}x the base")
+        print(f"  per adapter: {statistics.median(nbytes) / 2**20:.1f} MiB resident, "
+              f"loaded in {statistics.median(loads) * 1e3:.0f} ms")
+        if llama_server:
+            result["llama_server"] = _llama_side(llama_server, loaded.path, threads, paths,
+                                                 prompts, gen, reps)
+            theirs = result["llama_server"]
+            print(f"  llama-server: base {theirs['base_median']:.1f} tok/s, {streams} adapters "
+                  f"{theirs['lora_median']:.1f} tok/s; ember with adapters "
+                  f"{lora / theirs['lora_median']:.2f}x llama-server's")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result

@@ -216,7 +216,7 @@ class LoRAStep {
  public:
   LoRAStep(const std::vector<LoRAWeights*>& adapters, const at::Tensor& token_adapter,
            int64_t T)
-      : adapters_(adapters), tokens_(adapters.size()) {
+      : adapters_(adapters), tokens_(adapters.size()), T_(T) {
     if (adapters.empty()) return;
     TORCH_CHECK(token_adapter.device().is_cpu() && token_adapter.scalar_type() == at::kLong &&
                     token_adapter.is_contiguous() && token_adapter.numel() == T,
@@ -230,7 +230,6 @@ class LoRAStep {
   }
 
   bool empty() const { return adapters_.empty(); }
-  const std::vector<LoRAWeights*>& adapters() const { return adapters_; }
 
   // y [T, N] += each token's delta of projection ``proj`` of ``layer`` from x [T, K].
   void apply(int64_t layer, int proj, const float* x, int64_t K, float* y, int64_t N) const {
@@ -241,8 +240,7 @@ class LoRAStep {
       if (!tokens_[g].empty()) U = std::max(U, adapters_[g]->total_rank(layer, proj));
     }
     if (U == 0) return;
-    const int64_t T = tokens_rows();
-    std::vector<float> u(static_cast<size_t>(T * U));
+    std::vector<float> u(static_cast<size_t>(T_ * U));
     std::vector<Item> first, second;
     for (int64_t g = 0; g < G; ++g) {
       if (tokens_[g].empty()) continue;
@@ -330,14 +328,7 @@ class LoRAStep {
     for (int64_t p = 0; p < part; ++p) off += parts[p].rank;
     return off;
   }
-  int64_t tokens_rows() const {
-    int64_t T = 0;
-    for (const std::vector<int64_t>& ts : tokens_) {
-      if (!ts.empty()) T = std::max(T, ts.back() + 1);
-    }
-    return T;
-  }
-
   const std::vector<LoRAWeights*>& adapters_;
   std::vector<std::vector<int64_t>> tokens_;
+  int64_t T_;  // the step's tokens (u holds a row for each)
 };

@@ -56,7 +56,7 @@ def tenant_scope(model_salt: bytes, tenant: str | None) -> Callable[[bytes], boo
     """Whether a salt is ``tenant``'s (with or without an adapter): what a purge of the
     tenant's cached prefixes removes. Exact, so tenant "a" never matches tenant "ab"."""
     base = tenant_salt(model_salt, tenant)
-    return lambda salt: salt == base or salt.startswith(base + b"\0lora:")
+    return lambda salt: tenant_of(salt) == base
 
 
 def tenant_of(salt: bytes) -> bytes:

@@ -145,14 +145,20 @@ def test_json_with_a_charset_is_accepted(hard):
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(hard):
-    with socket.create_connection(("127.0.0.1", int(hard.url.rsplit(":", 1)[1]))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % (LIMIT + 1))
-        s.settimeout(10)
-        answer = _read_response(s)  # answered without sending a single body byte
+    answer = _declare_oversized_body(hard)  # answered without sending a single body byte
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"--max-request-bytes" in answer
+
+
+def _declare_oversized_body(hard: EmberServer, headers: bytes = b"") -> bytes:
+    """Send only the head of a chat request declaring a body over the limit (plus
+    ``headers``); the whole response."""
+    with socket.create_connection(("127.0.0.1", int(hard.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\n" + headers +
+                  b"Content-Length: %d\r\n\r\n" % (LIMIT + 1))
+        s.settimeout(10)
+        return _read_response(s)
 
 
 def _read_response(s: socket.socket) -> bytes:
@@ -246,12 +252,8 @@ def test_every_client_reads_the_413_of_an_oversized_body(hard):
 
 
 def test_a_client_expecting_100_continue_gets_the_413_without_sending_the_body(hard):
-    with socket.create_connection(("127.0.0.1", int(hard.url.rsplit(":", 1)[1]))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
-                  b"Content-Length: %d\r\n\r\n" % (LIMIT + 1))
-        s.settimeout(10)
-        answer = _read_response(s)  # a 413, not "100 Continue": the body was not asked for
+    # a 413, not "100 Continue": the body was not asked for
+    answer = _declare_oversized_body(hard, b"Expect: 100-continue\r\n")
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
