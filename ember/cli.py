@@ -87,9 +87,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-keys-file", type=Path,
                    help="lines of 'KEY [TENANT [WEIGHT]]' (WEIGHT: the tenant's fair share)")
     s.add_argument("--tenant-limits", type=Path, metavar="FILE",
-                   help="lines of 'TENANT max_running=N max_queued=N' ('*': every other "
-                        "tenant): requests of a tenant running at once, and waiting beyond "
-                        "them (more: 429 naming the limit)")
+                   help="lines of 'TENANT KEY=VALUE ...' ('*': every other tenant); keys: "
+                        "max_running, max_queued (more: 429 naming the limit), kv_share, "
+                        "disk_share (fractions of the KV pool / disk tier), max_adapters "
+                        "(docs/server.md#limits)")
     s.add_argument("--replicas", type=int, default=0, metavar="N",
                    help="run N engine replicas on Ray Serve behind this server, routed by "
                         "tenant-aware prefix affinity (needs: pip install 'ember[ray]')")

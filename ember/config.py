@@ -16,19 +16,41 @@ class InvalidConfig(ValueError):
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """What one tenant may hold at once (None: no limit of its own)."""
+    """What one tenant may hold at once (None: no limit of its own; the shared pools are
+    still divided fairly: a tenant holding the most is evicted or preempted first)."""
 
     max_running: int | None = None  # its requests running at once; more wait their turn
     max_queued: int | None = None  # its requests waiting beyond those; more are refused
+    # the most of the KV pool its running requests hold (more wait; a request that could
+    # never fit is refused) and, separately, the most its cached prefixes keep
+    kv_share: float | None = None
+    disk_share: float | None = None  # the most of the disk tier's bytes its prefixes keep
+    max_adapters: int | None = None  # LoRA adapters its requests keep resident
+
+    COUNTS = ("max_running", "max_queued", "max_adapters")
+    SHARES = ("kv_share", "disk_share")
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_queued"):
+        for name in self.COUNTS:
             value = getattr(self, name)
+            least = 0 if name == "max_queued" else 1
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < (1 if name == "max_running" else 0)):
+                                      or value < least):
                 raise InvalidConfig(f"tenant limit {name} must be a "
-                                    f"{'positive' if name == 'max_running' else 'non-negative'}"
+                                    f"{'non-negative' if least == 0 else 'positive'}"
                                     f" integer, got {value!r}")
+        for name in self.SHARES:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))
+                                      or not 0 < value <= 1):
+                raise InvalidConfig(f"tenant limit {name} must be a fraction in (0, 1], "
+                                    f"got {value!r}")
+
+    def share(self, name: str, total: int) -> int | None:
+        """The share ``name`` of ``total`` units (at least one), None without a limit."""
+        value = getattr(self, name)
+        return None if value is None else max(1, int(value * total))
 
 
 @dataclass

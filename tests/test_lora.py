@@ -398,3 +398,32 @@ def test_speculation_and_grammars_work_with_an_adapter(adapters, smollm2_gguf) -
                             structured=StructuredOutput.json_schema(schema))
     reply = llm.generate(["Give me a number as JSON:"], params, lora="peft")[0]
     assert isinstance(json.loads(reply.text)["n"], int)
+
+
+def test_resident_adapters_are_shared_fairly_between_tenants(adapters, base_f32) -> None:
+    """max_loras 3: a tenant cycling through four adapters evicts its own, never the
+    quiet tenant's one (plain LRU evicted it first); max_adapters 1 for tenant "capped"
+    keeps it to one resident adapter even with room to spare."""
+    from ember.models.lora import LoRARegistry
+
+    reg = LoRARegistry(base_f32.config, max_loras=3,
+                       max_per_tenant=lambda t: 1 if t == "capped" else None)
+    reg.load("q", str(adapters["gguf"]))
+    assert reg.get("q", tenant="quiet") is not None
+    for name in ("f1", "f2", "f3", "f4"):
+        reg.load(name, str(adapters["gguf"]))
+    for _ in range(3):
+        for name in ("f1", "f2", "f3", "f4"):
+            reg.get(name, tenant="flood")
+    stats = reg.metrics()
+    assert stats["resident"] == 3 and stats["adapters"]["q"]["resident"] == 1
+    assert stats["adapters"]["q"]["evictions"] == 0
+    assert reg.resident_by_tenant() == {"quiet": 1, "flood": 2}
+
+    reg = LoRARegistry(base_f32.config, max_loras=3,
+                       max_per_tenant=lambda t: 1 if t == "capped" else None)
+    for name in ("a", "b"):
+        reg.load(name, str(adapters["gguf"]))
+        reg.get(name, tenant="capped")
+    assert reg.resident_by_tenant() == {"capped": 1}
+    assert reg.metrics()["adapters"]["a"]["resident"] == 0

@@ -171,10 +171,149 @@ def test_the_tenant_limits_file_names_what_it_refuses(tmp_path) -> None:
     from ember.server.app import load_tenant_limits
 
     f = tmp_path / "limits.txt"
-    f.write_text("# limits\ntenant-a max_running=2 max_queued=8\n\n* max_queued=16  # rest\n")
-    assert load_tenant_limits(f) == {"tenant-a": TenantLimits(2, 8),
-                                     "*": TenantLimits(None, 16)}
-    for bad in ("t max_running=0", "t max_running=x", "t burst=3", "t max_queued"):
+    f.write_text("# limits\ntenant-a max_running=2 max_queued=8 kv_share=0.25\n\n"
+                 "* max_queued=16 disk_share=.5 max_adapters=2  # rest\n")
+    assert load_tenant_limits(f) == {
+        "tenant-a": TenantLimits(2, 8, kv_share=0.25),
+        "*": TenantLimits(None, 16, disk_share=0.5, max_adapters=2)}
+    for bad in ("t max_running=0", "t max_running=x", "t burst=3", "t max_queued",
+                "t kv_share=0", "t kv_share=1.5", "t disk_share=x", "t max_adapters=0.5"):
         f.write_text(f"ok max_queued=1\n{bad}\n")
         with pytest.raises(EmberError, match=r"limits.txt:2"):
             load_tenant_limits(f)
+
+
+def _share_run(engine, prompts: dict[str, list[list[int]]], params: SamplingParams
+               ) -> tuple[dict[str, int], list]:
+    """Run every tenant's prompts together; the most KV blocks each tenant's running
+    requests held at once, and the requests."""
+    reqs = [engine.add_request(p, params, tenant=t) for t, ps in prompts.items() for p in ps]
+    most = dict.fromkeys(prompts, 0)
+    while engine.has_unfinished():
+        engine.step()
+        for t in most:
+            most[t] = max(most[t], sum(len(r.block_table.blocks)
+                                       for r in engine.scheduler.running if r.tenant == t))
+    return most, reqs
+
+
+def test_a_tenants_kv_share_bounds_the_blocks_its_requests_hold(make_tiny_engine) -> None:
+    """kv_share=0.25 of a 32-block pool for tenant "a": its four 3-block requests never
+    hold more than 8 blocks at once (the rest wait, then run), while tenant "b", without
+    a share, holds more; every request finishes with all its tokens."""
+    from ember.config import TenantLimits
+
+    engine = make_tiny_engine(num_kv_blocks=32, max_num_seqs=8,
+                              tenant_limits={"a": TenantLimits(kv_share=0.25)})
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = {t: [list(range(100 + 40 * i + k, 136 + 40 * i + k)) for i in range(4)]
+               for k, t in ((0, "a"), (7, "b"))}
+    most, reqs = _share_run(engine, prompts, params)
+    assert 0 < most["a"] <= 8 < most["b"]
+    assert all(len(r.output_ids) == 10 for r in reqs)
+    engine.kv.check_no_leaks()
+
+
+def test_a_request_beyond_its_tenants_kv_share_is_refused_or_stopped(make_tiny_engine) -> None:
+    """A request that could never fit in its tenant's share (prompt + max_tokens) is
+    refused naming the limit and max_tokens; one without max_tokens stops at the share
+    with finish reason "length", as at the end of the context window."""
+    from ember.config import TenantLimits
+    from ember.engine.intake import InvalidRequest
+
+    engine = make_tiny_engine(num_kv_blocks=32, tenant_limits={"a": TenantLimits(kv_share=0.25)})
+    prompt = list(range(100, 140))
+    with pytest.raises(InvalidRequest, match=r"kv_share=0.25.*8 blocks, 128 tokens") as e:
+        engine.add_request(prompt, SamplingParams(max_tokens=100), tenant="a")
+    assert e.value.param == "max_tokens"
+    engine.add_request(prompt, SamplingParams(max_tokens=100), tenant="b")  # no share: fits
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=None,
+                                                    ignore_eos=True),
+                             tenant="a")
+    while engine.has_unfinished():
+        engine.step()
+    assert len(req.token_ids) == 8 * 16 and req.finish_reason == "length"
+    engine.kv.check_no_leaks()
+
+
+def test_a_tenants_kv_share_caps_its_cached_prefixes(make_tiny_engine) -> None:
+    """kv_share=0.25 of a 64-block pool: the flooding tenant's twenty 4-block prompts
+    leave it at most 16 cached blocks though the pool never runs short; the quiet
+    tenant's prompt stays cached and its follow-up is served from the cache."""
+    from ember.config import TenantLimits
+
+    engine = make_tiny_engine(num_kv_blocks=64,
+                              tenant_limits={"flood": TenantLimits(kv_share=0.25)})
+    quiet = list(range(100, 100 + 4 * 16 + 1))
+    _run(engine, quiet, "quiet")
+    for i in range(20):
+        _run(engine, list(range(1000 + 100 * i, 1000 + 100 * i + 4 * 16 + 1)), "flood")
+    held = engine.kv.prefix.held_by(engine.intake.salt_for("flood"))
+    assert 12 <= held <= 16 and engine.kv.num_free > 0
+    assert _run(engine, quiet, "quiet").cached_tokens == 4 * 16
+    engine.kv.check_no_leaks()
+
+
+def _record(i: int, salt: bytes):
+    from ember.kv.disk import BlockRecord
+
+    return BlockRecord(bytes([i]) * 16, bytes(16), salt, (i,), bytes([i]) * 1000)
+
+
+def test_the_disk_tier_evicts_the_heaviest_tenant_first_and_keeps_its_share(tmp_path) -> None:
+    """A 10-block disk tier: a quiet tenant's two blocks survive another tenant writing
+    thirty (plain LRU deleted them first); with disk_share 0.3 the flood keeps at most
+    three blocks' bytes even with room to spare; a restart reads back who owns what."""
+    from ember.kv.disk import DiskStore, encode
+
+    fp = b"f" * 32
+    size = len(encode(fp, _record(0, b"quiet")))
+
+    def store(cap=lambda scope: None, capacity: int = 10) -> DiskStore:
+        return DiskStore(tmp_path / "kv", fp, capacity * size, scope_of=lambda s: s, cap=cap)
+
+    s = store()
+    for i in (1, 2):
+        s.put(_record(i, b"quiet"))
+    s.flush()
+    for i in range(10, 40):
+        s.put(_record(i, b"flood"))
+        s.flush()
+    assert bytes([1]) * 16 in s and bytes([2]) * 16 in s and len(s) == 10
+    assert s.bytes_by_scope() == {b"quiet": 2 * size, b"flood": 8 * size}
+    s.close()
+    s = store(cap=lambda scope: 3 * size if scope == b"flood" else None, capacity=100)
+    assert s.bytes_by_scope() == {b"quiet": 2 * size, b"flood": 3 * size}
+    for i in range(40, 50):
+        s.put(_record(i, b"flood"))
+        s.flush()
+    assert s.bytes_by_scope() == {b"quiet": 2 * size, b"flood": 3 * size}
+    assert bytes([49]) * 16 in s and bytes([40]) * 16 not in s
+    s.close()
+
+
+def test_when_the_pool_runs_out_the_tenant_over_its_share_is_preempted_first(
+        make_tiny_engine, monkeypatch) -> None:
+    """A 16-block pool: tenant "big" runs three growing requests, tenant "small" one
+    admitted after them. When the pool runs out, the requests preempted are big's (it
+    holds more than half), never small's, though small's is the newest; all finish."""
+    engine = make_tiny_engine(num_kv_blocks=16, max_num_seqs=8, enable_prefix_caching=False)
+    victims: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def recorded(req, out):
+        victims.append(req.tenant)
+        preempt(req, out)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt", recorded)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reqs = [engine.add_request(list(range(100 + 50 * i, 140 + 50 * i)), params, tenant="big")
+            for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    reqs.append(engine.add_request(list(range(900, 920)), params, tenant="small"))
+    while engine.has_unfinished():
+        engine.step()
+    assert victims and set(victims) == {"big"}
+    assert all(len(r.output_ids) == 60 for r in reqs)
+    engine.kv.check_no_leaks()

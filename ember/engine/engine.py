@@ -36,7 +36,7 @@ from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
 from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.intake import SLO, Intake, InvalidRequest
-from ember.engine.metrics import SpecTotals, moe_metrics, snapshot
+from ember.engine.metrics import TENANT_COUNTS, SpecTotals, moe_metrics, snapshot
 from ember.engine.output import RequestOutput, output
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner, ScheduledRow
@@ -53,7 +53,7 @@ from ember.engine.verify import (
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
-from ember.kv.prefix import tenant_scope
+from ember.kv.prefix import tenant_name, tenant_scope
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
 from ember.models.lora import LoRAAdapter, LoRAError, LoRARegistry
@@ -88,6 +88,9 @@ class LLMEngine:
         slots = config.max_num_seqs if cfg.recurrent else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  state_slots=slots)
+        if self.kv.prefix is not None:
+            self.kv.prefix.cap = lambda scope: config.limits_for(tenant_name(scope)).share(
+                "kv_share", num_blocks)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype,
                                                    num_seqs=max(1, slots))
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
@@ -103,11 +106,14 @@ class LLMEngine:
         lora_dtype = config.lora_dtype
         if lora_dtype == "auto":
             lora_dtype = "bf16" if self.loaded.model.native is not None else "f32"
-        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype)
+        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype,
+                                  lambda tenant: config.limits_for(tenant).max_adapters)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel(),
                                    lambda tenant: config.limits_for(tenant).max_running,
-                                   config.max_prefill_step_seconds)
+                                   config.max_prefill_step_seconds,
+                                   lambda tenant: config.limits_for(tenant).share(
+                                       "kv_share", num_blocks))
         self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)
@@ -130,15 +136,17 @@ class LLMEngine:
                 *, lora: str | None = None, **options: Any) -> list[Request]:
         """Validate and build one prompt's requests (any thread); see :meth:`Intake.prepare`.
         ``lora`` names a loaded adapter (:meth:`load_lora`) its tokens run with."""
-        return self.intake.prepare(prompt_ids, params, lora=self._adapter(lora), **options)
+        adapter = self._adapter(lora, tenant=options.get("tenant"))
+        return self.intake.prepare(prompt_ids, params, lora=adapter, **options)
 
-    def _adapter(self, lora: str | None, request: bool = True) -> LoRAAdapter | None:
+    def _adapter(self, lora: str | None, request: bool = True,
+                 tenant: str | None = None) -> LoRAAdapter | None:
         """The loaded adapter named ``lora`` (None: the base model); ``request``: for a
-        request (counted in its metrics)."""
+        request of ``tenant`` (counted in its metrics, resident on its account)."""
         if lora is None:
             return None
         try:
-            adapter = self.loras.get(lora, request)
+            adapter = self.loras.get(lora, request, tenant)
         except LoRAError as e:
             raise InvalidRequest("lora", str(e), lora) from None
         if adapter is None:
@@ -391,6 +399,8 @@ class LLMEngine:
     def metrics(self) -> dict[str, Any]:
         stats = snapshot(self.scheduler, self.kv, self.commit, self.steps, self.spec_totals,
                          self.transfer.metrics(), self.moe_metrics())
+        for tenant, n in self.loras.resident_by_tenant().items():
+            stats["tenants"].setdefault(tenant, dict.fromkeys(TENANT_COUNTS, 0))["adapters"] = n
         if self.loras.names():
             stats["lora"] = self.loras.metrics()
         return stats

@@ -141,8 +141,9 @@ class Intake:
         """
         choices = [params] if isinstance(params, SamplingParams) else list(params)
         self._check_options(choices, priority, weight, processors)
+        window = self.window_for(tenant)
         for p in choices:
-            prompt_ids = self._validate_prompt(prompt_ids, p)
+            prompt_ids = self._validate_prompt(prompt_ids, p, tenant, window)
         if slo is not None and slo.tpot is not None:
             self._check_tpot_attainable(slo.tpot, len(prompt_ids), len(choices))
         group = []
@@ -159,7 +160,7 @@ class Intake:
                 sampler=Sampler(p, self.loaded.config.vocab_size, prompt_ids, procs),
                 block_table=self.kv.new_table(),
                 detokenizer=IncrementalDetokenizer(self.tokenizer),
-                stops=Stops.of(p, self.tokenizer.eog_ids, self.max_model_len),
+                stops=Stops.of(p, self.tokenizer.eog_ids, window),
                 salt=self.salt_for(tenant, lora),
                 lora=lora,
                 tenant=tenant or "",
@@ -188,7 +189,16 @@ class Intake:
             raise InvalidRequest("processors", "processors hold per-request state; pass them "
                                                "for a single choice only")
 
-    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    def window_for(self, tenant: str | None) -> int:
+        """The most positions one request of ``tenant`` may hold: the context window,
+        or less where the tenant's ``kv_share`` of the pool is smaller (a request with
+        no ``max_tokens`` stops there, with finish reason ``length``)."""
+        cap = self.config.limits_for(tenant).share("kv_share", self.kv.num_blocks)
+        return self.max_model_len if cap is None else min(self.max_model_len,
+                                                          cap * self.kv.block_size)
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams,
+                         tenant: str | None, window: int) -> list[int]:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise InvalidRequest("prompt", "the prompt is empty")
@@ -209,6 +219,14 @@ class Intake:
             raise InvalidRequest(
                 "max_tokens", f"request needs {blocks} KV blocks, the pool has "
                               f"{self.kv.num_blocks}", params.max_tokens)
+        if wanted > window:
+            share = self.config.limits_for(tenant).kv_share
+            raise InvalidRequest(
+                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + {{param}} "
+                              f"({params.max_tokens}) needs {blocks} KV blocks, more than "
+                              f"this tenant's limit kv_share={share:g} of the pool allows "
+                              f"({window // self.kv.block_size} blocks, {window} tokens)",
+                params.max_tokens)
         return prompt_ids
 
     def _check_tpot_attainable(self, tpot: float, context: int, rows: int) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from ember.engine.commit import Commit
 from ember.engine.scheduler import Scheduler
 from ember.kv.manager import KVCacheManager
+from ember.kv.prefix import tenant_name
 from ember.models.moe import ExpertStore
 from ember.spec.speculator import SpecStats
 
@@ -42,20 +43,29 @@ def moe_metrics(experts: ExpertStore | None) -> dict[str, Any] | None:
 
 
 def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[str, int]]:
-    """Running and waiting requests and cached prefix blocks per tenant (safe to call
-    from any thread)."""
+    """Per tenant: running and waiting requests, the KV blocks its running requests hold,
+    its cached prefix blocks and its disk-tier bytes (safe to call from any thread)."""
     counts: dict[str, dict[str, int]] = {}
 
     def of(tenant: str) -> dict[str, int]:
-        return counts.setdefault(tenant, {"running": 0, "waiting": 0, "cached_blocks": 0})
+        return counts.setdefault(tenant, dict.fromkeys(TENANT_COUNTS, 0))
 
     for state, reqs in (("running", list(scheduler.running)),
                         ("waiting", list(scheduler.waiting))):
         for req in reqs:
-            of(req.tenant or "")[state] += 1
+            of(req.tenant or "")[f"requests_{state}"] += 1
+            if state == "running":
+                of(req.tenant or "")["kv_blocks"] += len(req.block_table.blocks)
     for tenant, n in (kv.prefix.held_by_tenant() if kv.prefix else {}).items():
         of(tenant)["cached_blocks"] = n
+    if kv.tier is not None:
+        for scope, n in kv.tier.store.bytes_by_scope().items():
+            of(tenant_name(scope))["disk_bytes"] += n
     return counts
+
+
+TENANT_COUNTS = ("requests_running", "requests_waiting", "kv_blocks", "cached_blocks",
+                 "disk_bytes", "adapters")
 
 
 def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: int,

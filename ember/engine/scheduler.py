@@ -73,13 +73,15 @@ class Scheduler:
                  max_prefill_chunk: int | None = None,
                  costs: StepCostModel | None = None,
                  max_running: Callable[[str], int | None] = lambda tenant: None,
-                 max_prefill_step_seconds: float = math.inf) -> None:
+                 max_prefill_step_seconds: float = math.inf,
+                 kv_cap: Callable[[str], int | None] = lambda tenant: None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max(1, max_num_batched_tokens // 4)
         self.costs = costs or StepCostModel()
         self.max_running = max_running  # per tenant (None: only max_num_seqs)
+        self.kv_cap = kv_cap  # per tenant: KV blocks its running requests hold (None: any)
         self.max_prefill_step_seconds = max_prefill_step_seconds
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -161,7 +163,8 @@ class Scheduler:
                          limit=limit, budget=self.max_num_batched_tokens - out.num_tokens)
         for req, proposal in proposals.items():
             k = grant.get(req, 0)
-            if k and not self.kv.can_reserve(req, req.kv_len + 1 + k):
+            if k and not (self.kv.can_reserve(req, req.kv_len + 1 + k)
+                          and self._tenant_fits(req, req.kv_len + 1 + k)):
                 k = 0
             req.speculator.granted(k)  # type: ignore[union-attr]
             if not k:
@@ -213,6 +216,8 @@ class Scheduler:
                 cap, now = self.max_running(req.tenant), running[req.tenant]
                 if cap is not None and now and now + req.group_size > cap:
                     continue  # its tenant's limit: it waits, nobody else's turn is held up
+                if now and not self._tenant_fits(req, len(req.token_ids)):
+                    continue  # its prompt would take its tenant past its KV share
                 if not self._admit(req, out, limit, prefill_limit):
                     can_admit = False  # blocked: later arrivals may not overtake it
                     continue
@@ -324,7 +329,8 @@ class Scheduler:
             extra = self._fit_time(shrunk, req.kv_len,
                                    min(req.remaining_prefill, row.num_tokens + budget),
                                    limit) - row.num_tokens
-            if extra > 0 and self.kv.can_reserve(req, start + extra):
+            if extra > 0 and self.kv.can_reserve(req, start + extra) and self._tenant_fits(
+                    req, start + extra):
                 self.kv.reserve(req, start + extra)
                 out.rows[i] = ScheduledRow(req, row.num_tokens + extra)
                 self._charge(req, extra)
@@ -354,17 +360,47 @@ class Scheduler:
                                       min(self.served[t] for t in active))
 
     def _reserve_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Reserve KV for ``n`` more tokens of ``req``, preempting others if needed."""
+        """Reserve KV for ``n`` more tokens of ``req``, preempting others if needed: the
+        newest of its own tenant where that tenant would pass its KV share, else (the
+        pool is full) the newest of the lowest priority, taking first from tenants
+        holding more than an equal share of the pool."""
+        while not self._tenant_fits(req, req.kv_len + n):
+            victim = max((r for r in self.running
+                          if r.tenant == req.tenant and r.status is RequestStatus.RUNNING),
+                         key=lambda r: r.admitted_seq)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
         while not self.kv.can_reserve(req, req.kv_len + n):
+            held = self._held_blocks()
+            fair = self.kv.num_blocks / max(1, len(held))
             victim = max(
                 (r for r in self.running if r.status is RequestStatus.RUNNING),
-                key=lambda r: (r.priority, r.admitted_seq),
+                key=lambda r: (r.priority, held[r.tenant] > fair, r.admitted_seq),
             )
             self._preempt(victim, out)
             if victim is req:
                 return False
         self.kv.reserve(req, req.kv_len + n)
         return True
+
+    def _held_blocks(self) -> dict[str, int]:
+        """KV blocks the running requests hold, per tenant (each request's own count:
+        a block two of them share counts twice)."""
+        held: dict[str, int] = defaultdict(int)
+        for r in self.running:
+            held[r.tenant] += len(r.block_table.blocks)
+        return held
+
+    def _tenant_fits(self, req: Request, n_tokens: int) -> bool:
+        """Whether ``req`` holding ``n_tokens`` positions keeps its tenant within its KV
+        share (what it holds already counts)."""
+        cap = self.kv_cap(req.tenant)
+        if cap is None:
+            return True
+        others = sum(len(r.block_table.blocks) for r in self.running
+                     if r.tenant == req.tenant and r is not req)
+        return others + max(len(req.block_table.blocks), self.kv.blocks_for(n_tokens)) <= cap
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         # Remove it from rows already scheduled this step (it is the newest, so it may be).

@@ -17,7 +17,7 @@ from ember.kv.blocks import KVStorage
 from ember.kv.disk import BlockRecord, DiskStore
 from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
-from ember.kv.prefix import extend_keys
+from ember.kv.prefix import extend_keys, tenant_name, tenant_of
 from ember.kv.tier import DiskTier, restore_chain
 from ember.models.config import ModelConfig
 
@@ -80,7 +80,11 @@ class KVTransfer:
         the recompute)."""
         c = self.config
         assert c.kv_cache_dir is not None
-        self.disk = DiskStore(c.kv_cache_dir, self.fingerprint(), c.kv_disk_bytes, c.kv_fsync)
+        self.disk = DiskStore(
+            c.kv_cache_dir, self.fingerprint(), c.kv_disk_bytes, c.kv_fsync,
+            scope_of=tenant_of,
+            cap=lambda scope: c.limits_for(tenant_name(scope)).share("disk_share",
+                                                                     c.kv_disk_bytes))
 
         def recompute_seconds(tokens: int, end: int) -> float:
             return predict(StepShape(tokens, 1, tokens * end))

@@ -28,7 +28,10 @@ deleted, never served. The index is the directory itself, scanned at startup
 Writes happen on a background thread: ``put`` queues the record (bounded in bytes)
 and returns; the thread encodes and checksums it. A queued block is already
 readable. The directory is
-kept under ``capacity`` bytes by deleting least recently used blocks.
+kept under ``capacity`` bytes by deleting least recently used blocks, fairly between
+tenants (``scope_of`` a block's salt): from the tenant storing the most bytes first,
+so one tenant's flood deletes its own blocks before anyone else's; ``cap`` gives a
+tenant a hard limit of its own.
 
 This module does not import torch: payloads are bytes.
 """
@@ -41,7 +44,7 @@ import logging
 import os
 import struct
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +124,11 @@ class DiskStore:
     """Blocks on disk under ``root / <fingerprint>``, at most ``capacity`` bytes."""
 
     def __init__(self, root: str | Path, fp: bytes, capacity: int, fsync: str = "batch",
-                 queue_bytes: int = 256 * 1024**2) -> None:
+                 queue_bytes: int = 256 * 1024**2,
+                 scope_of: Callable[[bytes], bytes] = lambda salt: b"",
+                 cap: Callable[[bytes], int | None] = lambda scope: None) -> None:
+        """``scope_of(salt)``: the tenant a block's bytes count against; ``cap(scope)``:
+        the most bytes that tenant may store (None: its fair share of ``capacity``)."""
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
         self.fp = fp
@@ -132,8 +139,12 @@ class DiskStore:
         self.queue_bytes = queue_bytes
         self.stats = DiskStats()
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self._index: dict[bytes, int] = {}  # key -> file size
         self._size = 0
+        self.scope_of, self.cap = scope_of, cap
+        self._scope: dict[bytes, bytes] = {}  # key -> its tenant scope
+        self._by_scope: dict[bytes, OrderedDict[bytes, None]] = {}  # LRU first
+        self._scope_bytes: Counter[bytes] = Counter()
         # queued for the writer thread, which encodes them (the checksum is off the
         # caller's thread) and serves reads meanwhile
         self._pending: OrderedDict[bytes, BlockRecord] = OrderedDict()
@@ -161,10 +172,13 @@ class DiskStore:
                 st = entry.stat()
             except (ValueError, FileNotFoundError):
                 continue
-            files.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(files):
-            self._index[key] = size
-            self._size += size
+            # a file whose header cannot be read is indexed anyway: deleted when read
+            salt = self._salt_of(key) or b""
+            files.append((st.st_mtime_ns, key, st.st_size, self.scope_of(salt)))
+        for _, key, size, scope in sorted(files):
+            self._add(key, size, scope)
+        for scope in list(self._by_scope):
+            self._trim(scope)
         self._shrink()
         log.info("KV disk store %s: %d blocks, %.1f MB", self.dir, len(self._index),
                  self._size / 1e6)
@@ -184,16 +198,52 @@ class DiskStore:
     def size_bytes(self) -> int:
         return self._size
 
+    def _add(self, key: bytes, size: int, scope: bytes) -> None:
+        """Index a stored file (lock held)."""
+        self._index[key] = size
+        self._size += size
+        self._scope[key] = scope
+        self._by_scope.setdefault(scope, OrderedDict())[key] = None
+        self._scope_bytes[scope] += size
+
+    def _touch(self, key: bytes) -> None:
+        """A stored block was read: the most recently used of its tenant (lock held)."""
+        scope = self._scope.get(key)
+        if scope is not None:
+            self._by_scope[scope].move_to_end(key)
+
     def _shrink(self) -> None:
-        """Delete least recently used files until under capacity (lock held)."""
+        """Delete files until under capacity: the least recently used of the tenant
+        storing the most bytes first (lock held)."""
         while self._size > self.capacity and self._index:
-            self._forget(next(iter(self._index)))
+            scope = max(self._by_scope, key=lambda s: self._scope_bytes[s])
+            self._forget(next(iter(self._by_scope[scope])))
             self.stats.evicted += 1
+
+    def _trim(self, scope: bytes) -> None:
+        """Delete a tenant's least recently used files past its own cap (lock held)."""
+        cap = self.cap(scope)
+        while cap is not None and self._scope_bytes[scope] > cap and scope in self._by_scope:
+            self._forget(next(iter(self._by_scope[scope])))
+            self.stats.evicted += 1
+
+    def bytes_by_scope(self) -> dict[bytes, int]:
+        """Bytes stored per tenant scope."""
+        with self._lock:
+            return dict(self._scope_bytes)
 
     def _forget(self, key: bytes) -> None:
         size = self._index.pop(key, None)
         if size is not None:
             self._size -= size
+            scope = self._scope.pop(key)
+            lru = self._by_scope[scope]
+            del lru[key]
+            if not lru:
+                del self._by_scope[scope]
+            self._scope_bytes[scope] -= size
+            if not self._scope_bytes[scope]:
+                del self._scope_bytes[scope]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
 
@@ -214,7 +264,7 @@ class DiskStore:
             data = self._path(key).read_bytes()
         except FileNotFoundError:
             with self._lock:
-                self._index.pop(key, None)
+                self._forget(key)
             self.stats.misses += 1
             return None
         try:
@@ -232,8 +282,7 @@ class DiskStore:
             self.stats.misses += 1
             return None
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            self._touch(key)
         self.stats.hits += 1
         self.stats.bytes_read += len(data)
         return rec
@@ -343,13 +392,15 @@ class DiskStore:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+        salts = {key: rec.salt for key, rec in batch}
         for key, tmp, size in temps:
             os.replace(tmp, self._path(key))
             with self._lock:
                 if key not in self._index:
-                    self._index[key] = size
-                    self._size += size
+                    scope = self.scope_of(salts[key])
+                    self._add(key, size, scope)
                     self.stats.bytes_written += size
+                    self._trim(scope)
                 self._shrink()
         if self.fsync != "never":
             fd = os.open(self.dir, os.O_RDONLY)

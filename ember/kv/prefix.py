@@ -19,8 +19,10 @@ blocks, fairly between tenants: from the tenant that holds the most cached block
 (every adapter of a tenant counts as the tenant), least recently used first within
 it. So a tenant flooding the cache with prefixes evicts its own before anyone else's,
 and a tenant holding less than another keeps its prefixes however hard the other
-floods. With a disk tier (ember.kv.tier) a block is handed to it the first time it
-becomes evictable, so that it outlives eviction and the process.
+floods. A tenant may also have a hard cap (``cap``): past it, its own least recently
+used evictable blocks go at once, whether the pool is short or not. With a disk tier
+(ember.kv.tier) a block is handed to it the first time it becomes evictable, so that
+it outlives eviction and the process.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def tenant_of(salt: bytes) -> bytes:
     """The tenant part of a salt (its adapter's identity dropped): the scope cache
     fairness counts by."""
     return salt.split(b"\0lora:", 1)[0]
+
+
+def tenant_name(salt: bytes) -> str:
+    """The tenant a salt (or a tenant scope) was derived for."""
+    return tenant_of(salt).rpartition(b"\0tenant:")[2].decode(errors="replace")
 
 
 def root_key(salt: bytes) -> bytes:
@@ -133,6 +140,11 @@ class _FairLRU:
             if not lru:
                 del self._by_scope[scope]
 
+    def oldest(self, scope: bytes) -> int | None:
+        """The least recently used evictable block of ``scope`` (None: it has none)."""
+        lru = self._by_scope.get(scope)
+        return next(iter(lru)) if lru else None
+
     def victim(self, held: Counter[bytes]) -> int:
         """The least recently used block of the scope holding the most cached blocks
         (of those with an evictable one; ties: the first such scope)."""
@@ -149,6 +161,8 @@ class PrefixCache:
         self._evictable = _FairLRU()
         self._held: Counter[bytes] = Counter()  # cached blocks per tenant scope
         self.spill: Spill | None = None
+        # the most blocks a tenant scope may keep cached (None: no cap of its own)
+        self.cap: Callable[[bytes], int | None] = lambda scope: None
         self._stored: set[int] = set()  # cached blocks the spill already has
         self._serials = itertools.count(ROOT + 1)
         self.queries = 0  # prompt tokens looked up (once per admitted request)
@@ -250,10 +264,17 @@ class PrefixCache:
         entry = self._entries.get(block)
         if entry is None or self.allocator.refcount[block] != 1:
             return
-        self._evictable.add(block, tenant_of(entry.salt))
+        scope = tenant_of(entry.salt)
+        self._evictable.add(block, scope)
         if self.spill is not None and block not in self._stored:
             self._stored.add(block)
             self.spill.spill(block, entry.key, entry.parent_key, entry.salt, entry.tokens)
+        cap = self.cap(scope)
+        while cap is not None and self._held[scope] > cap:
+            oldest = self._evictable.oldest(scope)
+            if oldest is None:
+                break  # the rest is in use: it goes when released
+            self._uncache(oldest)
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Hold a reference on cached ``blocks`` so that no eviction can take them."""
@@ -291,8 +312,7 @@ class PrefixCache:
 
     def held_by_tenant(self) -> dict[str, int]:
         """Cached blocks per tenant name (safe from another thread: one C-level copy)."""
-        return {scope.rpartition(b"\0tenant:")[2].decode(errors="replace"): n
-                for scope, n in self._held.copy().items()}
+        return {tenant_name(scope): n for scope, n in self._held.copy().items()}
 
     def _uncache(self, block: int) -> None:
         """Forget a block and drop the cache's reference (freeing it if unused)."""

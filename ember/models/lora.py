@@ -38,8 +38,8 @@ import logging
 import math
 import struct
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,20 +361,29 @@ class _Entry:
     path: str
     identity: bytes
     adapter: LoRAAdapter | None  # None: evicted (reloaded from ``path`` on demand)
+    holder: str | None = None  # the tenant whose request last used it (None: no request)
     counts: dict[str, int] = field(default_factory=lambda: {
         "requests": 0, "tokens": 0, "loads": 0, "evictions": 0})
 
 
 class LoRARegistry:
-    """An engine's adapters by name: at most ``max_loras`` resident, least recently
-    used evicted first; an evicted one is read again from its file when a request
-    names it, and refused if the file changed since it was loaded (its identity).
-    Requests hold the adapter they run with, so eviction and unloading never touch a
-    running request. Thread-safe (the server prepares requests on other threads)."""
+    """An engine's adapters by name: at most ``max_loras`` resident; an evicted one is
+    read again from its file when a request names it, and refused if the file changed
+    since it was loaded (its identity). Requests hold the adapter they run with, so
+    eviction and unloading never touch a running request. Thread-safe (the server
+    prepares requests on other threads).
+
+    Residency is shared fairly: each resident adapter counts against the tenant whose
+    request used it last, and the one evicted is the least recently used of the tenant
+    holding the most, so a tenant cycling through many adapters evicts its own first;
+    ``max_per_tenant(tenant)`` caps what one tenant keeps resident (its own least
+    recently used go past it)."""
 
     def __init__(self, cfg: ModelConfig, max_rank: int = DEFAULT_MAX_RANK,
-                 max_loras: int = DEFAULT_MAX_LORAS, dtype: str = "f32") -> None:
+                 max_loras: int = DEFAULT_MAX_LORAS, dtype: str = "f32",
+                 max_per_tenant: Callable[[str], int | None] = lambda tenant: None) -> None:
         self.cfg, self.max_rank, self.max_loras, self.dtype = cfg, max_rank, max_loras, dtype
+        self.max_per_tenant = max_per_tenant
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -404,7 +413,7 @@ class LoRARegistry:
                 entry.counts = old.counts
             entry.counts["loads"] += 1
             self._entries[name] = entry
-            self._evict()
+            self._evict(keep=name)
         return adapter
 
     def unload(self, name: str) -> None:
@@ -412,9 +421,10 @@ class LoRARegistry:
             if self._entries.pop(name, None) is None:
                 raise KeyError(f"no LoRA adapter {name!r} is loaded")
 
-    def get(self, name: str, request: bool = True) -> LoRAAdapter | None:
-        """The adapter (reloaded if evicted), for a new request unless ``request`` is
-        False (then it is not counted); None if unknown."""
+    def get(self, name: str, request: bool = True,
+            tenant: str | None = None) -> LoRAAdapter | None:
+        """The adapter (reloaded if evicted), for a new request of ``tenant`` unless
+        ``request`` is False (then it is neither counted nor charged); None if unknown."""
         with self._lock:
             entry = self._entries.get(name)
             if entry is None:
@@ -429,11 +439,21 @@ class LoRARegistry:
             with self._lock:
                 entry.adapter = adapter
                 entry.counts["loads"] += 1
-                self._evict()
-        if request:
-            with self._lock:
+        with self._lock:
+            if request:
                 entry.counts["requests"] += 1
+                entry.holder = tenant or ""
+            self._evict(keep=name)
         return adapter
+
+    def resident_by_tenant(self) -> dict[str, int]:
+        """Resident adapters per tenant that last used them."""
+        with self._lock:
+            held: dict[str, int] = {}
+            for e in self._entries.values():
+                if e.adapter is not None and e.holder is not None:
+                    held[e.holder] = held.get(e.holder, 0) + 1
+            return held
 
     def count_tokens(self, adapter: LoRAAdapter, tokens: int) -> None:
         with self._lock:
@@ -453,14 +473,31 @@ class LoRARegistry:
                     "resident": len(resident),
                     "resident_bytes": sum(a.nbytes for a in resident)}
 
-    def _evict(self) -> None:
-        """Drop least recently used adapters past ``max_loras`` (lock held)."""
-        resident = [n for n, e in self._entries.items() if e.adapter is not None]
-        for name in resident[:max(0, len(resident) - self.max_loras)]:
-            entry = self._entries[name]
-            entry.adapter = None
-            entry.counts["evictions"] += 1
-            log.info("LoRA adapter %r evicted (more than %d resident)", name, self.max_loras)
+    def _evict(self, keep: str | None = None) -> None:
+        """Evict past the limits (lock held): a tenant's own least recently used past its
+        cap, then, past ``max_loras``, the least recently used of the tenant holding the
+        most (``keep``: the adapter a request is taking now, never evicted)."""
+        def resident(holder: object = ...) -> list[str]:
+            return [n for n, e in self._entries.items() if e.adapter is not None
+                    and n != keep and (holder is ... or e.holder == holder)]
+
+        def held() -> Counter[str | None]:
+            return Counter(e.holder for e in self._entries.values() if e.adapter is not None)
+
+        for tenant, n in held().items():
+            cap = None if tenant is None else self.max_per_tenant(tenant)
+            for name in resident(tenant)[:max(0, n - cap)] if cap is not None else ():
+                self._drop(name, f"tenant limit max_adapters={cap}")
+        while len(resident()) + (keep is not None) > self.max_loras and resident():
+            counts = held()
+            self._drop(max(resident(), key=lambda n: counts[self._entries[n].holder]),
+                       f"more than {self.max_loras} resident")
+
+    def _drop(self, name: str, why: str) -> None:
+        entry = self._entries[name]
+        entry.adapter = None
+        entry.counts["evictions"] += 1
+        log.info("LoRA adapter %r evicted (%s)", name, why)
 
 
 # ------------------------------------------------------------------ applying them

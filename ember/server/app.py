@@ -119,23 +119,28 @@ def load_api_keys(keys: list[str], keys_file: Path | None
 
 
 def load_tenant_limits(path: Path) -> dict[str, TenantLimits]:
-    """A file of ``TENANT key=value ...`` lines (``max_running``, ``max_queued``; the
-    tenant ``*``: every tenant without a line of its own); '#' starts a comment."""
+    """A file of ``TENANT key=value ...`` lines (the keys are :class:`TenantLimits`'
+    fields: counts are integers, shares fractions of the pool; the tenant ``*``: every
+    tenant without a line of its own); '#' starts a comment."""
     out: dict[str, TenantLimits] = {}
+    known = TenantLimits.COUNTS + TenantLimits.SHARES
     for n, line in enumerate(path.read_text().splitlines(), 1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
         tenant, *settings = fields
-        values: dict[str, int] = {}
+        values: dict[str, float] = {}
         for setting in settings:
             key, eq, value = setting.partition("=")
-            if key not in ("max_running", "max_queued") or not eq or not value.isdigit():
-                raise EmberError(f"{path}:{n}: expected max_running=N or max_queued=N, got "
-                                 f"{setting!r}")
-            values[key] = int(value)
+            try:
+                values[key] = int(value) if key in TenantLimits.COUNTS else float(value)
+            except ValueError:
+                eq = ""
+            if key not in known or not eq:
+                raise EmberError(f"{path}:{n}: expected KEY=VALUE with KEY one of "
+                                 f"{', '.join(known)}, got {setting!r}")
         try:
-            out[tenant] = TenantLimits(**values)
+            out[tenant] = TenantLimits(**values)  # type: ignore[arg-type]
         except InvalidConfig as e:
             raise EmberError(f"{path}:{n}: {e}") from None
     return out

@@ -7,6 +7,7 @@ from the engine when ``/metrics`` is scraped.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -145,17 +146,12 @@ class Metrics:
                         "Decode steps of speculating requests, by what they did (verify, "
                         "fallback: nothing to draft, off: gate declined).",
                         [(f'{{kind="{k}"}}', n) for k, n in sorted(spec["steps"].items())])
-        tenants = s.get("tenants", {})
-        for state in ("running", "waiting"):
-            lines += family(f"ember_tenant_requests_{state}", "gauge",
-                            f"Requests {state}, per tenant.",
-                            [(f'{{tenant="{_label(t)}"}}', c[state])
+        tenants = {tenant_hash(t): c for t, c in s.get("tenants", {}).items()}
+        for name, what in _TENANT_GAUGES:
+            lines += family(f"ember_tenant_{name}", "gauge", f"{what}, per tenant (labelled "
+                            "by its hash: ember.server.metrics.tenant_hash).",
+                            [(f'{{tenant="{t}"}}', c.get(name, 0))
                              for t, c in sorted(tenants.items())])
-        lines += family("ember_tenant_cached_blocks", "gauge",
-                        "Prefix-cache blocks held, per tenant (the cache evicts from the "
-                        "tenant holding the most first).",
-                        [(f'{{tenant="{_label(t)}"}}', c.get("cached_blocks", 0))
-                         for t, c in sorted(tenants.items())])
         metric("ember_prefill_tokens_total", "counter",
                "Prompt tokens computed by the model (tokens served from cache excluded).",
                s.get("prompt_tokens", 0))
@@ -190,6 +186,22 @@ class Metrics:
             for h in (self.ttft, self.itl, self.e2e, self.queue):
                 lines += h.render()
         return "\n".join(lines) + "\n"
+
+
+_TENANT_GAUGES = (
+    ("requests_running", "Requests running"), ("requests_waiting", "Requests waiting"),
+    ("kv_blocks", "KV blocks its running requests hold"),
+    ("cached_blocks", "Prefix-cache blocks held (the cache evicts from the tenant holding "
+                      "the most first)"),
+    ("disk_bytes", "Disk-tier bytes stored"),
+    ("adapters", "LoRA adapters resident on its account (its requests used them last)"))
+
+
+def tenant_hash(tenant: str) -> str:
+    """How a tenant is named in metrics and logs: the first 16 hex digits of the SHA-256
+    of ``ember-tenant:`` + its name (so a dashboard or an export does not carry tenant
+    names; an operator who knows a name can compute its hash)."""
+    return hashlib.sha256(b"ember-tenant:" + tenant.encode()).hexdigest()[:16]
 
 
 def _label(value: str) -> str:

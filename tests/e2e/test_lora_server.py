@@ -19,8 +19,10 @@ import openai
 import pytest
 from conftest import _serve
 from e2e_server import KEY_A, KEY_B, EmberServer
+from test_server import assert_error
 
 from ember.sampling.params import SamplingParams
+from ember.server.metrics import tenant_hash
 
 pytestmark = pytest.mark.slow
 ADMIN = "sk-admin-0123456789"
@@ -36,7 +38,8 @@ def lora_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
     keys = root / "keys.txt"
     keys.write_text(keys_file.read_text() + f"{KEY_Q} tenant-q\n")
     limits = root / "limits.txt"
-    limits.write_text("tenant-q max_queued=0\n* max_running=4 max_queued=64\n")
+    limits.write_text("tenant-q max_queued=0\ntenant-b kv_share=0.0625\n"
+                      "* max_running=4 max_queued=64\n")
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
                       "--tenant-limits", str(limits),
                       "--lora", f"peft={smollm2_adapters['peft']}",
@@ -166,6 +169,23 @@ def test_admin_purges_one_tenants_cached_prefixes(lora_server) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["tenant"] == "tenant-a" and r.json()["ram_blocks"] > 0
     assert cached("tenant-a") == 0 and cached("tenant-b") > 0
+    # metrics name tenants by hash only
+    metrics = lora_server.metrics()
+    assert not any("tenant-a" in name or "tenant-b" in name for name in metrics)
+    assert metrics[f'ember_tenant_cached_blocks{{tenant="{tenant_hash("tenant-b")}"}}'] > 0
+
+
+def test_a_request_beyond_its_tenants_kv_share_is_a_400_naming_the_limit(lora_server) -> None:
+    """tenant-b may hold 1/16 of the 256-block pool (16 blocks, 256 tokens)."""
+    r = httpx.post(f"{lora_server.url}/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY_B}"},
+                   json={"model": lora_server.model_id, "prompt": "Hi", "max_tokens": 300})
+    assert_error(r, 400, "max_tokens")
+    assert "kv_share=0.0625" in r.json()["error"]["message"]
+    ok = httpx.post(f"{lora_server.url}/v1/completions", timeout=60,
+                    headers={"Authorization": f"Bearer {KEY_B}"},
+                    json={"model": lora_server.model_id, "prompt": "Hi", "max_tokens": 200})
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_tenant_over_its_queue_limit_gets_a_429_naming_its_own_limit(lora_server) -> None:
