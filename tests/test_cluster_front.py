@@ -86,10 +86,11 @@ def meta(tiny_gguf: Path):
 def make(meta):
     made = []
 
-    def build(script: list[list], replicas: int = 2) -> tuple[ReplicaSet, Handle]:
-        handle = Handle(script)
-        rs = ReplicaSet(handle, EngineConfig(model=str(meta.path), weights="f32"), replicas,
-                        meta).start()
+    def build(script: list[list], replicas: int = 2, handle: Handle | None = None,
+              **config) -> tuple[ReplicaSet, Handle]:
+        handle = handle or Handle(script)
+        rs = ReplicaSet(handle, EngineConfig(model=str(meta.path), weights="f32", **config),
+                        replicas, meta).start()
         rs.view.reset()
         made.append(rs)
         return rs, handle
@@ -199,3 +200,76 @@ def test_no_answer_in_time_is_a_503(make, monkeypatch) -> None:
     with pytest.raises(EngineStopped):
         prepare(rs)
     assert handle.streams[0].cancelled
+
+
+def test_a_tenants_queue_limit_counts_what_waits_on_every_replica(make) -> None:
+    """max_queued=1 for tenant "t": while its first request waits on a replica (no token
+    yet), its second is refused naming its own limit; another tenant still gets in; once
+    the first is gone, "t" may queue again."""
+    from ember.config import TenantLimits
+    from ember.engine.thread import TenantQueueFull
+
+    rs, _ = make([[Verdict("r1"), HANG]], tenant_limits={"t": TenantLimits(max_queued=1)})
+    with rs.slot("t") as slot:  # as the server does: a place first, then prepare, submit
+        slot.submit(prepare(rs), lambda o: None)
+    deadline = time.monotonic() + 5
+    while not (rs._groups and rs._groups["g"].callback) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(TenantQueueFull, match=r"tenant 't' has 1 requests queued.*max_queued=1"):
+        rs.slot("t")
+    rs.slot("u").release()
+    rs.abort("g")
+    while rs._groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rs.slot("t").release()
+
+
+class PurgingHandle(Handle):
+    """Answers purge_cache calls as each named replica would; records which it reached."""
+
+    def __init__(self, removed: dict[str, int]) -> None:
+        super().__init__([])
+        self.removed, self.reached, self.purging = removed, [], False
+
+    def options(self, method_name: str = "generate", **_):
+        if method_name != "purge_cache":
+            return self
+        purger = PurgingHandle(self.removed)
+        purger.reached, purger.purging = self.reached, True
+        return purger
+
+    def remote(self, spec):
+        if not self.purging:
+            return super().remote(spec)
+        self.reached.append(spec.replica)
+        n = self.removed[spec.replica]
+
+        class Response:
+            def result(self, timeout_s=None):
+                return {"replica": spec.replica, "ram_blocks": n, "disk_blocks": 2 * n,
+                        "disk_bytes": 100 * n}
+        return Response()
+
+
+def test_a_purge_reaches_every_replica_and_sums_what_went(make) -> None:
+    handle = PurgingHandle({"r1": 3, "r2": 5})
+    rs, _ = make([], handle=handle)
+    for r in ("r1", "r2"):
+        rs.view.observe(r, {"keys": [], "metrics": {}})
+    assert rs.purge_cache("t") == {"ram_blocks": 8, "disk_blocks": 16, "disk_bytes": 800,
+                                   "replicas": 2}
+    assert sorted(handle.reached) == ["r1", "r2"]
+
+
+def test_a_purge_is_pinned_to_its_replica_by_either_router() -> None:
+    from ember.cluster.protocol import GroupSpec, PurgeSpec
+    from ember.cluster.router import _pinned
+
+    class Pending:
+        def __init__(self, *args) -> None:
+            self.args = args
+
+    by_id = {"r1": "replica-1", "r2": "replica-2"}
+    assert _pinned(Pending(PurgeSpec("t", "r2")), by_id) == [["replica-2"]]
+    assert _pinned(Pending(PurgeSpec("t", "gone")), by_id) == []
+    assert _pinned(Pending(GroupSpec("g", [1], [SamplingParams()], "t")), by_id) is None

@@ -26,14 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.cluster.protocol import GroupSpec, Verdict
+from ember.cluster.protocol import GroupSpec, PurgeSpec, Verdict
 from ember.cluster.router import RoutingView, view
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.intake import SLO, InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.served import with_chat_template
-from ember.engine.thread import EngineStopped
+from ember.engine.thread import EngineStopped, TenantQueueFull
 from ember.kv.prefix import extend_keys, tenant_salt
 from ember.models.loader import LoadedModel
 from ember.models.lora import LoRAAdapter, load_lora
@@ -44,6 +44,7 @@ log = logging.getLogger("ember.cluster")
 Callback = Callable[[RequestOutput], None]
 DISPATCH_ATTEMPTS = 3  # dispatches one group may take over its life (failovers included)
 DISPATCH_TIMEOUT_S = 60.0  # longest wait for a replica's verdict (none alive: 503)
+PURGE_TIMEOUT_S = 60.0  # longest a replica may take to purge a tenant's prefixes
 FRESH_STATS_WAIT_S = 3.0  # longest a metrics scrape waits for stats newer than the last change
 
 
@@ -109,6 +110,7 @@ class ReplicaSet:
     def __init__(self, handle: Any, config: EngineConfig, replicas: int,
                  loaded: LoadedModel) -> None:
         self.handle = handle.options(stream=True, method_name="generate")
+        self._purge = handle.options(method_name="purge_cache")
         self.config = config
         self.replicas = replicas
         self.view: RoutingView = view()
@@ -118,6 +120,7 @@ class ReplicaSet:
                                         daemon=True)
         self._lock = threading.Lock()
         self._slots = 0
+        self._tenant_slots: dict[str, int] = {}  # places taken, per tenant with max_queued
         self._groups: dict[str, RemoteGroup] = {}  # request id -> its group
         self._stopping = False
         self._changed_at = 0.0  # wall time a stream last started or ended here
@@ -132,16 +135,34 @@ class ReplicaSet:
 
     # ------------------------------------------------------------ the EngineThread API
     def slot(self, tenant: str | None = None) -> _Slot:
-        """A place in the front's queue (a tenant's max_queued is not counted across
-        replicas yet: each replica applies its max_running)."""
+        """A place in the front's queue, for ``tenant``: its ``max_queued`` counts its
+        places here and its requests sent to replicas that have not streamed a token yet
+        (waiting or prefilling: known here at once, not as of the replicas' stats)."""
         with self._lock:
             if self._stopping or not self.alive:
                 raise EngineStopped("the replicas are not running")
             if self.queue_full():
                 raise QueueFull(f"queue is full ({self._capacity()} requests across "
                                 f"{self.replicas} replicas)")
+            limit = self.config.limits_for(tenant).max_queued
+            if limit is None:
+                tenant = None  # nothing to count
+            else:
+                tenant = tenant or ""
+                queued = self._tenant_slots.get(tenant, 0) + self._tenant_waiting(tenant)
+                if queued >= limit:
+                    raise TenantQueueFull(f"tenant {tenant!r} has {queued} requests queued, "
+                                          f"its limit (max_queued={limit})")
+                self._tenant_slots[tenant] = self._tenant_slots.get(tenant, 0) + 1
             self._slots += 1
-        return _Slot(self)
+        return _Slot(self, tenant)
+
+    def _tenant_waiting(self, tenant: str) -> int:
+        """Its groups submitted (a group being prepared holds its slot instead) that
+        have not streamed yet."""
+        groups = {id(g): g for g in list(self._groups.values())}.values()
+        return sum(1 for g in groups if g.spec.tenant == tenant and g.callback is not None
+                   and not g.streamed)
 
     def queue_full(self) -> bool:
         return self._queued() >= self._capacity()
@@ -355,8 +376,24 @@ class ReplicaSet:
             time.sleep(0.02)
 
     def purge_cache(self, tenant: str) -> dict[str, int]:
-        raise InvalidRequest("tenant", "purging a tenant's cached prefixes is not supported "
-                             "with --replicas yet (restart the replicas, or run without)")
+        """Forget ``tenant``'s cached prefixes on every replica, one after another
+        (each call pinned to its replica by the router); the totals removed. A replica
+        that does not answer makes it a 503: the purge is then incomplete."""
+        replicas = sorted(self.view.snapshot())
+        if not replicas:
+            raise EngineStopped("no replica is running")
+        total: dict[str, int] = {}
+        for replica in replicas:
+            try:
+                got = self._purge.remote(PurgeSpec(tenant, replica)).result(
+                    timeout_s=PURGE_TIMEOUT_S)
+            except Exception as e:
+                raise EngineStopped(f"replica {replica} did not purge tenant {tenant!r} "
+                                    f"({type(e).__name__}); purge again") from None
+            for key, value in got.items():
+                if key != "replica":
+                    total[key] = total.get(key, 0) + int(value)
+        return {**total, "replicas": len(replicas)}
 
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
@@ -416,8 +453,9 @@ def _add(total: dict[str, Any], part: dict[str, Any]) -> None:
 
 
 class _Slot:
-    def __init__(self, owner: ReplicaSet) -> None:
+    def __init__(self, owner: ReplicaSet, tenant: str | None) -> None:
         self._owner = owner
+        self._tenant = tenant  # whose max_queued place it holds (None: not counted)
         self.open = True
 
     def submit(self, group: list[RemoteRequest], callback: Callback) -> list[str]:
@@ -436,6 +474,8 @@ class _Slot:
         self.open = False
         with self._owner._lock:
             self._owner._slots -= 1
+            if self._tenant is not None:
+                self._owner._tenant_slots[self._tenant] -= 1
 
     def __enter__(self) -> _Slot:
         return self

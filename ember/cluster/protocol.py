@@ -37,6 +37,15 @@ class GroupSpec:
         return [self.request_id] + [f"{self.request_id}-{j}" for j in range(1, len(self.params))]
 
 
+@dataclass(frozen=True)
+class PurgeSpec:
+    """Forget one tenant's cached prefixes on the replica named (the router sends it
+    there and nowhere else: the front purges every replica in turn)."""
+
+    tenant: str
+    replica: str
+
+
 @dataclass
 class Verdict:
     """A replica's first answer to a group: accepted, or the error ``prepare`` raised."""

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ember.cluster.protocol import GroupSpec, Verdict
+from ember.cluster.protocol import GroupSpec, PurgeSpec, Verdict
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.engine import LLMEngine
@@ -118,6 +118,10 @@ class EmberReplica:
                 priority=spec.priority, slo=spec.slo, weight=spec.weight,
                 arrival=time.monotonic() - spec.waited, references=spec.references, lora=lora)
             return slot.submit(group, deliver)
+
+    def purge_cache(self, spec: PurgeSpec) -> dict[str, Any]:
+        """Forget a tenant's cached prefixes here (RAM and disk tier); what went."""
+        return {"replica": self.replica, **self.thread.purge_cache(spec.tenant)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """The router's view of this replica (Ray Serve calls it periodically)."""

@@ -185,6 +185,17 @@ def _eligible(spec: Any, candidates: list[str]) -> list[str]:
     return [c for c in candidates if c not in avoid] or candidates
 
 
+def _pinned(pending: Any, by_id: dict[str, Any]) -> list[list] | None:
+    """The ranking for a request meant for one named replica (a purge): that replica,
+    or none while it is not among the candidates; None for any other request."""
+    from ember.cluster.protocol import PurgeSpec
+
+    for arg in pending.args if pending is not None else ():
+        if isinstance(arg, PurgeSpec):
+            return [[by_id[arg.replica]]] if arg.replica in by_id else []
+    return None
+
+
 def _spec_of(pending: Any) -> Any:
     from ember.cluster.protocol import GroupSpec
 
@@ -229,6 +240,9 @@ class PrefixAffinityRouter(_ViewUpkeep):
                               ) -> list[list]:
         v = view()
         by_id = v.observe_replicas(candidate_replicas)
+        pinned = _pinned(pending_request, by_id)
+        if pinned is not None:
+            return pinned
         if not by_id:
             return []
         spec = _spec_of(pending_request)
@@ -264,6 +278,9 @@ class RoundRobinRouter(_ViewUpkeep):
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
                               ) -> list[list]:
         by_id = view().observe_replicas(candidate_replicas)
+        pinned = _pinned(pending_request, by_id)
+        if pinned is not None:
+            return pinned
         spec = _spec_of(pending_request)
         ranked = [by_id[r] for r in sorted(_eligible(spec, list(by_id)))]
         if not ranked:

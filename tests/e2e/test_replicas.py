@@ -62,7 +62,8 @@ def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path) -> Itera
     """SmolLM2 on two replicas behind tenants A and B (the same flags as the
     single-process ``smol_server``)."""
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
-                      "--num-kv-blocks", "512", api_key=KEY_A, weights=served_weights())
+                      "--num-kv-blocks", "512", "--admin-api-key", ADMIN, api_key=KEY_A,
+                      weights=served_weights())
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,25 @@ def test_same_text_from_another_tenant_is_not_routed_by_the_first_tenants_cache(
     assert a_cached >= r.usage.prompt_tokens - 16
     assert after["predicted"] - mid["predicted"] == a_cached == after["actual"] - mid["actual"]
     assert after["affinity"] == mid["affinity"] + 1
+
+
+def test_an_admin_purge_forgets_a_tenants_prefixes_on_every_replica(smol_server, model):
+    """DELETE /v1/cache?tenant=tenant-a reaches both replicas and forgets A's cached
+    prompt wherever the router had sent it; B's copy of the same text stays cached."""
+    text = f"[{uuid.uuid4().hex}] " + "A purge must reach every replica. " * 8
+    a, b = sdk(smol_server, KEY_A), sdk(smol_server, KEY_B)
+    kw = dict(model=model, messages=user(text), temperature=0, max_tokens=1)
+
+    def cached(client) -> int:
+        return client.chat.completions.create(**kw).usage.prompt_tokens_details.cached_tokens
+
+    for client in (a, a, b, b):
+        cached(client)
+    r = httpx.delete(f"{smol_server.url}/v1/cache?tenant=tenant-a", timeout=60,
+                     headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    assert r.json()["replicas"] == 2 and r.json()["ram_blocks"] >= 4
+    assert cached(a) == 0 and cached(b) > 64
 
 
 # ====================================================================== exposure
