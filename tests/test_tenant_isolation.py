@@ -317,3 +317,65 @@ def test_when_the_pool_runs_out_the_tenant_over_its_share_is_preempted_first(
     assert victims and set(victims) == {"big"}
     assert all(len(r.output_ids) == 60 for r in reqs)
     engine.kv.check_no_leaks()
+
+
+def _auc(faster: list[float], slower: list[float]) -> float:
+    """P(a value of ``faster`` < one of ``slower``), ties half (Mann-Whitney)."""
+    import bisect
+
+    ordered = sorted(slower)
+    wins = sum(len(ordered) - bisect.bisect_right(ordered, a)
+               + 0.5 * (bisect.bisect_right(ordered, a) - bisect.bisect_left(ordered, a))
+               for a in faster)
+    return wins / (len(faster) * len(slower))
+
+
+def _timing_auc(engine, victim: str, probe: str, lora: str | None, trials: int) -> float:
+    """The victim caches a random prompt; the probe then times (prefill to the first
+    token) that prompt and a fresh one of the same length, in random order. The AUC of
+    "the victim's prompt came back faster" is 0.5 when the probe learns nothing."""
+    import random
+    import time
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def ttft(prompt: list[int], tenant: str) -> float:
+        t = time.perf_counter()
+        engine.add_request(prompt, params, tenant=tenant, lora=lora)
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - t
+
+    def text() -> list[int]:
+        return [rng.randrange(100, 4000) for _ in range(384)]
+
+    cached, fresh = [], []
+    for _ in range(trials):
+        secret = text()
+        ttft(secret, victim)
+        tries = [(cached, secret), (fresh, text())]
+        rng.shuffle(tries)
+        for into, prompt in tries:
+            into.append(ttft(prompt, probe))
+    return _auc(cached, fresh)
+
+
+@pytest.mark.slow
+def test_another_tenants_cache_gives_no_timing_signal(make_tiny_engine, tmp_path) -> None:
+    """With quotas on and through an adapter, tenant B cannot tell from its own
+    prefill times whether tenant A cached a prompt: the AUC stays at most 0.55 over 300
+    trials (its spread under no signal is about 0.024), while the same probe by A itself
+    (the positive control) tells every time."""
+    from ember.bench.lora import write_random_adapter
+    from ember.config import TenantLimits
+
+    engine = make_tiny_engine(num_kv_blocks=512, tenant_limits={"*": TenantLimits(
+        kv_share=0.25, max_adapters=1)})
+    adapter = write_random_adapter(engine.loaded.config, 4, 1, tmp_path / "a.gguf")
+    engine.load_lora("a", str(adapter))
+    engine.step()  # warm
+    assert _timing_auc(engine, "a", "a", None, 40) > 0.75
+    assert _timing_auc(engine, "a", "b", None, 300) <= 0.55
+    assert _timing_auc(engine, "a", "b", "a", 300) <= 0.55
+

@@ -258,35 +258,55 @@ def test_a_client_expecting_100_continue_gets_the_413_without_sending_the_body(h
 
 
 # ====================================================================== 2. one user freezes nobody
+def _trickled(body: dict[str, Any], pieces: int = 25, pause: float = 0.02):
+    """The body's JSON sent in ``pieces`` with a pause between them: the request then
+    lasts at least ``pieces * pause`` seconds, however fast the machine."""
+    data = json.dumps(body).encode()
+    step = -(-len(data) // pieces)
+    for i in range(0, len(data), step):
+        yield data[i:i + step]
+        time.sleep(pause)
+
+
 def test_health_stays_responsive_while_a_5mb_prompt_is_rejected(hard):
-    latencies: list[float] = []
+    """/health keeps answering while each 5 MB prompt is read, measured and refused:
+    answers arrive during each refusal, and no health request waits half as long as
+    the refusal takes (before, /health froze for the whole 27 s of one). Each body is
+    trickled in over half a second or more, so the bound is relative to a span the
+    test sets, not to this machine's speed."""
+    answered: list[tuple[float, float]] = []  # (sent, answered) of each /health
     stop = threading.Event()
 
     def poll() -> None:
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=60) as c:
             while not stop.is_set():
                 t = time.monotonic()
                 assert c.get(hard.url + "/health").status_code == 200
-                latencies.append(time.monotonic() - t)
+                answered.append((t, time.monotonic()))
                 time.sleep(0.005)
 
     poller = threading.Thread(target=poll)
     poller.start()
+    refusals: list[tuple[float, float]] = []
     try:
         time.sleep(0.2)
         big = "lorem ipsum " * (5_000_000 // 12)
-        err = assert_error(post(hard, "/v1/chat/completions", chat(hard, messages=user(big))),
-                           400, "messages")
-        assert "context window" in err["message"]
-        err = assert_error(post(hard, "/v1/completions",
-                                {"model": hard.model_id, "prompt": big}), 400, "prompt")
+        for route, body, param in (
+                ("/v1/chat/completions", chat(hard, messages=user(big)), "messages"),
+                ("/v1/completions", {"model": hard.model_id, "prompt": big}, "prompt")):
+            t = time.monotonic()
+            r = httpx.post(hard.url + route, content=_trickled(body), timeout=60,
+                           headers={"Content-Type": "application/json"})
+            refusals.append((t, time.monotonic()))
+            assert_error(r, 400, param)
         time.sleep(0.2)
     finally:
         stop.set()
-        poller.join(30)
-    assert len(latencies) > 10
-    # a regression guard, not a benchmark: before, /health froze for 27 s
-    assert max(latencies) < 2.0, (max(latencies), statistics.median(latencies))
+        poller.join(60)
+    for start, end in refusals:
+        assert len([a for _, a in answered if start < a < end]) >= 3
+        waited = [a - s for s, a in answered if start < a and s < end]
+        assert max(waited) < (end - start) / 2, (max(waited), end - start)
 
 
 def test_a_prompt_that_passes_the_character_bound_is_still_measured_in_tokens(hard):
