@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint browser bench clean
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,15 @@ run: install
 lint: install
 	$(BIN)/ruff check ember tests scripts
 
-test: install lint
+# Debian's chromium, which the chat page's browser tests drive through Playwright
+# (Playwright's own browser download cannot be fetched here). Installed where this runs
+# as root with apt; elsewhere those tests are skipped, and say so.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "chromium is not installed: the chat page's browser tests will be skipped"
+
+test: install lint browser
 	$(BIN)/python -m pytest -q
 
 clean:

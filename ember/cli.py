@@ -121,6 +121,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-dtype", choices=("auto", "f32", "bf16"), default="auto",
                    help="how adapters are held: bf16 halves the bytes each step reads; "
                         "auto (default): bf16 over the fused native stack, else f32")
+    s.add_argument("--no-ui", action="store_true",
+                   help="do not serve the chat page at / (docs/ui.md)")
     s.add_argument("--admin-api-key",
                    help="bearer key for POST /v1/load_lora_adapter and "
                         "/v1/unload_lora_adapter (without it they are refused)")
@@ -416,7 +418,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                           tenant_weights=weights, loras=_loras(args.lora),
-                          admin_api_key=args.admin_api_key)
+                          admin_api_key=args.admin_api_key, chat_page=not args.no_ui)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     if not args.replicas:

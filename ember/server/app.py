@@ -52,6 +52,7 @@ from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
 from ember.server.backend import Backend, EngineView, Submission
+from ember.server.chat_page import basic_password, mount_chat_page
 from ember.server.errors import (
     APIError,
     as_api_errors,
@@ -91,6 +92,7 @@ class ServerConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
     loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH, every tenant's
     admin_api_key: str | None = None  # runtime adapter (un)loading needs it
+    chat_page: bool = True  # the chat page at / (--no-ui: off)
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -356,6 +358,18 @@ class Server:
         if not self._keys:
             return True
         token = bearer_token(authorization.decode("latin-1"))
+        return token is not None and self._owner(_digest(token)) is not None
+
+    def may_see_page(self, request: Request) -> bool:
+        """Whether a request may load the chat page: no keys are configured, or it
+        carries one, as a bearer key or as an HTTP Basic password (what a browser
+        sends when it asks its user)."""
+        if not self._keys:
+            return True
+        header = request.headers.get("authorization", "")
+        token = bearer_token(header)
+        if token is None:
+            token = basic_password(header)
         return token is not None and self._owner(_digest(token)) is not None
 
     def check_metrics_access(self, request: Request) -> None:
@@ -897,6 +911,8 @@ def create_app(server: Server) -> FastAPI:
         return _ok(request, server, server.tokenizer_info())
 
     openapi.install(app)
+    if server.config.chat_page:
+        mount_chat_page(app, server.may_see_page)
     return app
 
 

@@ -51,11 +51,21 @@ def chunk_writer(ids: Ids, req: Any, object_name: str) -> Callable[..., str]:
 
 
 def usage_of(outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage object. Where speculation ran, ``completion_tokens_details`` says
+    how many draft tokens the model accepted and rejected (OpenAI's fields for
+    predicted outputs, the same idea: tokens proposed ahead and verified)."""
     prompt = outs[0].prompt_tokens if outs else 0
     completion = sum(o.completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens if outs else 0}}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens if outs else 0}}
+    drafted = sum(o.spec.drafted for o in outs if o.spec is not None)
+    if drafted:
+        accepted = sum(o.spec.accepted for o in outs if o.spec is not None)
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage
 
 
 def token_text(tokenizer: Any, token: int) -> tuple[str, list[int]]:

@@ -37,6 +37,12 @@ def test_speculation_on_or_off_gives_the_same_reply(smol_server):
     assert on.choices[0].message.content == off.choices[0].message.content
     assert between[0] > before[0] and between[1] > before[1], (before, between)
     assert after == between
+    # the reply's usage says what its drafts did, as the metrics counted them
+    details = on.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens + details.rejected_prediction_tokens
+            == between[0] - before[0])
+    assert 0 < details.accepted_prediction_tokens < on.usage.completion_tokens
+    assert off.usage.completion_tokens_details is None
 
 
 def test_references_feed_the_reference_source(smol_server):
