@@ -121,6 +121,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-dtype", choices=("auto", "f32", "bf16"), default="auto",
                    help="how adapters are held: bf16 halves the bytes each step reads; "
                         "auto (default): bf16 over the fused native stack, else f32")
+    s.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export one OpenTelemetry trace per request over OTLP/HTTP, e.g. "
+                        "http://127.0.0.1:4318/v1/traces (docs/observability.md)")
+    s.add_argument("--trace-content", action="store_true",
+                   help="put prompt and completion text in the traces (off: never exported)")
+    s.add_argument("--request-log", metavar="FILE",
+                   help="append one JSON line per finished request (rotation-safe)")
     s.add_argument("--no-ui", action="store_true",
                    help="do not serve the chat page at / (docs/ui.md)")
     s.add_argument("--admin-api-key",
@@ -418,7 +425,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                           tenant_weights=weights, loras=_loras(args.lora),
-                          admin_api_key=args.admin_api_key, chat_page=not args.no_ui)
+                          admin_api_key=args.admin_api_key, chat_page=not args.no_ui,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint,
+                          trace_content=args.trace_content, request_log=args.request_log)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     if not args.replicas:

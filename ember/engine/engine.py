@@ -208,9 +208,10 @@ class LLMEngine:
         sched = self.scheduler.schedule(self._proposals)
         if sched.rows:
             self.steps += 1
-            start = time.perf_counter()
+            began, start = time.monotonic(), time.perf_counter()
             changed += self._run(sched.rows)
             self.scheduler.costs.observe(sched.shape, time.perf_counter() - start)
+            _record_step(sched.rows, began, time.monotonic())
         elif self.kv.tier is not None:
             self.kv.tier.wait_for_reads(0.005)  # only disk reads to wait for: do not spin
         self._retire()
@@ -421,3 +422,14 @@ def _for_recurrent(config: EngineConfig) -> EngineConfig:
     if changed:
         log.info("recurrent layers: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))
     return dataclasses.replace(config, **changed)
+
+
+def _record_step(rows: Sequence[ScheduledRow], began: float, ended: float) -> None:
+    """Each row's part of the step, on its request's timeline: a chunk of positions it
+    had not computed (prompt, or history after a preemption), or a decode step."""
+    for row in rows:
+        timeline = row.request.timeline
+        if row.num_tokens > 1 or row.start < row.request.num_prompt:
+            timeline.chunks.append((began, ended, row.start, row.num_tokens))
+        else:
+            timeline.decode_steps += 1

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from ember.engine.request import Request
+from ember.engine.request import Request, Timeline
 from ember.sampling.sampler import TokenLogprobs
 from ember.spec.speculator import SpecStats
 
@@ -29,6 +30,7 @@ class RequestOutput:
     retry_after: float | None = None  # rejected: seconds until it would likely be served
     queued_seconds: float | None = None  # arrival to admission, once admitted
     spec: SpecStats | None = None  # what speculation did (None: it did not speculate)
+    timeline: Timeline | None = None  # when its work ran (set once finished: its trace)
     # with SamplingParams.prompt_logprobs, once finished: one per prompt token (None first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_token_ids: list[int] | None = None  # set with prompt_logprobs
@@ -63,6 +65,18 @@ def output(req: Request) -> RequestOutput:
         queued_seconds=(req.admitted_time - req.arrival_time
                         if req.admitted_time is not None else None),
         spec=req.speculator.stats if req.speculator is not None else None,
+        timeline=_finished_timeline(req),
         prompt_logprobs=req.prompt_logprobs if with_prompt and req.is_finished else None,
         prompt_token_ids=req.prompt_ids if with_prompt else None,
     )
+
+
+def _finished_timeline(req: Request) -> Timeline | None:
+    if not req.is_finished:
+        return None
+    t = req.timeline
+    if t.finished_time is None:
+        t.finished_time = time.monotonic()
+        t.arrival_time, t.admitted_time = req.arrival_time, req.admitted_time
+        t.first_token_time = req.first_token_time
+    return t

@@ -39,6 +39,23 @@ class FinishReason(enum.StrEnum):
     REJECTED = "rejected"  # refused before its first token: it would miss its TTFT objective
 
 
+@dataclass
+class Timeline:
+    """When a request's work ran (``time.monotonic()``), for its trace: every step that
+    computed prompt positions (a prefill chunk, or a recompute after preemption) and
+    how many decode steps it took. A tuple appended per chunk: free when nobody
+    traces."""
+
+    chunks: list[tuple[float, float, int, int]] = field(default_factory=list)  # start,
+    # end, first position, positions
+    decode_steps: int = 0
+    # copied from the request when it finishes
+    arrival_time: float = 0.0
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
 @dataclass(eq=False)  # identity semantics: requests are hashable and unique
 class Request:
     request_id: str
@@ -78,6 +95,8 @@ class Request:
     first_token_time: float | None = None
     retry_after: float | None = None  # when rejected: seconds until it would fit
     admitted_seq: int = 0  # admission order, for preemption (latest goes first)
+    timeline: Timeline = field(default_factory=Timeline)
+
 
     def __post_init__(self) -> None:
         if not self.token_ids:

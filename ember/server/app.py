@@ -62,6 +62,7 @@ from ember.server.errors import (
     unsupported,
 )
 from ember.server.metrics import Metrics
+from ember.server.telemetry import RequestRecord, Telemetry
 from ember.server.transport import (
     ClientGone,
     JSONBody,
@@ -93,6 +94,9 @@ class ServerConfig:
     loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH, every tenant's
     admin_api_key: str | None = None  # runtime adapter (un)loading needs it
     chat_page: bool = True  # the chat page at / (--no-ui: off)
+    otlp_traces_endpoint: str | None = None  # export one trace per request (OTLP/HTTP)
+    trace_content: bool = False  # prompt and completion text in the traces
+    request_log: str | None = None  # one JSON line per finished request
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None
@@ -235,6 +239,7 @@ class Admitted:
     names: dict[str, str]
     discard: Callable[[list[EngineRequest]], None] = lambda group: None
     reasoning: R.Reasoning | None = None
+    record: RequestRecord | None = None  # for its trace and log line
 
     def release(self) -> None:
         """Give back the queue places, and the groups never handed over."""
@@ -256,6 +261,8 @@ class Server:
         self.thread: Backend | None = None
         self.load_error: str | None = None
         self.metrics = Metrics(self._engine_stats, self._extra_metrics)
+        self.telemetry = Telemetry(config.otlp_traces_endpoint, config.trace_content,
+                                   config.request_log)
         self._start = start or (lambda: backend.local(config.engine))
         for where, key in [("--api-key", k) for k in config.api_keys] + [
                 ("--metrics-api-key", config.metrics_api_key),
@@ -383,6 +390,7 @@ class Server:
         """Steps 1 and 2 of the module docstring; the result holds its queue places."""
         arrival = time.monotonic()  # what the client's TTFT counts from
         tenant = self.tenant(request)
+        record = self._record(request, tenant, arrival)
         raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
         thread = self._thread()
         with as_api_errors({}):
@@ -408,8 +416,25 @@ class Server:
         except BaseException:
             first.release()
             raise
+        if record is not None:
+            record.prepared = time.monotonic()
+            record.model, record.adapter = req.model or "", self.check_model(req.model, tenant)
+            record.params = {"max_tokens": getattr(req, route.cap(req), None),
+                             "temperature": getattr(req, "temperature", None),
+                             "top_p": getattr(req, "top_p", None),
+                             "seed": getattr(req, "seed", None)}
+            if self.telemetry.content:
+                record.prompt = raw.decode("utf-8", "replace")
         return Admitted(req, groups, slots, route.names(req), thread.discard,
-                        prepared.reasoning)
+                        prepared.reasoning, record)
+
+    def _record(self, request: Request, tenant: str, arrival: float) -> RequestRecord | None:
+        """The request's trace and log record, when either is on (else nothing)."""
+        if not self.telemetry.enabled:
+            return None
+        carrier = {k: request.headers[k] for k in ("traceparent", "tracestate")
+                   if k in request.headers}
+        return RequestRecord(request.url.path, tenant, arrival, carrier)
 
     def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float) -> Prepared:
         """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
@@ -591,14 +616,16 @@ class Server:
             for r in submitted:
                 thread.abort(r.request_id)
             raise
-        return self._outputs(reqs, queue, thread, adm.names, disconnected(request))
+        return self._outputs(reqs, queue, thread, adm.names, disconnected(request), adm.record)
 
     async def _outputs(self, reqs: list[EngineRequest], queue: asyncio.Queue,
-                       thread: Backend, names: dict[str, str], gone: asyncio.Future
+                       thread: Backend, names: dict[str, str], gone: asyncio.Future,
+                       record: RequestRecord | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         open_choices = set(range(len(reqs)))
         timings = {i: _Timing() for i in open_choices}
         latest: dict[int, RequestOutput] = {}
+        status, error_type = 200, None
         try:
             while open_choices:
                 i, out = await _next(queue, gone)
@@ -612,8 +639,20 @@ class Server:
                     if out.finish_reason == "error":
                         raise failure(out, names)
                 yield i, out
+        except APIError as e:
+            status, error_type = e.status, e.code or e.type
+            raise
+        except (ClientGone, GeneratorExit, asyncio.CancelledError):
+            status, error_type = 499, "client_disconnected"
+            raise
+        except BaseException as e:
+            status, error_type = 500, type(e).__name__
+            raise
         finally:
             gone.cancel()
+            if record is not None:
+                self.telemetry.finished(record, [latest.get(i) for i in range(len(reqs))],
+                                        status, error_type, time.monotonic())
             for i in open_choices:  # the client went away (or a sibling failed)
                 thread.abort(reqs[i].request_id)
                 done = latest[i].completion_tokens if i in latest else 0
@@ -1014,6 +1053,7 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
     if server.thread is not None:
         server.thread.drain(timeout=graceful_seconds)
         server.thread.shutdown(timeout=graceful_seconds)
+    server.telemetry.close()
     print("ember: stopped", flush=True)
     return 0
 
