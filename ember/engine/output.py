@@ -79,4 +79,6 @@ def _finished_timeline(req: Request) -> Timeline | None:
         t.finished_time = time.monotonic()
         t.arrival_time, t.admitted_time = req.arrival_time, req.admitted_time
         t.first_token_time = req.first_token_time
+        t.grammar_seconds = sum(getattr(p, "mask_seconds", 0.0)
+                                for p in req.sampler.processors)
     return t

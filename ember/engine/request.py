@@ -49,6 +49,7 @@ class Timeline:
     chunks: list[tuple[float, float, int, int]] = field(default_factory=list)  # start,
     # end, first position, positions
     decode_steps: int = 0
+    grammar_seconds: float = 0.0  # computing its grammar's masks
     # copied from the request when it finishes
     arrival_time: float = 0.0
     admitted_time: float | None = None

@@ -95,8 +95,10 @@ class Telemetry:
             raise RuntimeError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
                                "pip install 'ember[otel]'") from e
         self._provider = TracerProvider(resource=Resource.create({"service.name": "ember"}))
+        # a queue for a burst of long requests' spans (the default 2,048 drops them)
         self._provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500))
+            OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500,
+            max_queue_size=65536))
         log.info("exporting traces to %s (OTLP/HTTP)%s", endpoint,
                  ", with prompt and completion text" if self.content else "")
         return self._provider.get_tracer("ember")
@@ -203,7 +205,8 @@ class Telemetry:
              **{"ember.choice": choice, "ember.decode.steps": t.decode_steps,
                 "gen_ai.usage.output_tokens": out.completion_tokens if out else None,
                 "ember.spec.drafted": spec.drafted if spec else None,
-                "ember.spec.accepted": spec.accepted if spec else None})
+                "ember.spec.accepted": spec.accepted if spec else None,
+                "ember.grammar.mask_seconds": t.grammar_seconds or None})
         span("ember.respond", finished, end,
              **{"ember.choice": choice,
                 "gen_ai.response.finish_reasons": [out.finish_reason or "abort"] if out else None})

@@ -58,11 +58,22 @@ def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
 
 
 @pytest.fixture(scope="module")
-def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path) -> Iterator[EmberServer]:
+def receiver():
+    from test_telemetry import Receiver
+
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
+                receiver) -> Iterator[EmberServer]:
     """SmolLM2 on two replicas behind tenants A and B (the same flags as the
-    single-process ``smol_server``)."""
+    single-process ``smol_server``), exporting traces."""
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
-                      "--num-kv-blocks", "512", "--admin-api-key", ADMIN, api_key=KEY_A,
+                      "--num-kv-blocks", "512", "--admin-api-key", ADMIN,
+                      "--otlp-traces-endpoint", receiver.url, api_key=KEY_A,
                       weights=served_weights())
 
 
@@ -196,6 +207,19 @@ def test_an_admin_purge_forgets_a_tenants_prefixes_on_every_replica(smol_server,
     assert r.status_code == 200, r.text
     assert r.json()["replicas"] == 2 and r.json()["ram_blocks"] >= 4
     assert cached(a) == 0 and cached(b) > 64
+
+
+def test_a_trace_carries_the_replicas_engine_spans(smol_server, model, receiver):
+    """The replica's prefill chunks and decode join the front's trace, under the
+    caller's traceparent."""
+    trace_id = uuid.uuid4().hex
+    r = httpx.post(smol_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": user(f"[{trace_id}] Say hi."), "max_tokens": 4},
+        headers={"Authorization": f"Bearer {KEY_A}",
+                 "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert r.status_code == 200, r.text
+    names = [s.name for s in receiver.trace(bytes.fromhex(trace_id))]
+    assert "ember.prefill.chunk" in names and "ember.decode" in names, names
 
 
 # ====================================================================== exposure

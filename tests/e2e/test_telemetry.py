@@ -176,3 +176,16 @@ def test_a_client_that_leaves_is_logged_as_499_with_its_partial_trace(traced, re
     assert last["status"] == 499 and last["error_type"] == "client_disconnected"
     spans = receiver.trace(bytes.fromhex(last["trace_id"]))
     assert _attrs(_root(spans))["http.response.status_code"] == 499
+
+
+def test_a_constrained_requests_decode_span_says_how_long_its_masks_took(traced, receiver):
+    server, _ = traced
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model_id, "messages": user("A JSON object, please."), "max_tokens": 16,
+        "response_format": {"type": "json_object"}},
+        headers={"Authorization": f"Bearer {KEY_A}",
+                 "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert r.status_code == 200, r.text
+    decode = next(s for s in receiver.trace(bytes.fromhex(trace_id)) if s.name == "ember.decode")
+    assert _attrs(decode)["ember.grammar.mask_seconds"] > 0
