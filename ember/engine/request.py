@@ -50,6 +50,7 @@ class Timeline:
     # end, first position, positions
     decode_steps: int = 0
     grammar_seconds: float = 0.0  # computing its grammar's masks
+    restored_bytes: int = 0  # of its prefix, read back from the KV disk tier
     # copied from the request when it finishes
     arrival_time: float = 0.0
     admitted_time: float | None = None

@@ -265,6 +265,7 @@ class Scheduler:
         self._partial += partial
         self.waiting.remove(req)
         self.kv.admit(req, found, cached + n)
+        req.timeline.restored_bytes += self.kv.take_restored(req.request_id)
         self.start_running(req)
         self._add_row(out, req, n)
         return True

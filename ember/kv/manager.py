@@ -52,6 +52,7 @@ class KVCacheManager:
         # a trailing None means the cache refused one, so later blocks are not offered
         self._chains: dict[str, list[int | None]] = {}
         self.tier: DiskTier | None = None
+        self._restored: dict[str, int] = {}  # request id -> bytes restored for it from disk
         # this step's lookups, per waiting request: (cache version, history length), its
         # tokens and RAM hits
         self._lookups: dict[str, tuple[tuple[int, int], list[int], list[CachedBlock]]] = {}
@@ -122,8 +123,17 @@ class KVCacheManager:
         scheduler decides with it whether to admit."""
         tokens, found = self._lookup(req)
         if self.tier is not None and self.prefix and tokens:
+            ram = len(found)
             found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
+            if len(found) > ram:  # once: the next lookup finds them in RAM
+                self._restored[req.request_id] = (
+                    self._restored.get(req.request_id, 0)
+                    + (len(found) - ram) * self.tier.storage.bytes_per_block)
         return found
+
+    def take_restored(self, request_id: str) -> int:
+        """Bytes the disk tier restored for a request's prefix (counted once)."""
+        return self._restored.pop(request_id, 0)
 
     def loading(self, req: KVSequence) -> bool:
         """Whether a waiting request's prefix is being read from the disk tier (it is
@@ -226,6 +236,7 @@ class KVCacheManager:
         blocks = list(req.block_table.blocks)
         req.block_table.release()
         self._chains.pop(req.request_id, None)
+        self._restored.pop(req.request_id, None)
         if req.state_slot is not None:
             self._free_slots.append(req.state_slot)
             req.state_slot = None

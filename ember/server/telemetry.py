@@ -186,7 +186,8 @@ class Telemetry:
         span("ember.queue", prepared, t.admitted_time, **{"ember.choice": choice})
         span("ember.admission", t.admitted_time, t.admitted_time,
              **{"ember.choice": choice,
-                "ember.prompt.cached_tokens": out.cached_tokens if out else None})
+                "ember.prompt.cached_tokens": out.cached_tokens if out else None,
+                "ember.kv_disk.restored_bytes": t.restored_bytes})
         prefill = span("ember.prefill", t.admitted_time, first,
                        **{"ember.choice": choice, "ember.prefill.chunks": len(t.chunks),
                           "ember.prefill.tokens": sum(c[3] for c in t.chunks)})

@@ -189,3 +189,34 @@ def test_a_constrained_requests_decode_span_says_how_long_its_masks_took(traced,
     assert r.status_code == 200, r.text
     decode = next(s for s in receiver.trace(bytes.fromhex(trace_id)) if s.name == "ember.decode")
     assert _attrs(decode)["ember.grammar.mask_seconds"] > 0
+
+
+def test_a_prefix_read_back_from_the_disk_tier_shows_its_bytes(tiny_gguf: Path,
+                                                                e2e_log_dir: Path, receiver,
+                                                                tmp_path):
+    """A 24-block pool with a disk tier: prompt A (16 blocks) is cached, two other
+    prompts push it out of RAM, and A again is admitted with its blocks read back from
+    disk: its admission span says how many bytes."""
+    serving = _serve(tiny_gguf, e2e_log_dir, "--kv-cache-dir", str(tmp_path / "kv"),
+                     "--kv-restore", "always", "--num-kv-blocks", "24",
+                     "--otlp-traces-endpoint", receiver.url)
+    server = next(serving)
+    try:
+        def complete(prompt: list[int], trace_id: str = "") -> None:
+            headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"} if trace_id else {}
+            r = httpx.post(server.url + "/v1/completions", timeout=60, headers=headers,
+                           json={"model": server.model_id, "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+        a = list(range(100, 100 + 16 * 16 + 1))
+        complete(a)
+        for k in (1, 2):
+            complete(list(range(1000 * k, 1000 * k + 16 * 16 + 1)))
+        trace_id = "6bf92f3577b34da6a3ce929d0e0e4738"
+        complete(a, trace_id)
+        spans = receiver.trace(bytes.fromhex(trace_id))
+        admission = _attrs(next(s for s in spans if s.name == "ember.admission"))
+        assert admission["ember.kv_disk.restored_bytes"] > 0
+        assert admission["ember.prompt.cached_tokens"] == 16 * 16
+    finally:
+        serving.close()

@@ -251,3 +251,51 @@ def test_no_ui_turns_the_page_off(tiny_gguf: Path, e2e_log_dir: Path):
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     finally:
         serving.close()
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+            "{% endif %}")
+
+
+def test_reasoning_is_shown_collapsed_apart_from_the_answer(browser, smollm2_gguf: Path,
+                                                            e2e_log_dir: Path, tmp_path):
+    """A template that opens the reasoning in the prompt: what the model says before
+    </think> is reasoning_content, shown in a collapsed "Reasoning" block, not in the
+    answer."""
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING)
+    serving = _serve(smollm2_gguf, e2e_log_dir, "--chat-template", str(template),
+                     weights=served_weights())
+    server = next(serving)
+    try:
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        configure(page, **{"Temperature": "0", "Max tokens": "24"})
+        send(page, "Is 17 a prime number?")
+        wait_done(page)
+        reasoning = replies(page).first.locator("details.reasoning")
+        assert reasoning.count() == 1 and reasoning.get_attribute("open") is None
+        thought = reasoning.locator("div").text_content()
+        assert thought.strip() and thought.strip() not in replies(page).first.locator(
+            ".body").text_content()
+        page.close()
+    finally:
+        serving.close()
+
+
+def test_a_server_that_went_away_shows_a_banner(browser, tiny_gguf: Path, e2e_log_dir: Path):
+    serving = _serve(tiny_gguf, e2e_log_dir)
+    server = next(serving)
+    page = browser.new_page()
+    try:
+        page.goto(server.url + "/")
+        page.get_by_label("Message", exact=True).wait_for()
+    finally:
+        serving.close()  # the server stops; the page stays
+    send(page, "Anyone there?")
+    banner = page.get_by_role("alert")
+    banner.wait_for()
+    assert "not reachable" in banner.inner_text()
+    assert replies(page).first.get_attribute("data-state") == "error"
+    page.close()
