@@ -348,7 +348,7 @@ def _timing_auc(engine, victim: str, probe: str, lora: str | None, trials: int) 
         return time.perf_counter() - t
 
     def text() -> list[int]:
-        return [rng.randrange(100, 4000) for _ in range(384)]
+        return [rng.randrange(100, 4000) for _ in range(192)]
 
     cached, fresh = [], []
     for _ in range(trials):

@@ -66,3 +66,34 @@ def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer
 def tiny_small_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
     """Tiny model with a 64-token context window: error paths and fuzzing."""
     yield from _serve(tiny_gguf, e2e_log_dir, "--max-model-len", "64", "--num-kv-blocks", "128")
+
+
+KEY_Q = "sk-tenant-q-5555555555"  # a tenant allowed nothing in the queue: every request 429s
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """A real OTLP/HTTP trace receiver on loopback (tests/e2e/test_telemetry.py)."""
+    from test_telemetry import Receiver
+
+    receiver = Receiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def observed_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path, otlp_receiver,
+                    tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[EmberServer, Path]]:
+    """The real SmolLM2 behind tenants A, B and Q (Q may queue nothing: 429), with the
+    chat page, traces sent to ``otlp_receiver`` and a request log (its path is the
+    second item): shared by the chat page's and the telemetry tests."""
+    root = tmp_path_factory.mktemp("observed")
+    keys, limits, log = root / "keys.txt", root / "limits.txt", root / "requests.jsonl"
+    keys.write_text(keys_file.read_text() + f"{KEY_Q} tenant-q\n")
+    limits.write_text("tenant-q max_queued=0\n")
+    for server in _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
+                         "--tenant-limits", str(limits), "--num-kv-blocks", "512",
+                         "--otlp-traces-endpoint", otlp_receiver.url, "--request-log", str(log),
+                         api_key=KEY_A, weights=served_weights()):
+        yield server, log

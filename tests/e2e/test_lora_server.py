@@ -119,7 +119,7 @@ def test_unloading_lets_running_requests_finish(lora_server, smollm2_gguf,
     client = _client(lora_server, KEY_A)
     body = {"lora_name": "temp", "lora_path": str(smollm2_adapters["peft"])}
     assert _admin(lora_server, "load_lora_adapter", body).status_code == 200
-    prompt, n = "Count: 1, 2, 3,", 200
+    prompt, n = "Count: 1, 2, 3,", 64
     stream = client.completions.create(model="temp", prompt=prompt, max_tokens=n,
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True},

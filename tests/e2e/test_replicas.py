@@ -58,12 +58,8 @@ def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    from test_telemetry import Receiver
-
-    r = Receiver()
-    yield r
-    r.server.shutdown()
+def receiver(otlp_receiver):
+    return otlp_receiver
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import _serve
-from e2e_server import KEY_A, EmberServer, served_weights
+from e2e_server import KEY_A, EmberServer
 from test_server import sdk, user
 
 from ember.server.metrics import tenant_hash
@@ -67,20 +66,13 @@ class Receiver:
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.server.shutdown()
+def receiver(otlp_receiver) -> Receiver:
+    return otlp_receiver
 
 
 @pytest.fixture(scope="module")
-def traced(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path, receiver: Receiver,
-           tmp_path_factory) -> Iterator[tuple[EmberServer, Path]]:
-    log = tmp_path_factory.mktemp("request-log") / "requests.jsonl"
-    for server in _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
-                         "--otlp-traces-endpoint", receiver.url, "--request-log", str(log),
-                         api_key=KEY_A, weights=served_weights()):
-        yield server, log
+def traced(observed_server) -> tuple[EmberServer, Path]:
+    return observed_server
 
 
 def _root(spans: list):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _serve
+from conftest import KEY_Q, _serve
 from e2e_server import KEY_A, EmberServer, served_weights
 
 pytestmark = pytest.mark.slow
@@ -23,22 +23,13 @@ if CHROMIUM is None:
     pytest.skip("needs Debian's chromium (make test installs it where it can)",
                 allow_module_level=True)
 
-KEY_Q = "sk-tenant-q-5555555555"  # a tenant allowed nothing in the queue: every request 429s
 # what a model's reply may try: markup that would run if it were ever parsed as HTML
 MARKUP = "<img src=x onerror=window.__xss=1><script>window.__xss=2</script>"
 
 
 @pytest.fixture(scope="module")
-def ui_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
-              tmp_path_factory) -> Iterator[EmberServer]:
-    root = tmp_path_factory.mktemp("ui-server")
-    keys = root / "keys.txt"
-    keys.write_text(keys_file.read_text() + f"{KEY_Q} tenant-q\n")
-    limits = root / "limits.txt"
-    limits.write_text("tenant-q max_queued=0\n")
-    yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
-                      "--tenant-limits", str(limits), "--num-kv-blocks", "512",
-                      api_key=KEY_A, weights=served_weights())
+def ui_server(observed_server) -> EmberServer:
+    return observed_server[0]
 
 
 @pytest.fixture(scope="module")
