@@ -261,6 +261,31 @@ def test_a_purge_reaches_every_replica_and_sums_what_went(make) -> None:
     assert sorted(handle.reached) == ["r1", "r2"]
 
 
+def test_a_purge_refuses_to_report_success_it_cannot_vouch_for(make) -> None:
+    """Fewer replicas known than deployed, or an answer from another replica than the
+    one the purge was pinned to: a 503 to send it again, never a partial success."""
+    handle = PurgingHandle({"r1": 3, "r2": 5})
+    rs, _ = make([], handle=handle)
+    rs.view.observe("r1", {"keys": [], "metrics": {}})
+    with pytest.raises(EngineStopped, match="1 of 2 replicas"):
+        rs.purge_cache("t")
+    rs.view.observe("r2", {"keys": [], "metrics": {}})
+    handle.removed["r2"] = 5
+    original = PurgingHandle.remote
+
+    def misrouted(self, spec):
+        if self.purging and spec.replica == "r2":
+            spec = type(spec)(spec.tenant, "r1")
+        return original(self, spec)
+
+    PurgingHandle.remote = misrouted
+    try:
+        with pytest.raises(EngineStopped, match="meant for replica r2 reached r1"):
+            rs.purge_cache("t")
+    finally:
+        PurgingHandle.remote = original
+
+
 def test_a_purge_is_pinned_to_its_replica_by_either_router() -> None:
     from ember.cluster.protocol import GroupSpec, PurgeSpec
     from ember.cluster.router import _pinned

@@ -380,8 +380,9 @@ class ReplicaSet:
         (each call pinned to its replica by the router); the totals removed. A replica
         that does not answer makes it a 503: the purge is then incomplete."""
         replicas = sorted(self.view.snapshot())
-        if not replicas:
-            raise EngineStopped("no replica is running")
+        if len(replicas) < self.replicas:
+            raise EngineStopped(f"{len(replicas)} of {self.replicas} replicas are known "
+                                "to the router; purge again once all are up")
         total: dict[str, int] = {}
         for replica in replicas:
             try:
@@ -390,6 +391,9 @@ class ReplicaSet:
             except Exception as e:
                 raise EngineStopped(f"replica {replica} did not purge tenant {tenant!r} "
                                     f"({type(e).__name__}); purge again") from None
+            if got.get("replica") != replica:
+                raise EngineStopped(f"the purge meant for replica {replica} reached "
+                                    f"{got.get('replica')}; purge again")
             for key, value in got.items():
                 if key != "replica":
                     total[key] = total.get(key, 0) + int(value)

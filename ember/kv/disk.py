@@ -318,7 +318,7 @@ class DiskStore:
                     return None
                 magic, _, _, _, _, n_salt, _, _ = _HEAD.unpack(head)
                 salt = f.read(n_salt)
-        except FileNotFoundError:
+        except OSError:  # gone, or unreadable: treated as not ours
             return None
         return salt if magic == MAGIC and len(salt) == n_salt else None
 

@@ -227,6 +227,7 @@ class Prepared:
     req: Any  # the protocol body
     groups: list[list[EngineRequest]]  # one per prompt: its n choices
     reasoning: R.Reasoning | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with
 
 
 @dataclass
@@ -418,7 +419,7 @@ class Server:
             raise
         if record is not None:
             record.prepared = time.monotonic()
-            record.model, record.adapter = req.model or "", self.check_model(req.model, tenant)
+            record.model, record.adapter = req.model or "", prepared.adapter
             record.params = {"max_tokens": getattr(req, route.cap(req), None),
                              "temperature": getattr(req, "temperature", None),
                              "top_p": getattr(req, "top_p", None),
@@ -456,7 +457,7 @@ class Server:
             for group in groups:  # a later prompt failed: the earlier ones never run
                 self._thread().discard(group)
             raise
-        return Prepared(req, groups, built.reasoning)
+        return Prepared(req, groups, built.reasoning, lora)
 
     def _slo(self, req: Any) -> SLO | None:
         """The request's objectives: its own ``slo`` extension, else the server's."""
@@ -650,15 +651,16 @@ class Server:
             raise
         finally:
             gone.cancel()
-            if record is not None:
-                self.telemetry.finished(record, [latest.get(i) for i in range(len(reqs))],
-                                        status, error_type, time.monotonic())
+            end = time.monotonic()
             for i in open_choices:  # the client went away (or a sibling failed)
                 thread.abort(reqs[i].request_id)
                 done = latest[i].completion_tokens if i in latest else 0
                 self.metrics.observe_request(timings[i].ttft, timings[i].itls,
-                                             time.monotonic() - timings[i].start,
+                                             end - timings[i].start,
                                              reqs[i].num_prompt, done, "abort")
+            if record is not None:
+                self.telemetry.finished(record, [latest.get(i) for i in range(len(reqs))],
+                                        status, error_type, end)
 
     def _observe(self, t: _Timing, out: RequestOutput, req: EngineRequest) -> None:
         self.metrics.observe_request(t.ttft, t.itls, time.monotonic() - t.start,

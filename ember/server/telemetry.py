@@ -113,13 +113,14 @@ class Telemetry:
                  error_type: str | None, end: float) -> None:
         """``outs``: each choice's last output (None: it produced none)."""
         trace_id = None
-        if self._tracer is not None:
-            try:
+        try:  # a trace or a log line is never worth a request
+            if self._tracer is not None:
                 trace_id = self._trace(rec, outs, status, error_type, end)
-            except Exception:  # a trace is never worth a request
-                log.exception("building the trace of a request failed")
-        if self._log is not None:
-            self._log.info(json.dumps(_log_line(rec, outs, status, error_type, end, trace_id)))
+            if self._log is not None:
+                self._log.info(json.dumps(_log_line(rec, outs, status, error_type, end,
+                                                    trace_id)))
+        except Exception:
+            log.exception("the trace or log line of a request failed")
 
     def _trace(self, rec: RequestRecord, outs: list[RequestOutput | None], status: int,
                error_type: str | None, end: float) -> str:
@@ -178,6 +179,13 @@ class Telemetry:
                       t: Timeline | None, prepared: float, end: float) -> None:
         """One choice's spans; a choice that never finished in the engine (the client
         left, a failure) gets what is known: its wait, up to the end."""
+        if out is not None and (t is None or t.admitted_time is None):
+            # it ran (it streamed) but never finished here: the client left, and the
+            # engine's timeline of it stayed behind
+            span("ember.engine", prepared, end,
+                 **{"ember.choice": choice, "ember.incomplete": True,
+                    "gen_ai.usage.output_tokens": out.completion_tokens})
+            return
         if t is None or t.admitted_time is None:
             span("ember.queue", prepared, end, **{"ember.choice": choice})
             return

@@ -168,6 +168,8 @@ def test_a_client_that_leaves_is_logged_as_499_with_its_partial_trace(traced, re
     assert last["status"] == 499 and last["error_type"] == "client_disconnected"
     spans = receiver.trace(bytes.fromhex(last["trace_id"]))
     assert _attrs(_root(spans))["http.response.status_code"] == 499
+    engine = [s for s in spans if s.name == "ember.engine"]
+    assert len(engine) == 1 and _attrs(engine[0])["ember.incomplete"] is True
 
 
 def test_a_constrained_requests_decode_span_says_how_long_its_masks_took(traced, receiver):

@@ -290,3 +290,19 @@ def test_a_server_that_went_away_shows_a_banner(browser, tiny_gguf: Path, e2e_lo
     assert "not reachable" in banner.inner_text()
     assert replies(page).first.get_attribute("data-state") == "error"
     page.close()
+
+
+def test_emptied_settings_mean_defaults_and_a_damaged_store_starts_afresh(page):
+    configure(page, **{"API key": KEY_A, "Max tokens": "", "Temperature": "", "Top-p": ""})
+    body = page.evaluate("requestBody({messages: []})")
+    assert (body["max_tokens"], body["temperature"], body["top_p"]) == (512, 0.7, 1)
+    page.wait_for_function("() => document.getElementById('model-name').textContent")
+    page.evaluate("""() => {  // damage the stored conversations, keep the settings
+        const saved = JSON.parse(localStorage.getItem('ember.chat.v1'));
+        saved.convs = [{id: 'x'}, null, {id: 'y', messages: []}];
+        localStorage.setItem('ember.chat.v1', JSON.stringify(saved));
+    }""")
+    page.reload()
+    send(page, "Hi.")
+    wait_done(page)
+    assert page.locator("#conversations li").count() == 2

@@ -19,15 +19,16 @@ const state = { convs: [], current: null, settings: { ...DEFAULTS }, run: null, 
 function load() {
   try {
     const saved = JSON.parse(localStorage.getItem(STORE) || "{}");
-    state.convs = Array.isArray(saved.convs) ? saved.convs : [];
+    const valid = (c) => c && typeof c.id === "string" && Array.isArray(c.messages);
+    state.convs = Array.isArray(saved.convs) ? saved.convs.filter(valid) : [];
     state.current = saved.current || null;
     state.settings = { ...DEFAULTS, ...(saved.settings || {}) };
-  } catch {
+  } catch {  // whatever is stored is unreadable: start afresh rather than not at all
     state.convs = [];
   }
   if (!state.convs.some((c) => c.id === state.current)) state.current = null;
   for (const conv of state.convs) {  // a reply cut short by closing the page
-    for (const m of conv.messages) if (m.state === "streaming") m.state = "stopped";
+    for (const m of conv.messages) if (m?.state === "streaming") m.state = "stopped";
   }
 }
 
@@ -384,9 +385,11 @@ function requestBody(conv) {
       messages.push({ role: m.role, content: m.content || "" });
     }
   }
+  // an emptied field means its default, never 0
+  const number = (key) => Number(s[key] === "" || s[key] == null ? DEFAULTS[key] : s[key]);
   const body = {
     model: s.model, messages, stream: true, stream_options: { include_usage: true },
-    temperature: Number(s.temperature), top_p: Number(s.topP), max_tokens: Number(s.maxTokens),
+    temperature: number("temperature"), top_p: number("topP"), max_tokens: number("maxTokens"),
   };
   if (s.seed !== "" && s.seed != null) body.seed = Number(s.seed);
   if (s.format === "json_schema") {
