@@ -133,7 +133,8 @@ def test_a_request_is_one_trace_whose_children_cover_its_time(traced, receiver):
 def test_the_request_log_has_a_line_per_request_and_survives_rotation(traced):
     server, log = traced
     client = sdk(server)
-    client.chat.completions.create(model=server.model_id, messages=user("One."), max_tokens=3)
+    client.chat.completions.create(model=server.model_id, messages=user("One."), max_tokens=3,
+                                   temperature=0, extra_body={"ignore_eos": True})
     time.sleep(0.2)
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     last = lines[-1]
@@ -142,7 +143,8 @@ def test_the_request_log_has_a_line_per_request_and_survives_rotation(traced):
     assert 0 < last["ttft_s"] <= last["duration_s"] and last["queue_s"] >= 0
     assert len(last["trace_id"]) == 32 and last["error_type"] is None
     log.rename(log.with_suffix(".1"))  # logrotate's move
-    client.completions.create(model=server.model_id, prompt="Two.", max_tokens=2)
+    client.completions.create(model=server.model_id, prompt="Two.", max_tokens=2,
+                              temperature=0, extra_body={"ignore_eos": True})
     time.sleep(0.2)
     again = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(again) == 1 and again[0]["route"] == "/v1/completions"
