@@ -155,7 +155,7 @@ def test_a_client_that_leaves_is_logged_as_499_with_its_partial_trace(traced, re
     server, log = traced
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
             "model": server.model_id, "prompt": "Once upon a time", "max_tokens": 400,
-            "stream": True, "temperature": 0.8},
+            "stream": True, "temperature": 0.8, "ignore_eos": True},
             headers={"Authorization": f"Bearer {KEY_A}"}) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
