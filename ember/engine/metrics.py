@@ -42,6 +42,11 @@ def moe_metrics(experts: ExpertStore | None) -> dict[str, Any] | None:
             "cached_bytes": experts.cached_bytes}
 
 
+# what tenant_counts reports of each tenant (the engine adds its resident adapters)
+TENANT_COUNTS = ("requests_running", "requests_waiting", "kv_blocks", "cached_blocks",
+                 "disk_bytes", "adapters")
+
+
 def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[str, int]]:
     """Per tenant: running and waiting requests, the KV blocks its running requests hold,
     its cached prefix blocks and its disk-tier bytes (safe to call from any thread)."""
@@ -62,10 +67,6 @@ def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[st
         for scope, n in kv.tier.store.bytes_by_scope().items():
             of(tenant_name(scope))["disk_bytes"] += n
     return counts
-
-
-TENANT_COUNTS = ("requests_running", "requests_waiting", "kv_blocks", "cached_blocks",
-                 "disk_bytes", "adapters")
 
 
 def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: int,

@@ -99,7 +99,6 @@ class Request:
     admitted_seq: int = 0  # admission order, for preemption (latest goes first)
     timeline: Timeline = field(default_factory=Timeline)
 
-
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)

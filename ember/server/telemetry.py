@@ -160,8 +160,11 @@ class Telemetry:
             root.set_status(Status(StatusCode.ERROR, error_type))
         inside = trace.set_span_in_context(root)
 
-        def span(name: str, start: float, stop: float, **attributes: Any) -> Any:
-            s = self._tracer.start_span(name, context=inside, start_time=ns(start),
+        def span(name: str, start: float, stop: float, under: Any = None,
+                 **attributes: Any) -> Any:
+            """A finished child span of the root (or of the span ``under``)."""
+            context = inside if under is None else trace.set_span_in_context(under)
+            s = self._tracer.start_span(name, context=context, start_time=ns(start),
                                         attributes={k: v for k, v in attributes.items()
                                                     if v is not None})
             s.end(end_time=ns(max(start, stop)))
@@ -199,16 +202,9 @@ class Telemetry:
         prefill = span("ember.prefill", t.admitted_time, first,
                        **{"ember.choice": choice, "ember.prefill.chunks": len(t.chunks),
                           "ember.prefill.tokens": sum(c[3] for c in t.chunks)})
-        from opentelemetry import trace
-
-        within = trace.set_span_in_context(prefill)
-        ns = _clock()
         for began, ended, position, tokens in t.chunks:
-            s = self._tracer.start_span("ember.prefill.chunk", context=within,
-                                        start_time=ns(began),
-                                        attributes={"ember.chunk.start": position,
-                                                    "ember.chunk.tokens": tokens})
-            s.end(end_time=ns(ended))
+            span("ember.prefill.chunk", began, ended, under=prefill,
+                 **{"ember.chunk.start": position, "ember.chunk.tokens": tokens})
         spec = out.spec if out is not None else None
         span("ember.decode", first, finished,
              **{"ember.choice": choice, "ember.decode.steps": t.decode_steps,
