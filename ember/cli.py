@@ -100,6 +100,14 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router", choices=("affinity", "round-robin"), default="affinity",
                    help="with --replicas: tenant-aware prefix affinity (default), or replicas "
                         "in turn (the baseline it is measured against)")
+    s.add_argument("--prefill-replicas", default=None, metavar="K|auto",
+                   help="with --replicas: K replicas (or any, 'auto') may prefill a long "
+                        "prompt for another and hand its KV over, per request when the "
+                        "rule of docs/scaling.md#disaggregation says it pays")
+    s.add_argument("--disagg", choices=("rule", "always"), default="rule",
+                   help="with --prefill-replicas: hand a prompt over when the rule says it "
+                        "pays (default), or every prompt with a full block (static "
+                        "disaggregation, to measure the rule against)")
     s.add_argument("--slo-ttft", type=float, default=None,
                    help="seconds to first token: requests predicted to miss it get 429")
     s.add_argument("--slo-tpot", type=float, default=None,
@@ -430,6 +438,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           trace_content=args.trace_content, request_log=args.request_log)
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
+    prefill = _prefill_replicas(args.prefill_replicas, args.replicas)
     if not args.replicas:
         return run_server(config, args.host, args.port, args.graceful_seconds)
     from ember.cluster import deploy
@@ -439,10 +448,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      deploy.replica_threads(engine, args.replicas))
     try:
         return run_server(config, args.host, args.port, args.graceful_seconds,
-                          start=lambda: deploy.start_replicas(engine, args.replicas,
-                                                              args.ray_address, args.router))
+                          start=lambda: deploy.start_replicas(
+                              engine, args.replicas, args.ray_address, args.router,
+                              prefill_replicas=prefill, disagg=args.disagg))
     finally:
         deploy.stop()
+
+
+def _prefill_replicas(value: str | None, replicas: int) -> int | str | None:
+    """``--prefill-replicas``: None (off), ``auto`` or a count below ``--replicas``."""
+    if value is None:
+        return None
+    if replicas < 2:
+        raise ValueError("--prefill-replicas needs --replicas 2 or more")
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise ValueError(f"--prefill-replicas must be a count or 'auto', got {value!r}") \
+            from None
+    if not 1 <= k < replicas:
+        raise ValueError(f"--prefill-replicas must be between 1 and --replicas - 1 "
+                         f"({replicas - 1}), got {k}")
+    return k
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 
 from ember.cluster import front as front_mod  # noqa: E402
 from ember.cluster.front import DISPATCH_ATTEMPTS, ReplicaSet  # noqa: E402
-from ember.cluster.protocol import Verdict  # noqa: E402
+from ember.cluster.disagg import Planner  # noqa: E402
+from ember.cluster.protocol import Handoff, Verdict  # noqa: E402
 from ember.config import EngineConfig  # noqa: E402
 from ember.engine.admission import QueueFull  # noqa: E402
 from ember.engine.intake import InvalidRequest  # noqa: E402
@@ -53,6 +54,7 @@ class Handle:
 
     def __init__(self, script: list[list]) -> None:
         self.script, self.avoided, self.streams = list(script), [], []
+        self.specs: list[tuple] = []  # (prefill?, replica named, handoff) per dispatch
 
     def options(self, **_):
         return self
@@ -62,6 +64,7 @@ class Handle:
         from ember.cluster.router import view
 
         self.avoided.append(tuple(spec.avoid))
+        self.specs.append((spec.prefill, spec.replica, spec.handoff))
         items = self.script.pop(0)
         replica = items[0].replica if isinstance(items[0], Verdict) else f"dead{len(self.script)}"
         view().place(spec.request_id, replica)
@@ -298,3 +301,52 @@ def test_a_purge_is_pinned_to_its_replica_by_either_router() -> None:
     assert _pinned(Pending(PurgeSpec("t", "r2")), by_id) == [["replica-2"]]
     assert _pinned(Pending(PurgeSpec("t", "gone")), by_id) == []
     assert _pinned(Pending(GroupSpec("g", [1], [SamplingParams()], "t")), by_id) is None
+
+
+# ---------------------------------------------------------------- disaggregation
+def _disaggregating(rs: ReplicaSet) -> None:
+    """Two replicas the router knows, and a planner that hands every prompt over."""
+    rs.planner = Planner(policy="always")
+    for name in ("p", "d"):
+        rs.view.observe(name, {"load": {"decoding": 0, "kv_bytes_per_block": 1000}})
+
+
+def _handoff() -> Handoff:
+    return Handoff([b"blocks"], 32, 6000, "r1", engine_seconds=0.05, export_seconds=0.01)
+
+
+def test_a_disaggregated_group_prefills_on_one_replica_and_decodes_on_another(make) -> None:
+    imported = {"offered": 32, "tokens": 32, "bytes": 6000, "seconds": 0.02, "error": ""}
+    rs, handle = make([[Verdict("r1"), _handoff()],
+                       [Verdict("r2", imported=imported), out("g", [4, 5], finished=True)]])
+    _disaggregating(rs)
+    got = collect(rs, prepare(rs))
+    assert got[-1].token_ids == [4, 5]
+    (prefill, p, none), (decode, d, handoff) = handle.specs
+    assert prefill and not decode and none is None and {p, d} == {"p", "d"}
+    assert handoff is not None and handoff.tokens == 32  # the decoder got the KV
+    m = rs.planner.metrics()
+    assert m["decisions"] == {"disaggregated": 1} and m["handoffs"] == 1 and not m["failures"]
+    assert m["observed"]["transfer"] == pytest.approx(0.03)  # export + import
+
+
+def test_a_prefill_replica_dying_leaves_the_decoder_to_recompute(make) -> None:
+    rs, handle = make([[Verdict("r1"), ActorDiedError()],
+                       [Verdict("r2"), out("g", [4, 5], finished=True)]])
+    _disaggregating(rs)
+    got = collect(rs, prepare(rs))
+    assert got[-1].token_ids == [4, 5] and got[-1].finish_reason == "length"
+    assert handle.specs[1][2] is None  # no KV: the decoder computes the prompt itself
+    assert rs.planner.failures == 1 and rs.view.replica_failures == 1
+
+
+def test_a_client_leaving_during_the_prefill_cancels_it_and_nothing_decodes(make) -> None:
+    rs, handle = make([[Verdict("r1"), HANG]])
+    _disaggregating(rs)
+    group = prepare(rs)
+    got, done = [], threading.Event()
+    with rs.slot() as slot:
+        slot.submit(group, lambda o: (got.append(o), o.finished and done.set()))
+    rs.abort("g")
+    assert done.wait(5) and got[-1].finish_reason == "abort"
+    assert handle.streams[0].cancelled and len(handle.specs) == 1

@@ -110,12 +110,19 @@ def deploy(config: EngineConfig, replicas: int, router: str = "affinity",
 
 
 def start_replicas(config: EngineConfig, replicas: int, address: str | None = None,
-                   router: str = "affinity", imbalance: int = 4) -> Any:
-    """Ray up, replicas deployed and a started :class:`ReplicaSet` for the server."""
+                   router: str = "affinity", imbalance: int = 4,
+                   prefill_replicas: int | str | None = None, disagg: str = "rule") -> Any:
+    """Ray up, replicas deployed and a started :class:`ReplicaSet` for the server.
+    ``prefill_replicas``: how many may prefill for the others (``auto``: any), per
+    request when it pays (:mod:`ember.cluster.disagg`); None: never."""
     if config.kv_cache_dir is not None and replicas > 1:
         raise EmberError("--kv-cache-dir with --replicas > 1: the replicas would share one "
                          "disk store, which is not supported (yet)")
+    if prefill_replicas is not None and not config.enable_prefix_caching:
+        raise EmberError("--prefill-replicas hands prompts over through the prefix cache: "
+                         "drop --no-prefix-caching")
     _token_auth_unless_joining(address)  # ember.cluster.front imports ray
+    from ember.cluster.disagg import Planner
     from ember.cluster.front import ReplicaSet
     from ember.models.loader import load_model_meta
 
@@ -126,7 +133,11 @@ def start_replicas(config: EngineConfig, replicas: int, address: str | None = No
                                  threads=replica_threads(config, replicas))
     start_ray(address, replicas, config.threads)
     handle = deploy(config, replicas, router, imbalance)
-    return ReplicaSet(handle, config, replicas, loaded).start()
+    planner = None
+    if prefill_replicas is not None:
+        planner = Planner(None if prefill_replicas == "auto" else int(prefill_replicas),
+                          disagg)
+    return ReplicaSet(handle, config, replicas, loaded, planner, imbalance).start()
 
 
 def stop() -> None:

@@ -17,6 +17,7 @@ same request); after, the group's requests finish with an error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -26,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.cluster.protocol import GroupSpec, PurgeSpec, Verdict
-from ember.cluster.router import RoutingView, view
+from ember.cluster.disagg import Plan, Planner, ReplicaLoad, disagg_lines
+from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
+from ember.cluster.router import RoutingView, choose, eligible, view
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.intake import SLO, InvalidRequest
@@ -72,6 +74,9 @@ class RemoteGroup:
     task: asyncio.Task | None = None
     stream: Any = None  # the live replica stream
     attempts: int = 0  # dispatches so far (DISPATCH_ATTEMPTS at most)
+    plan: Plan | None = None  # disaggregated: where it prefills and where it decodes
+    prefill: Any = None  # the prefill replica's stream, until it handed the KV over
+    prefill_sent: float = 0.0  # when the prefill was dispatched (monotonic)
 
     def deliver(self, out: RequestOutput) -> None:
         self.streamed = self.streamed or bool(out.token_ids) or out.finished
@@ -108,12 +113,15 @@ class ReplicaSet:
     """The engine thread of a front: groups go to replicas through ``handle``."""
 
     def __init__(self, handle: Any, config: EngineConfig, replicas: int,
-                 loaded: LoadedModel) -> None:
+                 loaded: LoadedModel, planner: Planner | None = None,
+                 imbalance: int = 4) -> None:
         self.handle = handle.options(stream=True, method_name="generate")
         self._purge = handle.options(method_name="purge_cache")
         self.config = config
         self.replicas = replicas
         self.view: RoutingView = view()
+        self.planner = planner  # None: every request prefills where it decodes
+        self.imbalance = imbalance  # the affinity router's, to predict where a request goes
         self.engine = FrontEngine(config, loaded, self)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ember-replicas",
@@ -218,9 +226,12 @@ class ReplicaSet:
             self._loop.call_soon_threadsafe(group.task.cancel)
 
     async def _open(self, spec: GroupSpec) -> RemoteGroup:
-        group = RemoteGroup(spec)
+        group = RemoteGroup(spec, plan=self._plan(spec))
         try:
-            group.stream, verdict = await self._dispatch(group)
+            if group.plan is not None and group.plan.prefill is not None:
+                group.prefill, verdict = await self._dispatch_prefill(group)
+            else:
+                group.stream, verdict = await self._dispatch(group)
         except BaseException:
             self._forget_prediction(spec.request_id)
             raise
@@ -283,6 +294,8 @@ class ReplicaSet:
 
     async def _pump(self, group: RemoteGroup) -> None:
         try:
+            if group.prefill is not None and not await self._hand_over(group):
+                return
             while group.open_ids:
                 try:
                     out = await group.stream.__anext__()
@@ -297,8 +310,10 @@ class ReplicaSet:
                 group.deliver(out)
                 if out.finished and out.request_id == group.spec.request_id:
                     self._count_cached(group.spec.request_id, out.cached_tokens)
-        except asyncio.CancelledError:
-            group.stream.cancel()
+        except asyncio.CancelledError:  # the client left: both replicas let it go
+            for stream in (group.prefill, group.stream):
+                if stream is not None:
+                    stream.cancel()
             self._finish(group, "abort", None)
         except Exception as e:
             log.exception("stream of %s failed: %r", group.spec.request_id, e)
@@ -309,6 +324,80 @@ class ReplicaSet:
             self._forget_prediction(group.spec.request_id)
             for rid in group.spec.request_ids:
                 self._groups.pop(rid, None)
+
+    # ------------------------------------------------------------ disaggregation
+    def _plan(self, spec: GroupSpec) -> Plan | None:
+        """Where ``spec`` prefills and decodes, when handing its prefill to another
+        replica pays (:mod:`ember.cluster.disagg`); None: route it as usual."""
+        if self.planner is None or len(spec.prompt_ids) < 2 or not spec.keys or any(
+                p.prompt_logprobs is not None for p in spec.params):
+            return None  # prompt logprobs are computed where the prompt is, not cached
+        stats = self.view.snapshot()
+        if len(stats) < 2:
+            return None
+        loads = {r: ReplicaLoad.of(r, s) for r, s in stats.items()}
+        decode = choose(spec.keys, eligible(spec, sorted(loads)), self.view,
+                        self.imbalance).replica
+        bs = self.config.block_size
+        cached = self.view.match(decode, spec.keys, time.monotonic()) * bs
+        handed = (len(spec.prompt_ids) - 1) // bs * bs  # full blocks before the last token
+        per_block = int(stats[decode].get("load", {}).get("kv_bytes_per_block", 0))
+        plan = self.planner.plan(loads, decode, handed - cached, cached,
+                                 handed // bs * per_block)
+        return plan if plan.prefill is not None else None
+
+    async def _dispatch_prefill(self, group: RemoteGroup) -> tuple[Any, Verdict]:
+        """Send the group's prompt to its plan's prefill replica, which validates the
+        request as the decoding one would; its stream then yields the handoff."""
+        assert group.plan is not None
+        prefill = RemoteGroup(dataclasses.replace(group.spec, prefill=True,
+                                                  replica=group.plan.prefill or ""))
+        group.prefill_sent = time.monotonic()
+        return await self._dispatch(prefill)
+
+    async def _hand_over(self, group: RemoteGroup) -> bool:
+        """Wait for the prefill's handoff, then dispatch the group to its decoding
+        replica with it. A prefill that fails (its replica died) leaves the decoding
+        replica to recompute the prompt. Whether the group is now streaming."""
+        assert group.plan is not None
+        handoff: Handoff | None = None
+        try:
+            item = await group.prefill.__anext__()
+            handoff = item if isinstance(item, Handoff) else None
+        except StopAsyncIteration:
+            pass
+        except Exception as e:
+            if not _replica_died(e):
+                raise
+            log.warning("prefill replica died on %s: %r", group.spec.request_id, e)
+            self.view.replica_failures += 1
+        group.prefill = None
+        waited = time.monotonic() - group.prefill_sent
+        spec = group.spec
+        spec.replica, spec.handoff = group.plan.decode, handoff
+        try:
+            group.stream, verdict = await self._dispatch(group)
+        except Exception as e:
+            self._observe_handoff(handoff, None, waited)
+            self._finish(group, "error", f"no replica could decode the request ({e})")
+            return False
+        group.replica = verdict.replica
+        self._observe_handoff(handoff, verdict.imported, waited)
+        return True
+
+    def _observe_handoff(self, handoff: Handoff | None, imported: dict[str, Any] | None,
+                         waited: float) -> None:
+        """Teach the planner what a handoff measured: its bytes over the time to export
+        and import them, and the extra hop's overhead beyond the prefill's engine time."""
+        assert self.planner is not None
+        if handoff is None or imported is None:
+            self.planner.observe(ok=False)
+            return
+        ok = not imported.get("error") and imported.get("tokens", 0) >= handoff.tokens
+        self.planner.observe(
+            ok=ok, kv_bytes=handoff.nbytes,
+            transfer_s=handoff.export_seconds + float(imported.get("seconds", 0.0)),
+            coordination_s=waited - handoff.engine_seconds - handoff.export_seconds)
 
     async def _failover(self, group: RemoteGroup, error: BaseException) -> bool:
         """The replica died mid-stream: re-dispatch if nothing reached the client yet
@@ -440,6 +529,8 @@ class ReplicaSet:
                [("", v.retries)])
         family("ember_router_replica_failures_total", "counter",
                "Streams cut by a replica's death.", [("", v.replica_failures)])
+        if self.planner is not None:
+            lines.extend(disagg_lines(self.planner.metrics()))
         return lines
 
 

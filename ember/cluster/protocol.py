@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.engine.intake import SLO
 from ember.sampling.params import SamplingParams
@@ -31,10 +32,35 @@ class GroupSpec:
     # the LoRA adapter it runs with: (name, path, identity) as the front loaded it; the
     # replica loads the same file on demand and refuses it if its identity changed
     lora: tuple[str, str, bytes] | None = None
+    # disaggregation (ember.cluster.disagg): ``prefill`` asks the replica only to compute
+    # the prompt's KV and hand it over; ``handoff`` is that KV, for the replica that
+    # decodes; ``replica`` names the replica the front chose (routers send it there
+    # unless it refused or died on the spec)
+    prefill: bool = False
+    handoff: Handoff | None = None
+    replica: str = ""
 
     @property
     def request_ids(self) -> list[str]:
         return [self.request_id] + [f"{self.request_id}-{j}" for j in range(1, len(self.params))]
+
+
+@dataclass
+class Handoff:
+    """A prompt's KV, prefilled on one replica for another: the prompt's full blocks
+    except its last token's, each encoded in the disk tier's checksummed block format
+    (:func:`ember.kv.disk.encode`: fingerprint, salt, parent key, tokens, checksum).
+    ``blocks`` is a Ray object reference to the list of encoded blocks (it travels
+    through Ray's object store straight to the decoding replica), or the list itself
+    outside Ray."""
+
+    blocks: Any
+    tokens: int  # prompt tokens the blocks cover
+    nbytes: int
+    source: str  # the replica that prefilled
+    engine_seconds: float = 0.0  # the prefill's time in its replica's engine, queue included
+    export_seconds: float = 0.0  # copying, encoding and publishing the blocks
+    error: str = ""  # why there are no blocks (the prefill failed): the decoder recomputes
 
 
 @dataclass(frozen=True)
@@ -54,3 +80,6 @@ class Verdict:
     error: str | None = None  # None: accepted
     kind: str = ""  # "invalid" (param names the culprit), "queue_full" or "stopped"
     param: str = ""
+    # what the replica made of the spec's handoff: tokens taken, bytes, seconds to fetch,
+    # verify and load them, and why it took fewer than handed over (it recomputes those)
+    imported: dict[str, Any] | None = None

@@ -17,14 +17,37 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ember.cluster.protocol import GroupSpec, PurgeSpec, Verdict
+from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.engine import LLMEngine
 from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
+from ember.kv.disk import CorruptBlock, decode, encode
+from ember.models.loader import LoadedModel
 from ember.models.lora import LoRAError
+from ember.sampling.params import SamplingParams
+
+HANDOFF_FETCH_TIMEOUT_S = 30.0  # longest a decoding replica waits for handed-over blocks
+
+
+def _publish(blocks: list[bytes]) -> Any:
+    """Blocks for another replica: into Ray's object store (the reference travels, the
+    bytes go replica to replica), or as they are outside Ray."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - the replicas need ray
+        return blocks
+    return ray.put(blocks) if ray.is_initialized() else blocks
+
+
+def _fetch(published: Any) -> list[bytes]:
+    if isinstance(published, list):
+        return published
+    import ray
+
+    return ray.get(published, timeout=HANDOFF_FETCH_TIMEOUT_S)
 
 
 def _replica_id() -> str:
@@ -59,22 +82,27 @@ def _loopback_serve_grpc() -> None:
 
 
 class EmberReplica:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         _loopback_serve_grpc()
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, loaded)
         self.thread = EngineThread(self.engine).start()
         self.replica = _replica_id()
 
-    async def generate(self, spec: GroupSpec) -> AsyncIterator[Verdict | RequestOutput]:
+    async def generate(self, spec: GroupSpec) -> AsyncIterator[Verdict | RequestOutput | Handoff]:
+        """The group's verdict, then its outputs; for a prefill spec (``spec.prefill``),
+        the verdict and then the :class:`Handoff` of the prompt's KV."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def deliver(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
+        began = time.monotonic()
+        # prepare compiles grammars and a handoff is checked block by block: off the
+        # replica's event loop
         submitting = loop.run_in_executor(None, self._submit, spec, deliver)
-        try:  # prepare compiles grammars: off the replica's event loop
-            ids = await asyncio.shield(submitting)
+        try:
+            ids, imported = await asyncio.shield(submitting)
         except asyncio.CancelledError:  # the front gave up: stop what is submitted anyway
             submitting.add_done_callback(self._abort_when_submitted)
             raise
@@ -87,37 +115,105 @@ class EmberReplica:
         except EngineStopped as e:
             yield Verdict(self.replica, str(e), "stopped")
             return
-        yield Verdict(self.replica)
-        open_ids = set(ids)
+        yield Verdict(self.replica, imported=imported)
+        open_ids, last = set(ids), None
         try:
             while open_ids:
                 out = await queue.get()
                 if out.finished:
                     open_ids.discard(out.request_id)
-                yield out
+                if spec.prefill:
+                    last = out
+                else:
+                    yield out
         finally:  # cancelled (the front's client went away) or done
             for rid in open_ids:
                 self.thread.abort(rid)
+        if spec.prefill:
+            yield await loop.run_in_executor(None, self._export, spec, last,
+                                             time.monotonic() - began)
 
     def _abort_when_submitted(self, submitted: asyncio.Future) -> None:
         if not submitted.cancelled() and submitted.exception() is None:
-            for rid in submitted.result():
+            for rid in submitted.result()[0]:
                 self.thread.abort(rid)
 
-    def _submit(self, spec: GroupSpec, deliver: Any) -> list[str]:
+    def _submit(self, spec: GroupSpec, deliver: Any) -> tuple[list[str], dict | None]:
         with self.thread.slot() as slot:
-            lora = None
-            if spec.lora is not None:
-                lora, path, identity = spec.lora
-                try:
-                    self.engine.loras.ensure(lora, path, identity)
-                except LoRAError as e:
-                    raise InvalidRequest("model", str(e)) from None
+            lora = self._adapter(spec)
+            imported = self._import(spec, lora) if spec.handoff is not None else None
             group = self.engine.prepare(
                 spec.prompt_ids, spec.params, request_id=spec.request_id, tenant=spec.tenant,
                 priority=spec.priority, slo=spec.slo, weight=spec.weight,
                 arrival=time.monotonic() - spec.waited, references=spec.references, lora=lora)
-            return slot.submit(group, deliver)
+            if spec.prefill:  # validated as the whole request; run its prompt only
+                self.thread.discard(group)
+                group = self.engine.prepare(
+                    spec.prompt_ids[:-1], SamplingParams(max_tokens=0, speculation=False),
+                    request_id=f"{spec.request_id}-prefill", tenant=spec.tenant,
+                    priority=spec.priority, arrival=time.monotonic() - spec.waited,
+                    lora=lora)
+            return slot.submit(group, deliver), imported
+
+    def _adapter(self, spec: GroupSpec) -> str | None:
+        if spec.lora is None:
+            return None
+        lora, path, identity = spec.lora
+        try:
+            self.engine.loras.ensure(lora, path, identity)
+        except LoRAError as e:
+            raise InvalidRequest("model", str(e)) from None
+        return lora
+
+    # ------------------------------------------------------------ KV handoff
+    def _export(self, spec: GroupSpec, last: RequestOutput | None, seconds: float) -> Handoff:
+        """The prefilled prompt's cached blocks, encoded and published for the decoder."""
+        if last is None or last.finish_reason in ("error", "abort", "rejected"):
+            why = last.error if last is not None and last.error else "the prefill did not finish"
+            return Handoff(None, 0, 0, self.replica, seconds, error=why)
+        began = time.monotonic()
+        lora = spec.lora[0] if spec.lora is not None else None
+        prompt = spec.prompt_ids[:-1]
+        records = self.thread.call(lambda e: e.export_prefix(prompt, spec.tenant, lora))
+        fp = self.engine.kv_fingerprint()
+        blocks = [encode(fp, rec) for rec in records]
+        nbytes = sum(map(len, blocks))
+        return Handoff(_publish(blocks), sum(len(r.tokens) for r in records), nbytes,
+                       self.replica, seconds, time.monotonic() - began)
+
+    def _import(self, spec: GroupSpec, lora: str | None) -> dict[str, Any]:
+        """Take the spec's handoff into the prefix cache, each block verified (checksum,
+        fingerprint, then tenant salt, chain keys and tokens); what was taken. Whatever
+        does not verify or arrive is recomputed: the request runs either way."""
+        h = spec.handoff
+        assert h is not None
+        began = time.monotonic()
+        report: dict[str, Any] = {"offered": h.tokens, "tokens": 0, "bytes": 0, "seconds": 0.0,
+                                  "error": h.error}
+        if h.error or not h.tokens:
+            return report
+        try:
+            blocks = _fetch(h.blocks)
+        except Exception as e:  # the prefill replica died, or the store lost the object
+            report["error"] = f"fetching the blocks failed: {type(e).__name__}"
+            return report
+        fp, records = self.engine.kv_fingerprint(), []
+        for i, data in enumerate(blocks):
+            try:
+                rec = decode(data, fp)
+            except CorruptBlock as e:
+                report["error"] = f"block {i} is corrupt ({e})"
+                break
+            if rec is None:
+                report["error"] = f"block {i} is for another model, KV dtype or layout"
+                break
+            records.append(rec)
+        report["bytes"] = sum(len(r.payload) for r in records)
+        tokens = self.thread.call(lambda e: e.import_prefix(records, spec.tenant, lora))
+        if tokens < len(records) * self.engine.config.block_size and not report["error"]:
+            report["error"] = "a block did not match the request's tenant, adapter or prompt"
+        report.update(tokens=tokens, seconds=time.monotonic() - began)
+        return report
 
     def purge_cache(self, spec: PurgeSpec) -> dict[str, Any]:
         """Forget a tenant's cached prefixes here (RAM and disk tier); what went."""
@@ -127,8 +223,8 @@ class EmberReplica:
         """The router's view of this replica (Ray Serve calls it periodically)."""
         prefix = self.engine.kv.prefix
         keys = prefix.keys() if prefix is not None else []
-        return {"keys": keys, "metrics": self.engine.metrics(), "pid": os.getpid(),
-                "taken_at": time.time()}
+        return {"keys": keys, "metrics": self.engine.metrics(), "load": self.engine.load(),
+                "pid": os.getpid(), "taken_at": time.time()}
 
     def check_health(self) -> None:
         if not self.thread.alive:

@@ -179,21 +179,33 @@ def choose(keys: Sequence[bytes], candidates: Sequence[str], v: RoutingView,
     return Decision(pick, "load", matches[pick])
 
 
-def _eligible(spec: Any, candidates: list[str]) -> list[str]:
+def eligible(spec: Any, candidates: list[str]) -> list[str]:
     """The candidates the spec has not been refused by (all of them if it was by all)."""
     avoid = set(spec.avoid) if spec is not None else set()
     return [c for c in candidates if c not in avoid] or candidates
 
 
 def _pinned(pending: Any, by_id: dict[str, Any]) -> list[list] | None:
-    """The ranking for a request meant for one named replica (a purge): that replica,
-    or none while it is not among the candidates; None for any other request."""
-    from ember.cluster.protocol import PurgeSpec
+    """The ranking for a request meant for one named replica: a purge goes there or
+    nowhere (none while it is not among the candidates); a group the front placed (a
+    disaggregated one's prefill or decode) there first, then the others it has not been
+    refused by. None for any other request."""
+    from ember.cluster.protocol import GroupSpec, PurgeSpec
 
     for arg in pending.args if pending is not None else ():
         if isinstance(arg, PurgeSpec):
             return [[by_id[arg.replica]]] if arg.replica in by_id else []
+        if isinstance(arg, GroupSpec) and arg.replica in by_id and arg.replica not in arg.avoid:
+            rest = [r for r in eligible(arg, sorted(by_id)) if r != arg.replica]
+            return [[by_id[arg.replica]], [by_id[r] for r in rest]]
     return None
+
+
+def _placed_by(spec: Any, by: str) -> str:
+    """What decided a group's replica, for the router's counters."""
+    if spec.prefill:
+        return "prefill"
+    return "disaggregated" if spec.handoff is not None else by
 
 
 def _spec_of(pending: Any) -> Any:
@@ -249,7 +261,7 @@ class PrefixAffinityRouter(_ViewUpkeep):
         ranked = sorted(by_id, key=v.load)
         if spec is None:  # not a generation (or no key): least loaded first
             return [[by_id[r] for r in ranked]]
-        decision = choose(spec.keys, _eligible(spec, list(by_id)), v, self._imbalance,
+        decision = choose(spec.keys, eligible(spec, list(by_id)), v, self._imbalance,
                           self._min_match)
         self._pending[spec.request_id] = decision
         while len(self._pending) > 4096:
@@ -265,7 +277,8 @@ class PrefixAffinityRouter(_ViewUpkeep):
         replica = replica_id.unique_id
         if decision is None or decision.replica != replica:  # fell through to another rank
             decision = Decision(replica, "load", v.match(replica, spec.keys, time.monotonic()))
-        v.record_routed(spec.request_id, spec.keys, replica, decision.by, decision.blocks)
+        v.record_routed(spec.request_id, spec.keys, replica, _placed_by(spec, decision.by),
+                        decision.blocks)
 
 
 class RoundRobinRouter(_ViewUpkeep):
@@ -282,7 +295,7 @@ class RoundRobinRouter(_ViewUpkeep):
         if pinned is not None:
             return pinned
         spec = _spec_of(pending_request)
-        ranked = [by_id[r] for r in sorted(_eligible(spec, list(by_id)))]
+        ranked = [by_id[r] for r in sorted(eligible(spec, list(by_id)))]
         if not ranked:
             return []
         first = self._turn % len(ranked)
@@ -295,7 +308,7 @@ class RoundRobinRouter(_ViewUpkeep):
         if spec is None:
             return
         v, replica = view(), replica_id.unique_id
-        v.record_routed(spec.request_id, spec.keys, replica, "round-robin",
+        v.record_routed(spec.request_id, spec.keys, replica, _placed_by(spec, "round-robin"),
                         v.match(replica, spec.keys, time.monotonic()))
 
 

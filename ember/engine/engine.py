@@ -36,7 +36,13 @@ from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
 from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.intake import SLO, Intake, InvalidRequest
-from ember.engine.metrics import TENANT_COUNTS, SpecTotals, moe_metrics, snapshot
+from ember.engine.metrics import (
+    TENANT_COUNTS,
+    SpecTotals,
+    load_summary,
+    moe_metrics,
+    snapshot,
+)
 from ember.engine.output import RequestOutput, output
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner, ScheduledRow
@@ -405,6 +411,10 @@ class LLMEngine:
         if self.loras.names():
             stats["lora"] = self.loras.metrics()
         return stats
+
+    def load(self) -> dict[str, Any]:
+        """This engine's load, as a disaggregating router weighs it (any thread)."""
+        return load_summary(self.scheduler, self.transfer.storage.bytes_per_block)
 
     def moe_metrics(self) -> dict[str, Any] | None:
         return moe_metrics(self.loaded.model.experts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ember.engine.commit import Commit
@@ -67,6 +68,20 @@ def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[st
         for scope, n in kv.tier.store.bytes_by_scope().items():
             of(tenant_name(scope))["disk_bytes"] += n
     return counts
+
+
+def load_summary(scheduler: Scheduler, kv_bytes_per_block: int) -> dict[str, Any]:
+    """What a router weighing a prefill elsewhere needs of this engine (any thread):
+    the streams decoding, the prompt tokens queued or being prefilled, the decoding
+    streams' mean context and the step cost model's coefficients."""
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    decoding = [r for r in running if r.remaining_prefill == 1]
+    return {"decoding": len(decoding),
+            "backlog_tokens": sum(r.remaining_prefill for r in running + waiting
+                                  if r.remaining_prefill > 1),
+            "context": sum(len(r.token_ids) for r in decoding) // max(1, len(decoding)),
+            "costs": dataclasses.asdict(scheduler.costs.coef),
+            "kv_bytes_per_block": kv_bytes_per_block}
 
 
 def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: int,
