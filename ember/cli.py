@@ -241,6 +241,36 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", type=Path, default=None,
                    help="write PNG plots with this path prefix (needs matplotlib)")
     b.set_defaults(func=cmd_bench_serve)
+    b = bench.add_parser("simulate", help="predict a cluster's goodput from measured step "
+                                          "costs (replicas, roles, link; docs/scaling.md)")
+    b.add_argument("--costs", type=Path, required=True,
+                   help="a step-cost table (ember bench spec-cost --threads T)")
+    b.add_argument("--trace", type=Path, default=None,
+                   help="an ember bench serve result: its requests (without --rates, each "
+                        "step replayed as sent and compared with what it measured)")
+    b.add_argument("--prompt-tokens", type=int, default=None, help="synthetic requests")
+    b.add_argument("--output-tokens", type=int, default=64)
+    b.add_argument("--cached-tokens", type=int, default=0)
+    b.add_argument("--rates", default="", help="comma-separated requests/s (Poisson)")
+    b.add_argument("--requests", type=int, default=400, help="requests per point")
+    b.add_argument("--replicas", default="1", help="comma-separated replica counts")
+    b.add_argument("--prefill-replicas", default="off",
+                   help="comma-separated: off, auto or a count")
+    b.add_argument("--disagg", choices=("rule", "always"), default="rule")
+    b.add_argument("--bandwidth-gbit", default="10",
+                   help="comma-separated KV handoff link speeds, Gbit/s")
+    b.add_argument("--coordination-ms", type=float, default=5.0)
+    b.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="per request before its first step (HTTP, template, Ray hop)")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="the model whose KV bytes per token a handoff moves")
+    b.add_argument("--kv-dtype", default="f16")
+    b.add_argument("--max-num-seqs", type=int, default=64)
+    b.add_argument("--max-num-batched-tokens", type=int, default=512)
+    b.add_argument("--slo", default="ttft=2000,tpot=150", help="objectives in ms")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=Path, default=Path("bench-results/simulate.json"))
+    b.set_defaults(func=cmd_bench_simulate)
     b = bench.add_parser("spec", help="speculative decoding: speedup per task, vs llama.cpp")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
     b.add_argument("--weights", default="auto")
@@ -509,6 +539,31 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 args.workload, args.tenants or max(1, len(keys)), args.seed, args.timeout,
                 args.warmup)
     bench_main(endpoints, plan, slo, args.out, args.plot)
+    return 0
+
+
+def cmd_bench_simulate(args: argparse.Namespace) -> int:
+    from ember.bench import simulate
+    from ember.bench.goodput import Objectives
+
+    def numbers(text: str, kind: type) -> list:
+        return [kind(x) for x in text.split(",") if x.strip()]
+
+    prefill = [p.strip() for p in args.prefill_replicas.split(",") if p.strip()]
+    for p in prefill:
+        if p not in ("off", "auto") and not p.isdigit():
+            raise ValueError(f"--prefill-replicas: off, auto or a count, got {p!r}")
+    base = simulate.Cluster(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        policy=args.disagg, coordination_s=args.coordination_ms / 1e3,
+        overhead_s=args.overhead_ms / 1e3, seed=args.seed,
+        kv_bytes_per_token=simulate.kv_bytes_per_token(args.model, args.kv_dtype))
+    simulate.main(costs=args.costs, trace=args.trace, prompt_tokens=args.prompt_tokens,
+                  output_tokens=args.output_tokens, cached_tokens=args.cached_tokens,
+                  rates=numbers(args.rates, float), requests=args.requests,
+                  replicas=numbers(args.replicas, int), prefill=prefill,
+                  bandwidths=numbers(args.bandwidth_gbit, float), base=base,
+                  slo=Objectives.parse(args.slo), out=args.out)
     return 0
 
 

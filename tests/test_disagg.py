@@ -5,6 +5,7 @@ request must answer exactly as a co-located one)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -48,20 +49,33 @@ COSTS = Coefficients(base=0.004, per_token=0.0002, per_row=0.0005, per_attended=
                      verify_call=0.0, per_logit=0.0, per_excess=0.0, per_draft=0.0, knee=32)
 
 
-def _load(name: str, decoding: int = 0, backlog: int = 0) -> ReplicaLoad:
-    return ReplicaLoad(name, decoding, backlog, 300, StepCostModel(COSTS, learn=False))
+def _load(name: str, decoding: int = 0, backlog: int = 0,
+          step_limit: float = math.inf) -> ReplicaLoad:
+    return ReplicaLoad(name, decoding, backlog, 300, StepCostModel(COSTS, learn=False),
+                       step_limit=step_limit)
 
 
-def test_short_prompts_stay_and_long_ones_move_off_a_busy_decoder() -> None:
+def test_short_prompts_stay_and_long_ones_move_off_a_decoder_guarding_its_streams() -> None:
+    """Streams with a 30 ms TPOT objective cap the decoder's steps: a long prompt there
+    is computed in small chunks, on the idle replica in full ones."""
     planner = Planner()
-    loads = {"d": _load("d", decoding=1), "p": _load("p")}
+    loads = {"d": _load("d", decoding=4, step_limit=0.027), "p": _load("p")}
     per_token = 20_000  # KV bytes per token
     short = planner.plan(loads, "d", 16, 0, 16 * per_token)
     long = planner.plan(loads, "d", 2000, 0, 2000 * per_token)
     assert short.prefill is None and short.terms is not None
-    assert short.terms.gain < short.terms.cost
     assert long.prefill == "p" and long.terms.gain > long.terms.cost
+    assert long.terms.specialization > long.terms.cost  # its own first token comes sooner
     assert planner.decisions == {"colocated": 1, "disaggregated": 1}
+
+
+def test_stream_stall_alone_does_not_move_a_prompt_whose_first_token_would_suffer() -> None:
+    """Unguarded streams stall for the prefill (ΔI > costs) but the prompt would not be
+    computed sooner elsewhere: the guard keeps it, where eq. 10.7 alone would move it."""
+    loads = {"d": _load("d", decoding=8), "p": _load("p")}
+    plan = Planner().plan(loads, "d", 2000, 0, 2000 * 20_000)
+    assert plan.terms.gain > plan.terms.cost and plan.prefill is None
+    assert Planner(policy="always").plan(loads, "d", 2000, 0, 10**6).prefill == "p"
 
 
 def test_no_streams_to_spare_no_split_and_a_busy_prefill_replica_saves_nothing() -> None:
@@ -77,8 +91,11 @@ def test_no_streams_to_spare_no_split_and_a_busy_prefill_replica_saves_nothing()
 
 def test_the_pool_limits_who_prefills_and_measurements_reprice_the_transfer() -> None:
     loads = {"a": _load("a"), "b": _load("b", 8), "c": _load("c")}
+    loads["b"] = _load("b", 8, step_limit=0.027)
     assert Planner(prefill_replicas=1).plan(loads, "b", 2000, 0, 10**6).prefill == "a"
-    assert Planner(prefill_replicas=1).plan(loads, "a", 2000, 0, 10**6).prefill is None
+    busy_a = {**loads, "a": _load("a", 8, step_limit=0.027)}
+    assert Planner(prefill_replicas=1).plan(busy_a, "a", 2000, 0, 10**6).prefill is None
+    assert Planner().plan(busy_a, "a", 2000, 0, 10**6).prefill == "c"
     planner = Planner()
     before = planner.plan(loads, "b", 2000, 0, 10**8).terms.transfer
     for _ in range(30):  # handoffs measured at 50 MB/s: twenty times slower than the prior

@@ -18,8 +18,9 @@ replicas (prefill ``P``, decode ``D``):
   streams, minus the stall it adds to the streams ``P`` decodes (a prefill replica that
   is decoding streams of its own moves the stall there rather than removing it). Stalls
   come from each replica's step cost model (:mod:`ember.engine.costs`).
-- ``ΔS`` specialisation: 0 here. ember's replicas run the same kernels on the same
-  kind of core; a pool built for prefill (more cores per replica, say) would set it.
+- ``ΔS`` specialisation: how much sooner the prompt is computed on ``P`` than on ``D``
+  (fewer decoding streams beside its chunks; ember's replicas run the same kernels on
+  the same cores, so that is all it is here).
 - ``T_KV`` transfer: the handed-over KV bytes over the bandwidth measured on earlier
   handoffs (fetching, checking and loading the blocks on ``D``).
 - ``T_R`` coordination: the measured overhead of the extra hop (the front's round trip
@@ -38,7 +39,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ BANDWIDTH_PRIOR = 1e9  # bytes/s until a handoff has been measured (a local obje
 COORDINATION_PRIOR = 0.005  # seconds of extra round trip until one has been measured
 FAILURE_PRIOR = (0.5, 50.0)  # (failures, handoffs) assumed before any is observed
 EWMA = 0.2  # weight of the newest observation of bandwidth and coordination
-CHUNK = 256  # prompt tokens per step when estimating a prefill's stall (the engine's size)
+MIN_CHUNK = 16  # prompt tokens a step always carries (the scheduler's MIN_PREFILL)
 POLICIES = ("rule", "always")  # always: static disaggregation, to compare the rule with
 TERMS = ("interference_saved", "specialization", "transfer", "coordination",
          "queue_imbalance", "failure")
@@ -82,6 +83,14 @@ def decide(terms: Terms) -> bool:
     return terms.gain > terms.cost
 
 
+def safe(terms: Terms) -> bool:
+    """ember's guard beside eq. 10.7: the request's own first token must not come
+    later than co-located (what its prefill gains on the prefill replica, ΔS, pays for
+    all of the costs). Summed stall of the decoding streams buys less goodput than the
+    same seconds of one request's TTFT: it spreads over their tokens."""
+    return terms.specialization >= terms.cost
+
+
 def transfer_seconds(kv_bytes: float, bandwidth_bps: float) -> float:
     """A lower bound on moving ``kv_bytes``: T_KV ≥ M_KV / B_eff."""
     return kv_bytes / bandwidth_bps
@@ -97,6 +106,8 @@ class ReplicaLoad:
     backlog_tokens: int = 0  # prompt tokens queued or being prefilled
     context: int = 0  # mean context of the decoding streams
     costs: StepCostModel = field(default_factory=lambda: StepCostModel(learn=False))
+    budget: int = 512  # tokens per step (max_num_batched_tokens)
+    step_limit: float = math.inf  # longest a step with prompt tokens may take
 
     @classmethod
     def of(cls, name: str, stats: Mapping[str, Any]) -> ReplicaLoad:
@@ -104,22 +115,42 @@ class ReplicaLoad:
         coef = load.get("costs")
         return cls(name, int(load.get("decoding", 0)), int(load.get("backlog_tokens", 0)),
                    int(load.get("context", 0)),
-                   StepCostModel(Coefficients(**coef) if coef else None, learn=False))
+                   StepCostModel(Coefficients(**coef) if coef else None, learn=False),
+                   int(load.get("budget", 512)), float(load.get("step_limit", math.inf)))
 
     def _decode_step(self) -> StepShape:
         n = self.decoding
         return StepShape(n, n, n * self.context, decode_rows=n, logits=n)
 
+    def chunk(self, at: int) -> int:
+        """Prompt tokens a step here carries beside the decoding streams, from position
+        ``at``: the token budget's rest, cut to keep the step within its time limit (as
+        the scheduler sizes chunks)."""
+        base = self._decode_step()
+        hi = max(MIN_CHUNK, self.budget - self.decoding)
+        if self.step_limit == math.inf:
+            return hi
+        lo = MIN_CHUNK
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = self.costs.predict(base.plus(mid, at + mid, logits=1)) <= self.step_limit
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        return lo
+
+    def _chunks(self, tokens: int, start: int) -> list[tuple[int, int]]:
+        out, done = [], 0
+        while done < tokens:
+            n = min(self.chunk(start + done), tokens - done)
+            out.append((n, start + done + n))
+            done += n
+        return out
+
     def prefill_seconds(self, tokens: int, start: int = 0) -> float:
         """Seconds of steps that compute ``tokens`` prompt tokens from position ``start``
-        beside the streams decoding here, in chunks of :data:`CHUNK`."""
-        base, total, done = self._decode_step(), 0.0, 0
-        while done < tokens:
-            n = min(CHUNK, tokens - done)
-            end = start + done + n
-            total += self.costs.predict(base.plus(n, end, logits=1))
-            done += n
-        return total
+        beside the streams decoding here."""
+        base = self._decode_step()
+        return sum(self.costs.predict(base.plus(n, end, logits=1))
+                   for n, end in self._chunks(tokens, start))
 
     def stall(self, tokens: int, start: int = 0) -> float:
         """How much later each decoding stream here gets its tokens while ``tokens``
@@ -127,7 +158,7 @@ class ReplicaLoad:
         steps they replace."""
         if self.decoding == 0 or tokens <= 0:
             return 0.0
-        steps = math.ceil(tokens / CHUNK)
+        steps = len(self._chunks(tokens, start))
         return max(0.0, self.prefill_seconds(tokens, start)
                    - steps * self.costs.predict(self._decode_step()))
 
@@ -181,6 +212,19 @@ class Planner:
         f, n = FAILURE_PRIOR
         return (self.failures + f) / (self.handoffs + n)
 
+    def pool(self, replicas: Iterable[str]) -> list[str]:
+        """The replicas that may prefill for others, among ``replicas``."""
+        return sorted(replicas)[:self.prefill_replicas]
+
+    def decoders(self, replicas: Iterable[str]) -> list[str]:
+        """Where a request may decode: anywhere, but outside the prefill pool under
+        static disaggregation (``always`` with a pool size), as static systems split."""
+        names = sorted(replicas)
+        if self.policy == "always" and self.prefill_replicas is not None:
+            pool = set(self.pool(names))
+            return [n for n in names if n not in pool] or names
+        return names
+
     def terms(self, prefill: ReplicaLoad, decode: ReplicaLoad, tokens: int, start: int,
               kv_bytes: int) -> Terms:
         """Eq. 10.7's terms for prefilling ``tokens`` prompt tokens from ``start`` on
@@ -191,9 +235,10 @@ class Planner:
         saved = (decode.decoding * max(0.0, decode.stall(tokens, start) - transfer)
                  - prefill.decoding * prefill.stall(tokens, start))
         imbalance = max(0.0, prefill.queue_seconds() - decode.queue_seconds())
-        wasted = prefill.prefill_seconds(tokens, start) + transfer
+        apart = prefill.prefill_seconds(tokens, start)
+        sooner = max(0.0, decode.prefill_seconds(tokens, start) - apart)
         return Terms(saved, transfer, self.coordination, imbalance,
-                     self.failure_rate * wasted)
+                     self.failure_rate * (apart + transfer), sooner)
 
     def plan(self, loads: Mapping[str, ReplicaLoad], decode: str, tokens: int, start: int,
              kv_bytes: int) -> Plan:
@@ -201,9 +246,8 @@ class Planner:
         tokens (from position ``start``; ``kv_bytes`` to hand over): on the candidate
         whose terms leave the largest margin, if that margin is positive."""
         best: tuple[float, str, Terms] | None = None
-        pool = sorted(loads)[:self.prefill_replicas]
         if tokens > 0 and decode in loads:
-            for name in pool:
+            for name in self.pool(loads):
                 if name == decode:
                     continue
                 load = loads[name]
@@ -211,7 +255,8 @@ class Planner:
                 if best is None or t.gain - t.cost > best[0]:
                     best = (t.gain - t.cost, name, t)
         terms = best[2] if best else None
-        pays = best is not None and (self.policy == "always" or decide(best[2]))
+        pays = best is not None and (self.policy == "always"
+                                     or (decide(best[2]) and safe(best[2])))
         chosen = best[1] if best and pays else None
         with self._lock:
             self.decisions["disaggregated" if chosen else "colocated"] += 1

@@ -336,7 +336,7 @@ class ReplicaSet:
         if len(stats) < 2:
             return None
         loads = {r: ReplicaLoad.of(r, s) for r, s in stats.items()}
-        decode = choose(spec.keys, eligible(spec, sorted(loads)), self.view,
+        decode = choose(spec.keys, eligible(spec, self.planner.decoders(loads)), self.view,
                         self.imbalance).replica
         bs = self.config.block_size
         cached = self.view.match(decode, spec.keys, time.monotonic()) * bs

@@ -73,7 +73,8 @@ def tenant_counts(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, dict[st
 def load_summary(scheduler: Scheduler, kv_bytes_per_block: int) -> dict[str, Any]:
     """What a router weighing a prefill elsewhere needs of this engine (any thread):
     the streams decoding, the prompt tokens queued or being prefilled, the decoding
-    streams' mean context and the step cost model's coefficients."""
+    streams' mean context, the step cost model's coefficients, the step's token budget
+    and how long a step carrying prompt tokens may take."""
     running, waiting = list(scheduler.running), list(scheduler.waiting)
     decoding = [r for r in running if r.remaining_prefill == 1]
     return {"decoding": len(decoding),
@@ -81,6 +82,8 @@ def load_summary(scheduler: Scheduler, kv_bytes_per_block: int) -> dict[str, Any
                                   if r.remaining_prefill > 1),
             "context": sum(len(r.token_ids) for r in decoding) // max(1, len(decoding)),
             "costs": dataclasses.asdict(scheduler.costs.coef),
+            "budget": scheduler.max_num_batched_tokens,
+            "step_limit": scheduler.prefill_step_limit(),
             "kv_bytes_per_block": kv_bytes_per_block}
 
 

@@ -190,6 +190,10 @@ class Scheduler:
         return seconds <= 0 or len(out.rows) * self.costs.token_cost(
             out.shape, min(contexts)) < seconds
 
+    def prefill_step_limit(self) -> float:
+        """The longest a step carrying prompt tokens may take now."""
+        return min(self._step_time_limit(), self.max_prefill_step_seconds)
+
     def _step_time_limit(self) -> float:
         """The step duration that keeps every decoding stream within its TPOT objective."""
         tpots = [r.slo_tpot for r in self.running
