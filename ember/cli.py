@@ -245,10 +245,14 @@ def _build_parser() -> argparse.ArgumentParser:
                                           "costs (replicas, roles, link; docs/scaling.md)")
     b.add_argument("--costs", type=Path, required=True,
                    help="a step-cost table (ember bench spec-cost --threads T)")
+    b.add_argument("--prefill-costs", type=Path, default=None,
+                   help="the prefill pool's own table (replicas on other hardware; with a "
+                        "count for --prefill-replicas)")
     b.add_argument("--trace", type=Path, default=None,
                    help="an ember bench serve result: its requests (without --rates, each "
                         "step replayed as sent and compared with what it measured)")
-    b.add_argument("--prompt-tokens", type=int, default=None, help="synthetic requests")
+    b.add_argument("--prompt-tokens", default="",
+                   help="synthetic requests of these prompt lengths (comma-separated)")
     b.add_argument("--output-tokens", type=int, default=64)
     b.add_argument("--cached-tokens", type=int, default=0)
     b.add_argument("--rates", default="", help="comma-separated requests/s (Poisson)")
@@ -558,7 +562,10 @@ def cmd_bench_simulate(args: argparse.Namespace) -> int:
         policy=args.disagg, coordination_s=args.coordination_ms / 1e3,
         overhead_s=args.overhead_ms / 1e3, seed=args.seed,
         kv_bytes_per_token=simulate.kv_bytes_per_token(args.model, args.kv_dtype))
-    simulate.main(costs=args.costs, trace=args.trace, prompt_tokens=args.prompt_tokens,
+    if args.prefill_costs is not None:
+        base.prefill_costs = simulate.read_costs(args.prefill_costs)
+    simulate.main(costs=args.costs, trace=args.trace,
+                  prompt_tokens=numbers(args.prompt_tokens, int),
                   output_tokens=args.output_tokens, cached_tokens=args.cached_tokens,
                   rates=numbers(args.rates, float), requests=args.requests,
                   replicas=numbers(args.replicas, int), prefill=prefill,

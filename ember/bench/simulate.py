@@ -27,6 +27,7 @@ import heapq
 import json
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class Cluster:
     bandwidth_bps: float = 1e9  # KV handoff bandwidth, bytes/s
     coordination_s: float = 0.005  # the prefill hop's overhead
     kv_bytes_per_token: int = 0
+    prefill_costs: Coefficients | None = None  # the prefill pool's own (other hardware)
     block_size: int = 16
     overhead_s: float = 0.0  # per request, before its first step (HTTP, template, hops)
     seed: int = 0
@@ -95,9 +97,10 @@ class Cluster:
 
 
 class _Replica:
-    def __init__(self, index: int, cluster: Cluster) -> None:
+    def __init__(self, index: int, cluster: Cluster, costs: Coefficients) -> None:
         self.index, self.c = index, cluster
-        self.costs = StepCostModel(cluster.costs, learn=False)
+        self.name = f"r{index:04d}"  # sorts as the index: the planner's pool is by name
+        self.costs = StepCostModel(costs, learn=False)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []  # admitted: prefilling or decoding
         self.busy = False
@@ -116,7 +119,7 @@ class _Replica:
         backlog = sum(r.prompt - r.done_prompt for r in (*self.running, *self.waiting)
                       if r.done_prompt < r.prompt)
         context = sum(r.prompt + r.produced for r in decoding) // max(1, len(decoding))
-        return ReplicaLoad(str(self.index), len(decoding), backlog, context, self.costs,
+        return ReplicaLoad(self.name, len(decoding), backlog, context, self.costs,
                            self.c.max_num_batched_tokens, self.step_limit(len(decoding)))
 
     def _fit(self, shape: StepShape, n: int, at: int, limit: float) -> int:
@@ -165,7 +168,9 @@ class Simulation:
         self.c = cluster
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.slo = slo or Objectives()
-        self.replicas = [_Replica(i, cluster) for i in range(cluster.replicas)]
+        self.replicas = [_Replica(i, cluster, self._costs_of(i))
+                         for i in range(cluster.replicas)]
+        self.by_name = {x.name: x for x in self.replicas}
         self.rng = random.Random(cluster.seed)
         self.planner: Planner | None = None
         if cluster.prefill_replicas is not None and cluster.replicas > 1:
@@ -176,6 +181,12 @@ class Simulation:
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.now = 0.0
+
+    def _costs_of(self, index: int) -> Coefficients:
+        """Replica ``index``'s step costs: the prefill pool's own, if given."""
+        k = self.c.prefill_replicas
+        pool = (self.c.prefill_costs is not None and isinstance(k, int) and index < k)
+        return self.c.prefill_costs if pool else self.c.costs  # type: ignore[return-value]
 
     # ------------------------------------------------------------ events
     def _at(self, t: float, kind: str, payload: Any) -> None:
@@ -243,8 +254,8 @@ class Simulation:
         the trace's cached tokens stand for its prefix hits), then the planner."""
         candidates = self.replicas
         if self.planner is not None:
-            names = set(self.planner.decoders(str(x.index) for x in self.replicas))
-            candidates = [x for x in self.replicas if str(x.index) in names]
+            names = set(self.planner.decoders(x.name for x in self.replicas))
+            candidates = [x for x in self.replicas if x.name in names]
         pair = self.rng.sample(candidates, min(2, len(candidates)))
         decode = min(pair, key=lambda x: (x.inflight(), x.index))
         r.replica = decode.index
@@ -253,11 +264,11 @@ class Simulation:
             bs = self.c.block_size
             handed = (r.prompt - 1) // bs * bs
             tokens = handed - r.done_prompt
-            loads = {str(x.index): x.load() for x in self.replicas}
-            plan = self.planner.plan(loads, str(decode.index), tokens, r.done_prompt,
+            loads = {x.name: x.load() for x in self.replicas}
+            plan = self.planner.plan(loads, decode.name, tokens, r.done_prompt,
                                      handed * self.c.kv_bytes_per_token)
             if plan.prefill is not None:
-                self._prefill_apart(r, self.replicas[int(plan.prefill)], handed)
+                self._prefill_apart(r, self.by_name[plan.prefill], handed)
                 return
         self._enqueue(decode, r)
 
@@ -392,7 +403,9 @@ def run_points(points: Sequence[Point], base: Cluster, slo: Objectives) -> list[
                  for r in p.requests]
         got = Simulation(c, fresh, slo).run()
         row = {"replicas": p.replicas, "prefill_replicas": p.prefill,
-               "bandwidth_gbit": p.bandwidth_gbit, "rate": p.rate, **got}
+               "bandwidth_gbit": p.bandwidth_gbit, "rate": p.rate,
+               "mean_prompt": statistics.fmean(r.prompt for r in p.requests)
+               if p.requests else 0.0, **got}
         if p.measured is not None:
             measured = p.measured["goodput_rps"]
             row["measured_goodput_rps"] = measured
@@ -402,7 +415,7 @@ def run_points(points: Sequence[Point], base: Cluster, slo: Objectives) -> list[
     return rows
 
 
-_HEADER = (f"{'replicas':>8} {'prefill':>7} {'Gbit/s':>6} {'rate':>6} {'sent':>5} "
+_HEADER = (f"{'replicas':>8} {'prefill':>7} {'Gbit/s':>6} {'rate':>6} {'prompt':>6} {'sent':>5} "
            f"{'goodput':>8} {'measured':>8} {'error':>6} {'ttft p50':>9} {'ttft p99':>9} "
            f"{'tpot p50':>9} {'tpot p99':>9} {'split':>5}")
 
@@ -416,7 +429,8 @@ def _format(row: dict[str, Any]) -> str:
     measured = row.get("measured_goodput_rps")
     error = row.get("error")
     return (f"{row['replicas']:>8} {row['prefill_replicas']:>7} {row['bandwidth_gbit']:>6g} "
-            f"{rate:>6} {row['requests']:>5} {row['goodput_rps']:>8.3f} "
+            f"{rate:>6} {row['mean_prompt']:>6.0f} {row['requests']:>5} "
+            f"{row['goodput_rps']:>8.3f} "
             f"{'-' if measured is None else f'{measured:.3f}':>8} "
             f"{'-' if error is None else f'{error:+.0%}':>6} "
             f"{_ms(row['ttft_s']['median']):>9} {_ms(row['ttft_s']['p99']):>9} "
@@ -424,12 +438,13 @@ def _format(row: dict[str, Any]) -> str:
             f"{row['disaggregated']:>5}")
 
 
-def main(*, costs: Path, trace: Path | None, prompt_tokens: int | None,
+def main(*, costs: Path, trace: Path | None, prompt_tokens: list[int],
          output_tokens: int, cached_tokens: int, rates: list[float], requests: int,
          replicas: list[int], prefill: list[str], bandwidths: list[float],
          base: Cluster, slo: Objectives, out: Path) -> list[dict[str, Any]]:
     """Simulate every combination of ``replicas`` × ``prefill`` × ``bandwidths`` ×
-    ``rates`` (or, with a trace and no rates, each of the trace's steps as sent)."""
+    ``rates`` (or, with a trace and no rates, each of the trace's steps as sent; without
+    a trace, × each synthetic prompt length)."""
     base = Cluster(**{**base.__dict__, "costs": read_costs(costs)})
     mixes: list[tuple[float | None, list[SimRequest], dict[str, Any] | None]] = []
     if trace is not None:
@@ -441,18 +456,20 @@ def main(*, costs: Path, trace: Path | None, prompt_tokens: int | None,
         else:
             mixes = [(None, reqs, step) for reqs, step in zip(replayed, steps, strict=True)]
     else:
-        if prompt_tokens is None:
-            raise ValueError("give --trace or --prompt-tokens")
-        mixes = [(rate, synthetic(rate, requests, prompt_tokens, output_tokens,
-                                  cached_tokens, base.seed), None) for rate in rates]
+        if not prompt_tokens or not rates:
+            raise ValueError("give --trace, or --prompt-tokens and --rates")
+        mixes = [(rate, synthetic(rate, requests, n, output_tokens, cached_tokens,
+                                  base.seed), None) for n in prompt_tokens for rate in rates]
     points = [Point(n, p, bw, rate, reqs, measured)
               for n in replicas for p in prefill for bw in bandwidths
               for rate, reqs, measured in mixes]
     rows = run_points(points, base, slo)
     out.parent.mkdir(parents=True, exist_ok=True)
+    pool = base.prefill_costs.__dict__ if base.prefill_costs else None
     out.write_text(json.dumps({"cluster": {k: v for k, v in base.__dict__.items()
-                                           if k != "costs"},
-                               "costs": base.costs.__dict__, "slo": slo.__dict__,
+                                           if k not in ("costs", "prefill_costs")},
+                               "costs": base.costs.__dict__, "prefill_costs": pool,
+                               "slo": slo.__dict__,
                                "rows": rows}, indent=1))
     print(f"\nwrote {out}")
     return rows
