@@ -271,7 +271,11 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-dtype", default="f16")
     b.add_argument("--max-num-seqs", type=int, default=64)
     b.add_argument("--max-num-batched-tokens", type=int, default=512)
-    b.add_argument("--slo", default="ttft=2000,tpot=150", help="objectives in ms")
+    b.add_argument("--slo", default="ttft=2000,tpot=150",
+                   help="goodput's objectives in ms")
+    b.add_argument("--slo-tpot", type=float, default=None,
+                   help="the servers' TPOT objective in seconds (as ember serve --slo-tpot: "
+                        "steps carry only the prompt tokens that keep streams within it)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", type=Path, default=Path("bench-results/simulate.json"))
     b.set_defaults(func=cmd_bench_simulate)
@@ -560,7 +564,7 @@ def cmd_bench_simulate(args: argparse.Namespace) -> int:
     base = simulate.Cluster(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.disagg, coordination_s=args.coordination_ms / 1e3,
-        overhead_s=args.overhead_ms / 1e3, seed=args.seed,
+        overhead_s=args.overhead_ms / 1e3, seed=args.seed, slo_tpot=args.slo_tpot,
         kv_bytes_per_token=simulate.kv_bytes_per_token(args.model, args.kv_dtype))
     if args.prefill_costs is not None:
         base.prefill_costs = simulate.read_costs(args.prefill_costs)

@@ -35,7 +35,9 @@ CONFIGS = {
 
 
 def _serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
-    cmd = [*EMBER, "serve", "--port", str(port), "--num-kv-blocks", "2048", *args]
+    # the TPOT objective makes every engine cut prompt chunks to keep streams within it
+    cmd = [*EMBER, "serve", "--port", str(port), "--num-kv-blocks", "2048",
+           "--slo-tpot", "0.15", *args]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -108,7 +110,8 @@ def main() -> None:
                                 "1" if name == "single" else "2", "--prefill-replicas",
                                 prefill, "--disagg",
                                 "always" if name == "static" else "rule",
-                                "--slo", args.slo, "--out", str(sim)], check=True)
+                                "--slo", args.slo, "--slo-tpot", "0.15", "--out", str(sim)],
+                               check=True)
                 for row in json.loads(sim.read_text())["rows"]:
                     summary.append({"config": name, "workload": workload, **{
                         k: row.get(k) for k in ("goodput_rps", "measured_goodput_rps",

@@ -382,6 +382,7 @@ class ReplicaSet:
             self._finish(group, "error", f"no replica could decode the request ({e})")
             return False
         group.replica = verdict.replica
+        spec.handoff = None  # taken: let Ray's object store free the blocks
         self._observe_handoff(handoff, verdict.imported, waited)
         return True
 
