@@ -137,20 +137,26 @@ class ReplicaLoad:
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         return lo
 
-    def _chunks(self, tokens: int, start: int) -> list[tuple[int, int]]:
-        out, done = [], 0
-        while done < tokens:
-            n = min(self.chunk(start + done), tokens - done)
-            out.append((n, start + done + n))
-            done += n
-        return out
+    def _steps(self, tokens: int, start: int) -> tuple[int, int, int]:
+        """The steps computing ``tokens`` prompt tokens from ``start``: (full chunks,
+        their size, the last chunk's size), chunks sized at the prompt's middle."""
+        n = min(tokens, self.chunk(start + tokens // 2))
+        full, rest = divmod(tokens, n)
+        return full, n, rest
 
     def prefill_seconds(self, tokens: int, start: int = 0) -> float:
         """Seconds of steps that compute ``tokens`` prompt tokens from position ``start``
-        beside the streams decoding here."""
+        beside the streams decoding here (a step's cost is linear in its context, so
+        the full chunks cost as many times the one ending at their mean end)."""
+        if tokens <= 0:
+            return 0.0
         base = self._decode_step()
-        return sum(self.costs.predict(base.plus(n, end, logits=1))
-                   for n, end in self._chunks(tokens, start))
+        full, n, rest = self._steps(tokens, start)
+        mean_end = start + round(n * (full + 1) / 2)
+        total = full * self.costs.predict(base.plus(n, mean_end, logits=1))
+        if rest:
+            total += self.costs.predict(base.plus(rest, start + tokens, logits=1))
+        return total
 
     def stall(self, tokens: int, start: int = 0) -> float:
         """How much later each decoding stream here gets its tokens while ``tokens``
@@ -158,9 +164,9 @@ class ReplicaLoad:
         steps they replace."""
         if self.decoding == 0 or tokens <= 0:
             return 0.0
-        steps = len(self._chunks(tokens, start))
+        full, _, rest = self._steps(tokens, start)
         return max(0.0, self.prefill_seconds(tokens, start)
-                   - steps * self.costs.predict(self._decode_step()))
+                   - (full + bool(rest)) * self.costs.predict(self._decode_step()))
 
     def queue_seconds(self) -> float:
         """How long a prompt arriving now waits behind the prompt tokens queued here."""
