@@ -15,14 +15,13 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from hf_gguf import rewrite_gguf
-from llamacpp_source import convert_hf_to_gguf
+from llamacpp_source import Converter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -201,19 +200,18 @@ class ConvertedFamily:
     mxfp4: Path | None = None  # MoE families: the f32 file with its experts in MXFP4
 
 
-def convert_families(names: list[str], root: Path, tokenizer_source: Path
-                     ) -> dict[str, ConvertedFamily]:
+def convert_families(names: list[str], root: Path, tokenizer_source: Path,
+                     converter: Converter) -> dict[str, ConvertedFamily]:
     """Each family as a checkpoint and its two GGUFs under ``root``: llama.cpp's
-    converter writes the f32 file (subprocesses, two at a time), gguf-py quantizes its
-    matrices to Q8_0 for the native stack (as the converter's ``--outtype q8_0`` does,
-    without a second conversion)."""
+    converter writes the f32 file (``converter``: two at a time, each in a fork of one
+    process that imported it, which does so while the checkpoints are made here),
+    gguf-py quantizes its matrices to Q8_0 for the native stack (as the converter's
+    ``--outtype q8_0`` does, without a second conversion)."""
     tokenizer = tokenizer_files(root / "tokenizers", tokenizer_source)
     models = {name: random_checkpoint(name, root / f"{name}-hf", tokenizer) for name in names}
-    with ThreadPoolExecutor(2) as pool:
-        f32 = dict(zip(names, pool.map(
-            lambda n: convert_hf_to_gguf(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf",
-                                         extra=FAMILIES[n].convert_args), names),
-            strict=True))
+    f32 = dict(zip(names, converter.convert(
+        [(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf", FAMILIES[n].convert_args)
+         for n in names]), strict=True))
     return {n: ConvertedFamily(
         n, models[n], f32[n], rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True),
         rewrite_gguf(f32[n], root / f"tiny-{n}-mxfp4.gguf", mxfp4_experts=True)

@@ -10,6 +10,7 @@ llama.cpp checkout instead.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -68,13 +69,111 @@ def convert_hf_to_gguf(model_dir: Path, out: Path, outtype: str = "f32",
     name (a "phi3" name wants Phi-3's own special tokens in the vocabulary)."""
     root = llamacpp_source()
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-    args = [str(model_dir), "--outtype", outtype, "--outfile", str(out),
-            "--model-name", "tiny-random", *extra]
+    args = _converter_args(model_dir, out, outtype, extra)
     proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), *args],
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{proc.stderr[-3000:]}")
     return out
+
+
+def _converter_args(model_dir: Path, out: Path, outtype: str, extra: tuple[str, ...]
+                    ) -> list[str]:
+    return [str(model_dir), "--outtype", outtype, "--outfile", str(out),
+            "--model-name", "tiny-random", *extra]
+
+
+# A process that imports the converter once (torch, transformers, gguf-py: ~2 s of its
+# ~4 s per model) and runs each conversion in a fork of itself: the converter's own
+# ``main`` with its own command line, in a fresh copy of that process, so nothing one
+# conversion sets (its class attributes, its logging) is seen by the next.
+#   {"args": [...], "log": PATH}  -> the fork's pid (its stdout and stderr go to PATH)
+#   null                          -> "PID EXITCODE" of the next fork to finish
+_CONVERTER = """\
+import json, os, runpy, sys, traceback
+
+root = sys.argv[1]
+sys.path.insert(0, root)  # the converter's own ``conversion`` package
+script = os.path.join(root, "convert_hf_to_gguf.py")
+main = runpy.run_path(script, run_name="convert_hf_to_gguf")["main"]  # imports, no run
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    if job is None:
+        pid, status = os.wait()
+        print(pid, os.waitstatus_to_exitcode(status), flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)  # stdout is the reply channel
+            os.dup2(log, 2)
+            sys.argv = [script, *job["args"]]
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(pid, flush=True)
+"""
+
+
+class Converter:
+    """llama.cpp's ``convert_hf_to_gguf.py``, run as :func:`convert_hf_to_gguf` runs it
+    (its gguf-py, offline, the "tiny-random" name) on many checkpoints, a few at a time,
+    without importing it again for each. Started at once (its imports overlap the
+    caller's work); ``close`` when done."""
+
+    def __init__(self) -> None:
+        root = llamacpp_source()
+        env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _CONVERTER, str(root)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = False
+
+    def _ask(self, job: dict | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if not self.ready:
+            assert self.proc.stdout.readline() == "ready\n", "the converter did not start"
+            self.ready = True
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, "the converter process died"
+        return reply.strip()
+
+    def convert(self, jobs: list[tuple[Path, Path, tuple[str, ...]]], parallel: int = 2
+                ) -> list[Path]:
+        """Each ``(model_dir, out, extra arguments)`` converted to an f32 GGUF at ``out``,
+        ``parallel`` at a time; the paths written, in order."""
+        waiting, running, failed = list(jobs), {}, []
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                model_dir, out, extra = waiting.pop(0)
+                log = out.with_name(out.name + ".log")
+                pid = int(self._ask({"args": _converter_args(model_dir, out, "f32", extra),
+                                     "log": str(log)}))
+                running[pid] = (model_dir, log)
+            pid, code = map(int, self._ask(None).split())
+            model_dir, log = running.pop(pid)
+            if code != 0:
+                failed.append(f"convert_hf_to_gguf.py failed on {model_dir}:\n"
+                              f"{log.read_text(errors='replace')[-3000:]}")
+        if failed:
+            raise RuntimeError("\n".join(failed))
+        return [out for _, out, _ in jobs]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 def convert_lora_to_gguf(adapter_dir: Path, base_dir: Path, out: Path) -> Path:

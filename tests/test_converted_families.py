@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hf_families import FAMILIES, ConvertedFamily, convert_families
+from llamacpp_source import Converter
 from native import fused_vs_op_by_op, require_kernels
 
 from ember.models.loader import load_model
@@ -34,12 +36,20 @@ dense_families = pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.i
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path
-              ) -> dict[str, ConvertedFamily]:
+def converter() -> Iterator[Converter]:
+    """llama.cpp's converter, imported once for this module's conversions."""
     pytest.importorskip("transformers")
     pytest.importorskip("sentencepiece")
+    started = Converter()
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path,
+              converter: Converter) -> dict[str, ConvertedFamily]:
     root = tmp_path_factory.mktemp("families")
-    return convert_families(sorted(FAMILIES), root, smollm2_gguf)
+    return convert_families(sorted(FAMILIES), root, smollm2_gguf, converter)
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +162,13 @@ def test_hybrid_models_refuse_a_kv_disk_tier(converted, tmp_path: Path) -> None:
     ("olmo2", {"sliding_window": 8}, "sliding-window"),
 ])
 def test_what_a_family_does_not_implement_is_refused_at_load(
-        converted, tmp_path: Path, name: str, change: dict, named: str) -> None:
+        converted, converter: Converter, tmp_path: Path, name: str, change: dict,
+        named: str) -> None:
     """A checkpoint the converter writes with a feature ember lacks for that family
     (YaRN where it is not implemented, OLMo 3's sliding windows) is refused by name when
     loaded, never run with a plain table."""
     import json
     import shutil
-
-    from llamacpp_source import convert_hf_to_gguf
 
     from ember.errors import UnsupportedModelError
 
@@ -167,7 +176,7 @@ def test_what_a_family_does_not_implement_is_refused_at_load(
     shutil.copytree(converted[name].f32.parent / f"{name}-hf", checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, **change}))
-    path = convert_hf_to_gguf(checkpoint, tmp_path / "changed.gguf")
+    (path,) = converter.convert([(checkpoint, tmp_path / "changed.gguf", ())])
     with pytest.raises(UnsupportedModelError, match=named):
         load_model(str(path), "f32")
 
