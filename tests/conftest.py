@@ -167,10 +167,25 @@ def make_tiny32_engine(request, tiny32_gguf: Path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_adapters(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+def smollm2_hf(smollm2_gguf: Path):
+    """transformers' own LlamaForCausalLM of the real SmolLM2, dequantized from the same
+    GGUF (float32, eval mode): the logits oracle of tests/test_oracle_transformers.py and
+    the base of the LoRA adapters (tests/lora_adapters.py, which wraps a copy).
+
+    Loaded once (~8 s: gguf-py dequantizes every tensor in Python) and kept for the
+    session (~0.6 GB); nothing may change it in place."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from hf_gguf import transformers_from_gguf
+
+    return transformers_from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapters(smollm2_hf, tmp_path_factory: pytest.TempPathFactory):
     """A PEFT LoRA for SmolLM2 as a directory and as llama.cpp's GGUF adapter, a zero
     adapter, and transformers + PEFT's logits (tests/lora_adapters.py)."""
     pytest.importorskip("peft")
     from lora_adapters import build_adapters
 
-    return build_adapters(smollm2_gguf, tmp_path_factory.mktemp("lora"))
+    return build_adapters(smollm2_hf, tmp_path_factory.mktemp("lora"))

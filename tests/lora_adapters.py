@@ -13,17 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_gguf import transformers_from_gguf
 from llamacpp_source import convert_lora_to_gguf
 
 IDS = [1, 504, 3458, 282, 4649, 314, 7042, 30, 378, 1183, 314, 7042, 446, 1557, 30, 216]
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build_adapters(smollm2_gguf: Path, root: Path) -> dict[str, Any]:
+def build_adapters(base_model: torch.nn.Module, root: Path) -> dict[str, Any]:
+    """The adapters on a copy of ``base_model`` (transformers' SmolLM2 from the GGUF,
+    ``hf_gguf.transformers_from_gguf``), which PEFT changes in place."""
+    import copy
+
     import peft
 
-    hf = transformers_from_gguf(smollm2_gguf)
+    hf = copy.deepcopy(base_model)
     # the converter reads the base's config only: as a checkpoint's (a GGUF-loaded one
     # has no architectures and names the GGUF as a quantization)
     base = hf.config.to_dict()

@@ -19,7 +19,6 @@ SmolLM2's pre-tokenizer wrong, so it is no oracle for tokenization.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -34,8 +33,6 @@ pytest.importorskip(
 pytest.importorskip(
     "accelerate", reason="accelerate is not installed (transformers needs it to load a GGUF)"
 )
-
-from hf_gguf import transformers_from_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -74,13 +71,11 @@ GREEDY_PROMPT = "The old lighthouse keeper climbed the stairs every evening to"
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf: Path):
-    """transformers' own LlamaForCausalLM, dequantized from the same GGUF (float32).
-
-    Loaded once (a few seconds, from a copy without the vocabulary) and dropped
-    when this module is done, so its ~0.6 GB does not outlive the tests that use it.
-    """
-    return transformers_from_gguf(smollm2_gguf)
+def hf_model(smollm2_hf):
+    """transformers' own LlamaForCausalLM, dequantized from the same GGUF (float32), by
+    ``hf_gguf.transformers_from_gguf`` from a copy without the vocabulary; loaded once
+    per session (conftest), shared with the LoRA adapters' oracle."""
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
