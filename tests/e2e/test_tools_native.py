@@ -1,6 +1,7 @@
 """Function calling through a model's own template and call format, end to end.
 
-The real SmolLM2 served with three templates of llama.cpp's corpus in place of its own
+The real SmolLM2, in the default served weight format as in tests/e2e/test_tools.py,
+served with three templates of llama.cpp's corpus in place of its own
 (``--chat-template``): Llama 3.1's (tools in its words, calls as one JSON object with
 ``parameters``), Mistral Small 3.2's (``[AVAILABLE_TOOLS]``, calls as
 ``[TOOL_CALLS]name[ARGS]{...}``) and gpt-oss's harmony (reasoning on the analysis
@@ -22,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import _serve
-from e2e_server import EmberServer
+from e2e_server import EmberServer, served_weights
 from llamacpp_source import llamacpp_source
 from test_tools import QUESTIONS, SCHEMAS, TOOLS, ask, check_calls
 
@@ -41,7 +42,8 @@ def native(request, smollm2_gguf: Path, e2e_log_dir: Path
            ) -> Iterator[tuple[EmberServer, str, dict[str, Any]]]:
     stem, lead, extra = TEMPLATES[request.param]
     template = llamacpp_source() / "models" / "templates" / f"{stem}.jinja"
-    for server in _serve(smollm2_gguf, e2e_log_dir, "--chat-template", str(template)):
+    for server in _serve(smollm2_gguf, e2e_log_dir, "--chat-template", str(template),
+                         weights=served_weights()):
         yield server, lead, extra
 
 
