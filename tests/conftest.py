@@ -41,6 +41,18 @@ def smollm2_llm(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_served_llm(smollm2_gguf: Path):
+    """One ``ember.LLM`` over the real SmolLM2 in the weight format ``ember serve`` runs
+    by default (q4 where its kernel builds, f16 KV), shared: the oracle of the e2e
+    ``smol_server``, and the model of the tests about what a grammar lets it write, not
+    about its exact numbers (f32 decoding is several times slower)."""
+    import ember
+    from ember import kernels
+
+    return ember.LLM(str(smollm2_gguf), weights="q4" if kernels.available() else "f32")
+
+
+@pytest.fixture(scope="session")
 def smollm2_q4(smollm2_gguf: Path):
     """The real SmolLM2-135M in the q4 format (the fused native stack), loaded once."""
     return _load_q4(smollm2_gguf)

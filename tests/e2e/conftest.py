@@ -46,12 +46,11 @@ def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path
 
 
 @pytest.fixture(scope="session")
-def smol_reference(smollm2_gguf: Path):
+def smol_reference(smollm2_served_llm):
     """An in-process ``ember.LLM`` in ``smol_server``'s weight format: the oracle for
     what that server answers (teacher-forced logprobs, greedy continuations)."""
-    import ember
-
-    return ember.LLM(str(smollm2_gguf), weights=served_weights())
+    assert smollm2_served_llm.engine.config.weights == served_weights()
+    return smollm2_served_llm
 
 
 @pytest.fixture(scope="session")
