@@ -132,10 +132,10 @@ def _run(engine: LLMEngine, prompt: list[int], tenant: str | None) -> None:
 
 def test_replicas_that_refused_a_request_are_not_chosen_again_unless_all_did() -> None:
     from ember.cluster.protocol import GroupSpec
-    from ember.cluster.router import _eligible
+    from ember.cluster.router import eligible
 
     spec = GroupSpec("g", [1], [SamplingParams()], "t", avoid=("a",))
-    assert _eligible(spec, ["a", "b", "c"]) == ["b", "c"]
+    assert eligible(spec, ["a", "b", "c"]) == ["b", "c"]
     spec.avoid = ("a", "b", "c")
-    assert _eligible(spec, ["a", "b", "c"]) == ["a", "b", "c"]
-    assert _eligible(None, ["a"]) == ["a"]
+    assert eligible(spec, ["a", "b", "c"]) == ["a", "b", "c"]
+    assert eligible(None, ["a"]) == ["a"]
