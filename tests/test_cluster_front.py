@@ -186,14 +186,21 @@ def test_a_request_that_kills_every_replica_is_not_retried_for_ever(make) -> Non
     assert got[-1].finish_reason == "error" and not handle.script
 
 
-def test_abort_cancels_the_live_stream(make) -> None:
-    rs, handle = make([[Verdict("r1"), HANG]])
+def submit_then_abort(rs: ReplicaSet) -> list[RequestOutput]:
+    """Submit a group whose replica hangs, abort it, and return what the client got
+    (its last output must be an abort)."""
     group = prepare(rs)
     got, done = [], threading.Event()
     with rs.slot() as slot:
         slot.submit(group, lambda o: (got.append(o), o.finished and done.set()))
     rs.abort("g")
     assert done.wait(5) and got[-1].finish_reason == "abort"
+    return got
+
+
+def test_abort_cancels_the_live_stream(make) -> None:
+    rs, handle = make([[Verdict("r1"), HANG]])
+    submit_then_abort(rs)
     assert handle.streams[0].cancelled
 
 
@@ -343,10 +350,5 @@ def test_a_prefill_replica_dying_leaves_the_decoder_to_recompute(make) -> None:
 def test_a_client_leaving_during_the_prefill_cancels_it_and_nothing_decodes(make) -> None:
     rs, handle = make([[Verdict("r1"), HANG]])
     _disaggregating(rs)
-    group = prepare(rs)
-    got, done = [], threading.Event()
-    with rs.slot() as slot:
-        slot.submit(group, lambda o: (got.append(o), o.finished and done.set()))
-    rs.abort("g")
-    assert done.wait(5) and got[-1].finish_reason == "abort"
+    submit_then_abort(rs)
     assert handle.streams[0].cancelled and len(handle.specs) == 1

@@ -60,6 +60,11 @@ class SimRequest:
     whole: SimRequest | None = None  # the request a prefill part was split from
 
     @property
+    def status(self) -> str:
+        """As a benchmark record's: ``ok`` once it ended (what Objectives.met reads)."""
+        return "ok" if self.end is not None else "failed"
+
+    @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
@@ -292,7 +297,7 @@ class Simulation:
     def summary(self) -> dict[str, Any]:
         reqs = self.requests
         done = [r for r in reqs if r.end is not None]
-        good = [r for r in done if _met(self.slo, r)]
+        good = [r for r in done if self.slo.met(r)]  # type: ignore[arg-type]
         start = min((r.arrival for r in reqs), default=0.0)
         duration = max((r.end for r in done), default=start) - start
         ttft = [r.ttft for r in done if r.ttft is not None]
@@ -311,12 +316,6 @@ class Simulation:
         if self.planner is not None:
             out["decisions"] = dict(self.planner.decisions)
         return out
-
-
-def _met(slo: Objectives, r: SimRequest) -> bool:
-    if r.ttft is None or (slo.ttft is not None and r.ttft > slo.ttft):
-        return False
-    return slo.tpot is None or r.tpot is None or r.tpot <= slo.tpot
 
 
 # ---------------------------------------------------------------- inputs
