@@ -107,6 +107,33 @@ def test_preemption_takes_the_lowest_priority_first(make_tiny_engine):
     assert low.status.value == "waiting" and high.status.value == "running"
 
 
+def test_requests_needing_most_of_the_pool_cannot_preempt_each_other_forever(
+        make_tiny_engine):
+    """Found by the property test (test_engine_properties.py): a 10-block pool, and
+    requests of two tenants needing 8 blocks each (one a group of two). Under the
+    share rule alone the one that had grown past half the pool, nearest to finishing,
+    was preempted, then the other: none ever finished. The running request first in
+    line is never preempted for another."""
+    engine = make_tiny_engine(num_kv_blocks=10, block_size=4, max_num_seqs=4,
+                              max_num_batched_tokens=4, max_model_len=40)
+
+    def params(max_tokens: int, n: int = 1) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.8, seed=j, max_tokens=max_tokens,
+                               ignore_eos=True) for j in range(n)]
+
+    long = [7, 8, 9, 10, 11, 12, 13, 14] + [100] * 14  # 22 tokens, and 8 to generate
+    reqs = [*engine.add_group([7], params(1), tenant="a"),
+            *engine.add_group([7], params(1), tenant="a"),
+            *engine.add_group(long, params(8), tenant="a"),
+            *engine.add_group(long, params(8, n=2), tenant="b")]
+    for _ in range(300):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert [len(r.output_ids) for r in reqs] == [1, 1, 8, 8, 8]
+    engine.kv.check_no_leaks()
+
+
 # ---------------------------------------------------------------- stall-free prefill
 def test_prompt_chunks_keep_decoding_streams_within_their_tpot(make_tiny_engine):
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,

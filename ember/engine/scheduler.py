@@ -25,9 +25,12 @@ counter of the active tenants when it becomes active again, so idle time is not
 banked.
 
 When the pool cannot hold a running request's next token, the running request of
-lowest priority (newest first among equals) is preempted by recompute: its blocks
-are released and it returns to the waiting queue, to be prefilled again later (its
-committed tokens are kept, so its output is unchanged). Waiting requests hold no
+lowest priority (newest first among equals, a tenant holding more than an equal share
+of the pool before one that does not) is preempted by recompute: its blocks are
+released and it returns to the waiting queue, to be prefilled again later (its
+committed tokens are kept, so its output is unchanged). The running request first in
+line (by priority, then arrival) is never preempted for another, so it always
+progresses: no set of requests can preempt each other in turn forever. Waiting requests hold no
 blocks, so two of them can never each hold what the other needs.
 
 Cost per step is proportional to the number of requests, not their lengths.
@@ -376,18 +379,31 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is req:
                 return False
+        first = self._first_in_line()
         while not self.kv.can_reserve(req, req.kv_len + n):
             held = self._held_blocks()
             fair = self.kv.num_blocks / max(1, len(held))
             victim = max(
-                (r for r in self.running if r.status is RequestStatus.RUNNING),
-                key=lambda r: (r.priority, held[r.tenant] > fair, r.admitted_seq),
+                (r for r in self.running
+                 if r.status is RequestStatus.RUNNING and (r is not first or r is req)),
+                key=lambda r: (r is not first, r.priority, held[r.tenant] > fair,
+                               r.admitted_seq),
             )
             self._preempt(victim, out)
             if victim is req:
                 return False
         self.kv.reserve(req, req.kv_len + n)
         return True
+
+    def _first_in_line(self) -> Request | None:
+        """The running request that is never preempted for another: the first by
+        priority, then arrival. It always makes progress, so requests cannot take turns
+        preempting each other forever (by the share rule alone they can: the one that
+        has grown past its tenant's share, closest to finishing, is the one preempted,
+        then the other). Arrival, unlike admission order, survives a preemption."""
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return min(running, key=lambda r: (r.priority, r.arrival_time, r.request_id),
+                   default=None)
 
     def _held_blocks(self) -> dict[str, int]:
         """KV blocks the running requests hold, per tenant (each request's own count:
