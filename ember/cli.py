@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from ember.bench.traffic import WORKLOADS
 from ember.errors import EmberError
 from ember.models.registry import DEFAULT_MODEL
 
@@ -217,8 +218,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-model", default=None)
     b.add_argument("--compare-api-keys", default=None, help="default: --api-keys")
     b.add_argument("--compare-label", default=None)
-    b.add_argument("--workload", default="chat",
-                   choices=["chat", "docqa", "short-long", "json", "mix"])
+    b.add_argument("--workload", default="chat", choices=WORKLOADS)
     b.add_argument("--tenants", type=int, default=None,
                    help="tenants (default: the number of --api-keys, else 1)")
     load = b.add_mutually_exclusive_group()

@@ -140,6 +140,7 @@ def test_workloads_are_deterministic_for_a_seed():
 
 # ---------------------------------------------------------------- the load generator
 TTFT, GAP, TOKENS = 0.20, 0.05, 5
+RECEIVED: list[dict] = []  # the chat requests' bodies, in arrival order
 
 
 async def _stub(scope, receive, send) -> None:
@@ -147,8 +148,10 @@ async def _stub(scope, receive, send) -> None:
     k-500, a stream that stalls for k-slow, else TTFT then TOKENS chunks GAP apart."""
     if scope["type"] != "http":
         return
-    while (await receive()).get("more_body"):
-        pass
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
     auth = dict(scope["headers"]).get(b"authorization", b"").decode()
     if scope["path"] == "/v1/models":
         await _respond(send, 200, b'{"data":[{"id":"stub"}]}')
@@ -159,6 +162,7 @@ async def _stub(scope, receive, send) -> None:
     if auth.endswith("k-500"):
         await _respond(send, 500, b'{"error":{}}')
         return
+    RECEIVED.append(json.loads(body))
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
     await asyncio.sleep(60 if auth.endswith("k-slow") else TTFT)
@@ -237,6 +241,7 @@ def test_bench_serve_writes_its_table_json_and_plots(stub_url, tmp_path: Path, c
     from ember.cli import main
 
     out = tmp_path / "serve.json"
+    RECEIVED.clear()
     code = main(["bench", "serve", "--url", stub_url, "--api-keys", "k-ok",
                  "--rates", "4,8", "--num-requests", "6", "--warmup", "1",
                  "--out", str(out), "--plot", str(tmp_path / "p")])
@@ -246,6 +251,9 @@ def test_bench_serve_writes_its_table_json_and_plots(stub_url, tmp_path: Path, c
     doc = json.loads(out.read_text())
     assert [s["rate"] for s in doc["steps"]] == [4.0, 8.0]
     assert all(s["good"] == 6 for s in doc["steps"])
+    # each step sends prompts of its own: the last step's would be prefix-cache hits
+    prompts = [b["messages"][-1]["content"] for b in RECEIVED]
+    assert len(prompts) == 13 and not set(prompts[1:7]) & set(prompts[7:])
     for name in ("goodput", "latency", "tenants"):
         assert (tmp_path / f"p-{name}.png").stat().st_size > 1000
 
@@ -258,3 +266,23 @@ def test_an_over_saturated_step_stops_sending_and_says_so(stub_url):
     result = asyncio.run(run(ep, Workload("docqa", 1), times, timeout=2.0, slo_ttft=0.1))
     assert result.saturated and 8 <= len(result.records) < 40 and result.planned == 60
     assert all(r.status == "timeout" for r in result.records)
+
+
+def test_longdoc_sends_new_two_thousand_token_documents_between_long_answer_streams(
+        smollm2_file):
+    from ember.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_file)
+    w = Workload("longdoc", tenants=2, seed=3, follow_up=0.0)
+    bodies = []
+    for _ in range(6):
+        conv = w.next()
+        bodies.append(w.body(conv))
+        w.finish(conv, "ok")
+    docs, streams = bodies[0::2], bodies[1::2]
+    assert all(b["max_tokens"] == 256 and b["ignore_eos"] for b in streams)
+    prompts = [b["messages"][-1]["content"] for b in docs]
+    assert len(set(prompts)) == 3  # each document is new: nothing for the prefix cache
+    # what makes it the long-prompt case: ~2,000 tokens each, within SmolLM2's context
+    assert all(1800 <= len(tok.encode(p)) <= 2300 for p in prompts)
+    assert all(b["max_tokens"] == 64 for b in docs)

@@ -51,7 +51,7 @@ def main(endpoints: list[Endpoint], plan: Plan, slo: Objectives, out: Path,
     for i, rate in enumerate(steps):
         order = endpoints if i % 2 == 0 else endpoints[::-1]
         for ep in order:
-            rows.append(_step(ep, plan, rate, slo))
+            rows.append(_step(ep, plan, rate, slo, plan.seed + i))
             print(_format(rows[-1]), flush=True)
     rows.sort(key=lambda r: (endpoints.index(next(e for e in endpoints
                                                   if e.label == r["endpoint"])),
@@ -87,8 +87,10 @@ def _warm_up(ep: Endpoint, plan: Plan) -> None:
                     timeout=plan.timeout))
 
 
-def _step(ep: Endpoint, plan: Plan, rate: float | None, slo: Objectives) -> dict[str, Any]:
-    workload = Workload(plan.workload, plan.tenants, seed=plan.seed)
+def _step(ep: Endpoint, plan: Plan, rate: float | None, slo: Objectives,
+          seed: int) -> dict[str, Any]:
+    # each step its own seed: the last step's prompts would be prefix-cache hits in this one
+    workload = Workload(plan.workload, plan.tenants, seed=seed)
     started = time.time()
     if rate is None:
         n = plan.num_requests or 100
@@ -96,7 +98,7 @@ def _step(ep: Endpoint, plan: Plan, rate: float | None, slo: Objectives) -> dict
                                  timeout=plan.timeout))
     else:
         n = plan.num_requests or max(10, round(rate * plan.duration))
-        times = arrivals(rate, n, plan.burstiness, seed=plan.seed)
+        times = arrivals(rate, n, plan.burstiness, seed=seed)
         result = asyncio.run(run(ep, workload, times, timeout=plan.timeout,
                                  slo_ttft=slo.ttft))
     return {"endpoint": ep.label, "rate": rate, "concurrency": plan.concurrency,

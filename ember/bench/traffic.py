@@ -11,7 +11,10 @@ from a seeded synthetic corpus (no data set to download):
 - ``docqa``: a question about one of a few long documents;
 - ``short-long``: a short prompt and a long answer;
 - ``json``: extract fields from a paragraph into a JSON schema;
-- ``mix``: the four, a quarter each.
+- ``mix``: the four, a quarter each;
+- ``longdoc``: long-answer streams (as ``short-long``) while fresh documents of about
+  2,000 tokens arrive, one in two requests: every document is new, so its whole
+  prompt is prefilled beside the streams (where prefill/decode disaggregation pays).
 
 Each conversation belongs to a tenant (an API key), assigned round robin.
 """
@@ -22,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("chat", "docqa", "short-long", "json", "mix")
+WORKLOADS = ("chat", "docqa", "short-long", "json", "mix", "longdoc")
 
 _WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from "
@@ -124,7 +127,8 @@ class Workload:
 
     def _new(self) -> Conversation:
         cid = len(self._conversations)
-        kind = self.kind if self.kind != "mix" else WORKLOADS[cid % 4]
+        kind = {"mix": WORKLOADS[cid % 4],
+                "longdoc": ("fresh-doc", "short-long")[cid % 2]}.get(self.kind, self.kind)
         conv = Conversation(cid, cid % self.tenants, kind,
                             turns_left=self.max_turns if kind == "chat" else 1)
         self._conversations.append(conv)
@@ -146,6 +150,10 @@ class Workload:
             doc = rng.choice(self._documents)
             conv.messages = [{"role": "user", "content": f"{doc}\n\nQuestion: what does the "
                               f"text say about the {rng.choice(_WORDS)}?"}]
+            max_tokens = 64
+        elif conv.kind == "fresh-doc":
+            conv.messages = [{"role": "user", "content": f"{text(rng, 1800)}\n\nSummarise "
+                              "the text above in two sentences."}]
             max_tokens = 64
         elif conv.kind == "short-long":
             conv.messages = [{"role": "user", "content": f"Write a long story about a "
