@@ -55,6 +55,7 @@ class Handle:
     def __init__(self, script: list[list]) -> None:
         self.script, self.avoided, self.streams = list(script), [], []
         self.specs: list[tuple] = []  # (prefill?, replica named, handoff) per dispatch
+        self.sent: list = []  # the specs themselves
 
     def options(self, **_):
         return self
@@ -65,6 +66,7 @@ class Handle:
 
         self.avoided.append(tuple(spec.avoid))
         self.specs.append((spec.prefill, spec.replica, spec.handoff))
+        self.sent.append(spec)
         items = self.script.pop(0)
         replica = items[0].replica if isinstance(items[0], Verdict) else f"dead{len(self.script)}"
         view().place(spec.request_id, replica)
@@ -323,12 +325,16 @@ def _handoff() -> Handoff:
 
 
 def test_a_disaggregated_group_prefills_on_one_replica_and_decodes_on_another(make) -> None:
-    imported = {"offered": 32, "tokens": 32, "bytes": 6000, "seconds": 0.02, "error": ""}
+    imported = {"offered": 32, "tokens": 32, "loaded": 12, "bytes": 6000, "seconds": 0.02,
+                "error": ""}
     rs, handle = make([[Verdict("r1"), _handoff()],
                        [Verdict("r2", imported=imported), out("g", [4, 5], finished=True)]])
     _disaggregating(rs)
     got = collect(rs, prepare(rs))
     assert got[-1].token_ids == [4, 5]
+    # of the decoder's 16 cached prompt tokens, the 12 the handoff loaded were computed
+    # for this request: its usage does not count them as a cache hit
+    assert got[-1].cached_tokens == 4
     (prefill, p, none), (decode, d, handoff) = handle.specs
     assert prefill and not decode and none is None and {p, d} == {"p", "d"}
     assert handoff is not None and handoff.tokens == 32  # the decoder got the KV
@@ -337,12 +343,28 @@ def test_a_disaggregated_group_prefills_on_one_replica_and_decodes_on_another(ma
     assert m["observed"]["transfer"] == pytest.approx(0.03)  # export + import
 
 
+def test_only_the_blocks_the_decoder_lacks_are_handed_over(make) -> None:
+    rs, handle = make([[Verdict("r1"), _handoff()],
+                       [Verdict("r2"), out("g", [4, 5], finished=True)]])
+    _disaggregating(rs)
+    keys = rs.engine.prefix_keys(list(range(100, 140)), "t")  # the group's 2 full blocks
+    # the decoder holds the first block already (its digest says so)
+    rs.view.observe("d", {"keys": keys[:1], "load": {"decoding": 0, "kv_bytes_per_block": 1000}})
+    got = collect(rs, prepare(rs))
+    assert got[-1].token_ids == [4, 5]
+    prefill, decode = handle.sent
+    assert prefill.prefill and prefill.replica == "p" and decode.replica == "d"
+    assert prefill.handoff_from == 1  # the prefill replica exports block 1 on
+    assert rs.planner.metrics()["last"]["transfer"] == pytest.approx(1000 / 1e9)  # 1 block
+
+
 def test_a_prefill_replica_dying_leaves_the_decoder_to_recompute(make) -> None:
     rs, handle = make([[Verdict("r1"), ActorDiedError()],
                        [Verdict("r2"), out("g", [4, 5], finished=True)]])
     _disaggregating(rs)
     got = collect(rs, prepare(rs))
     assert got[-1].token_ids == [4, 5] and got[-1].finish_reason == "length"
+    assert got[-1].cached_tokens == 16  # nothing handed over: its own cache's hits
     assert handle.specs[1][2] is None  # no KV: the decoder computes the prompt itself
     assert rs.planner.failures == 1 and rs.view.replica_failures == 1
 

@@ -146,8 +146,8 @@ def _answer(items: list) -> tuple[list[int], list, int]:
         last.cached_tokens
 
 
-def _handoff(replicas, rid: str, tenant: str = "a") -> Handoff:
-    items = _run(replicas["prefill"], _spec(rid, tenant, prefill=True))
+def _handoff(replicas, rid: str, tenant: str = "a", first: int = 0) -> Handoff:
+    items = _run(replicas["prefill"], _spec(rid, tenant, prefill=True, handoff_from=first))
     verdict, handoff = items
     assert isinstance(verdict, Verdict) and verdict.error is None
     assert isinstance(handoff, Handoff) and not handoff.error
@@ -170,10 +170,40 @@ def test_a_handed_over_prompt_answers_exactly_as_a_colocated_one(replicas) -> No
     reference = _answer(_run(replicas["reference"], _spec("ref")))
     handoff = _handoff(replicas, "h1")
     items = _run(replicas["decode"], _spec("h1", handoff=handoff))
-    assert items[0].imported["tokens"] == HANDED and not items[0].imported["error"]
+    report = items[0].imported
+    assert report["tokens"] == report["loaded"] == HANDED and not report["error"]
     tokens, logprobs, cached = _answer(items)
     assert cached == HANDED  # its prompt came from the handoff, not recomputed
     assert (tokens, logprobs) == reference[:2]  # q4: bitwise
+    # the same prompt handed over again: every block is cached there already
+    again = _run(replicas["decode"], _spec("h2", handoff=handoff))[0].imported
+    assert again["tokens"] == HANDED and again["loaded"] == 0
+
+
+def test_blocks_the_decoder_holds_are_not_handed_over_again(replicas) -> None:
+    _purge(*replicas.values())
+    reference = _answer(_run(replicas["reference"], _spec("ref")))
+    decoder = replicas["decode"]
+    spec = _spec("head")
+    spec.prompt_ids = PROMPT[:40]  # the decoder computes the prompt's first 2 blocks
+    _run(decoder, spec)
+    whole = _handoff(replicas, "all")
+    handoff = _handoff(replicas, "skip", first=2)
+    assert handoff.first == 2 and len(handoff.blocks) == HANDED // 16 - 2
+    assert handoff.nbytes == whole.nbytes * (HANDED // 16 - 2) // (HANDED // 16)
+    items = _run(decoder, _spec("skip", handoff=handoff))
+    report = items[0].imported
+    assert report["tokens"] == HANDED and report["loaded"] == HANDED - 32
+    assert not report["error"]
+    tokens, logprobs, cached = _answer(items)
+    assert cached == HANDED and (tokens, logprobs) == reference[:2]
+    # the same handoff to a decoder that lost those 2 blocks: nothing is taken, the
+    # whole prompt is recomputed, and the answer is the same
+    _purge(decoder)
+    items = _run(decoder, _spec("lost", handoff=handoff))
+    assert items[0].imported["tokens"] == 0 and "no longer cached" in items[0].imported["error"]
+    tokens, logprobs, cached = _answer(items)
+    assert cached == 0 and (tokens, logprobs) == reference[:2]
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "tenant", "layout"])

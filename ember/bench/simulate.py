@@ -271,7 +271,7 @@ class Simulation:
             tokens = handed - r.done_prompt
             loads = {x.name: x.load() for x in self.replicas}
             plan = self.planner.plan(loads, decode.name, tokens, r.done_prompt,
-                                     handed * self.c.kv_bytes_per_token)
+                                     tokens * self.c.kv_bytes_per_token)
             if plan.prefill is not None:
                 self._prefill_apart(r, self.by_name[plan.prefill], handed)
                 return
@@ -287,10 +287,11 @@ class Simulation:
     def _hand_over(self, part: SimRequest) -> None:
         r = part.whole
         assert r is not None
-        r.done_prompt = part.prompt  # the decoder computes the tail and samples
+        # only the blocks the decoder lacked travel; it computes the tail and samples
+        moved = part.prompt - r.done_prompt
+        r.done_prompt = part.prompt
         r.started = part.started
-        delay = self.c.coordination_s + part.prompt * self.c.kv_bytes_per_token / \
-            self.c.bandwidth_bps
+        delay = self.c.coordination_s + moved * self.c.kv_bytes_per_token / self.c.bandwidth_bps
         self._at(self.now + delay, "handed", r)
 
     # ------------------------------------------------------------ results

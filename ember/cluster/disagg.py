@@ -182,6 +182,7 @@ class Plan:
     prefill: str | None
     terms: Terms | None  # of the best prefill candidate (None: there was none)
     kv_bytes: int = 0
+    start: int = 0  # prompt tokens ``decode`` has cached: not computed nor handed over
 
     @property
     def disaggregated(self) -> bool:
@@ -271,7 +272,7 @@ class Planner:
             if chosen and terms is not None:
                 for name, value in terms.as_dict().items():
                     self.predicted[name] += value
-        return Plan(decode, chosen, terms, kv_bytes if chosen else 0)
+        return Plan(decode, chosen, terms, kv_bytes if chosen else 0, start)
 
     def observe(self, *, ok: bool, kv_bytes: int = 0, transfer_s: float = 0.0,
                 coordination_s: float | None = None) -> None:

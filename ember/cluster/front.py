@@ -77,14 +77,22 @@ class RemoteGroup:
     plan: Plan | None = None  # disaggregated: where it prefills and where it decodes
     prefill: Any = None  # the prefill replica's stream, until it handed the KV over
     prefill_sent: float = 0.0  # when the prefill was dispatched (monotonic)
+    handed_tokens: int = 0  # prompt tokens the handoff added to the decoder's cache
 
-    def deliver(self, out: RequestOutput) -> None:
+    def deliver(self, out: RequestOutput) -> RequestOutput:
+        """Pass ``out`` on (to the client, or the buffer until one attaches); what was
+        passed."""
+        if self.handed_tokens and out.cached_tokens:
+            # computed for this request on the prefill replica: not a cache hit
+            out = dataclasses.replace(
+                out, cached_tokens=max(0, out.cached_tokens - self.handed_tokens))
         self.streamed = self.streamed or bool(out.token_ids) or out.finished
         self.latest[out.request_id] = out
         if self.callback is None:
             self.buffer.append(out)
         else:
             self.callback(out)
+        return out
 
     def attach(self, callback: Callback) -> None:
         self.callback = callback
@@ -307,7 +315,7 @@ class ReplicaSet:
                     if not await self._failover(group, e):
                         return
                     continue
-                group.deliver(out)
+                out = group.deliver(out)
                 if out.finished and out.request_id == group.spec.request_id:
                     self._count_cached(group.spec.request_id, out.cached_tokens)
         except asyncio.CancelledError:  # the client left: both replicas let it go
@@ -341,17 +349,20 @@ class ReplicaSet:
         bs = self.config.block_size
         cached = self.view.match(decode, spec.keys, time.monotonic()) * bs
         handed = (len(spec.prompt_ids) - 1) // bs * bs  # full blocks before the last token
+        cached = min(cached, handed)
         per_block = int(stats[decode].get("load", {}).get("kv_bytes_per_block", 0))
+        # only the blocks the decoder lacks travel
         plan = self.planner.plan(loads, decode, handed - cached, cached,
-                                 handed // bs * per_block)
+                                 (handed - cached) // bs * per_block)
         return plan if plan.prefill is not None else None
 
     async def _dispatch_prefill(self, group: RemoteGroup) -> tuple[Any, Verdict]:
         """Send the group's prompt to its plan's prefill replica, which validates the
         request as the decoding one would; its stream then yields the handoff."""
         assert group.plan is not None
-        prefill = RemoteGroup(dataclasses.replace(group.spec, prefill=True,
-                                                  replica=group.plan.prefill or ""))
+        prefill = RemoteGroup(dataclasses.replace(
+            group.spec, prefill=True, replica=group.plan.prefill or "",
+            handoff_from=group.plan.start // self.config.block_size))
         group.prefill_sent = time.monotonic()
         return await self._dispatch(prefill)
 
@@ -383,6 +394,7 @@ class ReplicaSet:
             return False
         group.replica = verdict.replica
         spec.handoff = None  # taken: let Ray's object store free the blocks
+        group.handed_tokens = int((verdict.imported or {}).get("loaded", 0))
         self._observe_handoff(handoff, verdict.imported, waited)
         return True
 
@@ -420,6 +432,7 @@ class ReplicaSet:
             return False
         group.replica = verdict.replica
         group.buffer.clear()  # nothing in it reached anyone: the new replica starts afresh
+        group.handed_tokens = 0  # the handoff went to the replica that died
         group.latest.clear()
         return True
 

@@ -35,10 +35,12 @@ class GroupSpec:
     # disaggregation (ember.cluster.disagg): ``prefill`` asks the replica only to compute
     # the prompt's KV and hand it over; ``handoff`` is that KV, for the replica that
     # decodes; ``replica`` names the replica the front chose (routers send it there
-    # unless it refused or died on the spec)
+    # unless it refused or died on the spec); ``handoff_from``: the first block a prefill
+    # hands over (the decoding replica holds the ones before it in its prefix cache)
     prefill: bool = False
     handoff: Handoff | None = None
     replica: str = ""
+    handoff_from: int = 0
 
     @property
     def request_ids(self) -> list[str]:
@@ -55,12 +57,13 @@ class Handoff:
     outside Ray."""
 
     blocks: Any
-    tokens: int  # prompt tokens the blocks cover
+    tokens: int  # prompt tokens the chain covers, from the prompt's start
     nbytes: int
     source: str  # the replica that prefilled
     engine_seconds: float = 0.0  # the prefill's time in its replica's engine, queue included
     export_seconds: float = 0.0  # copying, encoding and publishing the blocks
     error: str = ""  # why there are no blocks (the prefill failed): the decoder recomputes
+    first: int = 0  # the chain's block that blocks[0] is (the decoder had those before)
 
 
 @dataclass(frozen=True)

@@ -175,11 +175,12 @@ class EmberReplica:
         lora = spec.lora[0] if spec.lora is not None else None
         prompt = spec.prompt_ids[:-1]
         records = self.thread.call(lambda e: e.export_prefix(prompt, spec.tenant, lora))
+        first = min(spec.handoff_from, len(records))  # the decoder holds blocks before it
         fp = self.engine.kv_fingerprint()
-        blocks = [encode(fp, rec) for rec in records]
+        blocks = [encode(fp, rec) for rec in records[first:]]
         nbytes = sum(map(len, blocks))
         return Handoff(_publish(blocks), sum(len(r.tokens) for r in records), nbytes,
-                       self.replica, seconds, time.monotonic() - began)
+                       self.replica, seconds, time.monotonic() - began, first=first)
 
     def _import(self, spec: GroupSpec, lora: str | None) -> dict[str, Any]:
         """Take the spec's handoff into the prefix cache, each block verified (checksum,
@@ -209,10 +210,22 @@ class EmberReplica:
                 break
             records.append(rec)
         report["bytes"] = sum(len(r.payload) for r in records)
-        tokens = self.thread.call(lambda e: e.import_prefix(records, spec.tenant, lora))
-        if tokens < len(records) * self.engine.config.block_size and not report["error"]:
-            report["error"] = "a block did not match the request's tenant, adapter or prompt"
-        report.update(tokens=tokens, seconds=time.monotonic() - began)
+        bs = self.engine.config.block_size
+        prompt = spec.prompt_ids[:(h.first + len(records)) * bs]
+
+        def take(e: LLMEngine) -> tuple[int, int]:
+            return (e.cached_tokens(prompt, spec.tenant, lora),
+                    e.import_prefix(records, spec.tenant, lora, prompt, h.first))
+
+        already, tokens = self.thread.call(take)
+        if tokens < len(prompt) and not report["error"]:
+            report["error"] = ("a block did not match the request's tenant, adapter or prompt"
+                               if already >= h.first * bs else
+                               "the blocks before the handoff were no longer cached here")
+        # loaded: what the handoff added (the rest was cached here already); the client's
+        # usage counts those tokens as computed for it, not as a cache hit
+        report.update(tokens=tokens, loaded=max(0, tokens - already),
+                      seconds=time.monotonic() - began)
         return report
 
     def purge_cache(self, spec: PurgeSpec) -> dict[str, Any]:

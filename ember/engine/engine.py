@@ -383,9 +383,15 @@ class LLMEngine:
                       lora: str | None = None) -> list:
         return self.transfer.export_prefix(tokens, tenant, self._adapter(lora, False))
 
-    def import_prefix(self, records: Sequence, tenant: str | None = None,
+    def cached_tokens(self, tokens: Sequence[int], tenant: str | None = None,
                       lora: str | None = None) -> int:
-        return self.transfer.import_prefix(records, tenant, self._adapter(lora, False))
+        return self.transfer.cached_tokens(tokens, tenant, self._adapter(lora, False))
+
+    def import_prefix(self, records: Sequence, tenant: str | None = None,
+                      lora: str | None = None, prompt: Sequence[int] = (),
+                      first: int = 0) -> int:
+        return self.transfer.import_prefix(records, tenant, self._adapter(lora, False),
+                                           prompt, first)
 
     def close(self) -> None:
         """Finish writing the disk tier and the expert histogram (if any). The engine

@@ -56,23 +56,36 @@ class KVTransfer:
         return [BlockRecord(*prefix.identity(hit.block), self.storage.block_bytes(hit.block))
                 for hit in prefix.lookup(salt, tokens, keys)]
 
-    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None,
+    def cached_tokens(self, tokens: Sequence[int], tenant: str | None = None,
                       lora: Any = None) -> int:
-        """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives)
-        for ``tenant`` and ``lora``; returns how many tokens they cover. Records that do
-        not verify for them (salt, chain keys, parents) end the import: blocks computed
-        with another adapter (or none) are never taken."""
+        """How many of ``tokens`` (from the first) the prefix cache holds for ``tenant``
+        and ``lora`` now, in whole blocks."""
         prefix = self.kv.prefix
-        if prefix is None or not records:
+        if prefix is None:
             return 0
+        return len(prefix.lookup(self.salt_for(tenant, lora), tokens)) * self.config.block_size
+
+    def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None,
+                      lora: Any = None, prompt: Sequence[int] = (), first: int = 0) -> int:
+        """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives,
+        or from block ``first`` when the cache holds the blocks of ``prompt`` before it)
+        for ``tenant`` and ``lora``; returns how many tokens of the chain the cache now
+        holds from its start. Records that do not verify for them (salt, chain keys,
+        parents) end the import: blocks computed with another adapter (or none) are
+        never taken."""
+        prefix = self.kv.prefix
+        if prefix is None or not (records or first):
+            return 0
+        bs = self.config.block_size
         salt = self.salt_for(tenant, lora)
-        tokens = [t for rec in records for t in rec.tokens]
+        tokens = [*prompt[:first * bs], *(t for rec in records for t in rec.tokens)]
         keys: list[bytes] = []
-        extend_keys(keys, salt, tokens, self.config.block_size)
+        extend_keys(keys, salt, tokens, bs)
         found = prefix.lookup(salt, tokens, keys)
-        restore_chain(prefix, self.storage, salt, tokens, keys, found,
-                      lambda i: records[i], len(keys), stored=False)
-        return len(found) * self.config.block_size
+        if len(found) >= first:  # else a block before the records is gone: recompute
+            restore_chain(prefix, self.storage, salt, tokens, keys, found,
+                          lambda i: records[i - first], len(keys), stored=False)
+        return len(found) * bs
 
     def attach_disk_tier(self, predict: Callable[[StepShape], float]) -> None:
         """Back the prefix cache with a block store under ``config.kv_cache_dir``; the

@@ -107,8 +107,11 @@ def test_a_handed_over_prompt_answers_as_one_engine(server, tokenizer, smollm2_g
     assert len(ids) > 400
     tokens, logprobs = _oracle(smollm2_gguf, smollm2_q4, ids)
     before = _handoffs(server)
-    got = _complete(server, ids)["choices"][0]
+    reply = _complete(server, ids)
+    got = reply["choices"][0]
     assert got["text"] == tokenizer.decode(tokens)
+    # a new prompt computed for it on the prefill replica: no cache hit in its usage
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert got["logprobs"]["token_logprobs"] == logprobs  # q4: to the bit
     m = server.metrics()
     assert _handoffs(server)["ok"] == before["ok"] + 1  # it did take the handed-over KV
