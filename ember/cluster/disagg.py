@@ -48,7 +48,8 @@ from ember.engine.costs import Coefficients, StepCostModel, StepShape
 BANDWIDTH_PRIOR = 1e9  # bytes/s until a handoff has been measured (a local object store)
 COORDINATION_PRIOR = 0.005  # seconds of extra round trip until one has been measured
 FAILURE_PRIOR = (0.5, 50.0)  # (failures, handoffs) assumed before any is observed
-EWMA = 0.2  # weight of the newest observation of bandwidth and coordination
+EWMA = 0.2  # weight of the newest observation of bandwidth and coordination (the
+# first observations are averaged: one measured handoff outweighs any prior)
 MIN_CHUNK = 16  # prompt tokens a step always carries (the scheduler's MIN_PREFILL)
 POLICIES = ("rule", "always")  # always: static disaggregation, to compare the rule with
 TERMS = ("interference_saved", "specialization", "transfer", "coordination",
@@ -211,6 +212,7 @@ class Planner:
         # was then measured (transfer and coordination are observed per handoff)
         self.predicted: Counter[str] = Counter()
         self.observed: Counter[str] = Counter()
+        self.measured: Counter[str] = Counter()  # observations of bandwidth, coordination
         self.last: Terms | None = None
         self._lock = threading.Lock()
 
@@ -283,12 +285,20 @@ class Planner:
             if not ok:
                 self.failures += 1
             if ok and kv_bytes and transfer_s > 0:
-                self.bandwidth += EWMA * (kv_bytes / transfer_s - self.bandwidth)
+                self.bandwidth += self._weight("bandwidth") * (kv_bytes / transfer_s
+                                                               - self.bandwidth)
                 self.observed["transfer"] += transfer_s
             if coordination_s is not None:
                 c = max(0.0, coordination_s)
-                self.coordination += EWMA * (c - self.coordination)
+                self.coordination += self._weight("coordination") * (c - self.coordination)
                 self.observed["coordination"] += c
+
+    def _weight(self, name: str) -> float:
+        """The newest observation's weight: the mean of the first ones (the prior is a
+        guess: 1 GB/s where this machine's handoffs measure 70 MB/s, and an EWMA from it
+        priced a dozen handoffs too cheap), then an EWMA that follows drift."""
+        self.measured[name] += 1
+        return max(EWMA, 1.0 / self.measured[name])
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
