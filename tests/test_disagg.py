@@ -98,11 +98,16 @@ def test_the_pool_limits_who_prefills_and_measurements_reprice_the_transfer() ->
     assert Planner().plan(busy_a, "a", 2000, 0, 10**6).prefill == "c"
     planner = Planner()
     before = planner.plan(loads, "b", 2000, 0, 10**8).terms.transfer
-    for _ in range(30):  # handoffs measured at 50 MB/s: twenty times slower than the prior
-        planner.observe(ok=True, kv_bytes=50_000_000, transfer_s=1.0, coordination_s=0.05)
+    # one handoff measured at 50 MB/s, twenty times slower than the prior, outweighs it
+    planner.observe(ok=True, kv_bytes=50_000_000, transfer_s=1.0, coordination_s=0.05)
     after = planner.plan(loads, "b", 2000, 0, 10**8)
-    assert after.terms.transfer > 10 * before and after.prefill is None
-    assert planner.coordination == pytest.approx(0.05, rel=0.01)
+    assert after.terms.transfer == pytest.approx(20 * before) and after.prefill is None
+    assert planner.coordination == pytest.approx(0.05)
+    planner.observe(ok=True, kv_bytes=150_000_000, transfer_s=1.0, coordination_s=0.05)
+    assert planner.bandwidth == pytest.approx(100e6)  # the mean of the first two
+    for _ in range(30):  # then an average that follows the link as it drifts
+        planner.observe(ok=True, kv_bytes=10_000_000, transfer_s=1.0, coordination_s=0.05)
+    assert planner.bandwidth == pytest.approx(10e6, rel=0.01)
     failing = Planner()
     for _ in range(50):
         failing.observe(ok=False)
@@ -251,6 +256,23 @@ def test_a_prefill_that_is_cancelled_releases_its_blocks(replicas) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert prefill.thread.call(lambda e: e.kv.num_used) == 0
     prefill.thread.call(lambda e: e.kv.check_no_leaks())
+
+
+def test_the_prefill_half_leaves_the_tpot_objective_to_the_decoder(replicas) -> None:
+    """A replica that only prefills has never timed a decode step: its step costs may
+    price one past any objective. The prefill half is checked for everything else."""
+    from ember.engine.intake import SLO
+
+    _purge(*replicas.values())
+    scheduler = replicas["prefill"].engine.scheduler
+    kept = scheduler.costs
+    scheduler.costs = StepCostModel(Coefficients(base=1.0), learn=False)  # 1 s a step
+    try:
+        verdict, handoff = _run(replicas["prefill"], _spec("slo", prefill=True,
+                                                           slo=SLO(None, 0.15)))
+    finally:
+        scheduler.costs = kept
+    assert verdict.error is None and not handoff.error and handoff.tokens == HANDED
 
 
 def test_an_invalid_request_is_refused_by_the_prefill_replica_as_by_any(replicas) -> None:

@@ -538,3 +538,25 @@ def test_an_unattainable_tpot_objective_is_refused_naming_it(make_tiny_engine):
         engine.prepare([5, 6, 7], GREEDY, slo=SLO(None, 1e-6))
     assert e.value.param == "slo.tpot_ms" and "cannot be met" in str(e.value)
     assert engine.prepare([5, 6, 7], GREEDY, slo=SLO(None, 10.0))  # attainable: prepared
+
+
+def test_a_skewed_step_cost_fit_neither_refuses_nor_strands_requests(make_tiny_engine):
+    """The live fit learns only from the steps the engine runs (a replica that only
+    prefilled has never timed a decode step; a burst of load skews it). A refusal rests
+    on the faster of it and the starting table, and an idle engine seats a request
+    whatever the fit predicts: the steps that would correct it still run."""
+    from ember.engine.costs import Coefficients
+    from ember.engine.intake import SLO
+
+    engine = make_tiny_engine()
+    engine.scheduler.costs.coef = Coefficients(base=1.0)  # "a decode step takes 1 s"
+    engine.scheduler.costs.learn = False  # and the fit stays that way
+    slo = SLO(None, 0.15)
+    ids = [engine.add_request([5, 6, 7 + i], GREEDY, slo=slo).request_id for i in range(2)]
+    done = {}
+    for _ in range(200):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished():
+            break
+    assert [done[i].finish_reason for i in ids] == ["length", "length"]
+    assert len(done[ids[0]].token_ids) == GREEDY.max_tokens

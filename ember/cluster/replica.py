@@ -15,6 +15,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
@@ -142,9 +143,13 @@ class EmberReplica:
         with self.thread.slot() as slot:
             lora = self._adapter(spec)
             imported = self._import(spec, lora) if spec.handoff is not None else None
+            # the prefill half validates all but the TPOT objective: the decoder checks
+            # that against its own step costs (a replica that only prefills has never
+            # timed a decode step)
+            slo = replace(spec.slo, tpot=None) if spec.prefill and spec.slo else spec.slo
             group = self.engine.prepare(
                 spec.prompt_ids, spec.params, request_id=spec.request_id, tenant=spec.tenant,
-                priority=spec.priority, slo=spec.slo, weight=spec.weight,
+                priority=spec.priority, slo=slo, weight=spec.weight,
                 arrival=time.monotonic() - spec.waited, references=spec.references, lora=lora)
             if spec.prefill:  # validated as the whole request; run its prompt only
                 self.thread.discard(group)

@@ -131,6 +131,7 @@ class StepCostModel:
         # table, so a burst of odd steps (a stall, another process) cannot reprice
         # everything. The priors are only a guess: no clamp around them.
         self.anchor = self.coef.as_array() if coefficients is not None else None
+        self.start = self.coef  # the table (or the priors) before any live refit
         self.learn = learn
         self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0
         self._y = np.zeros(WINDOW)
@@ -141,6 +142,16 @@ class StepCostModel:
         if shape.rows == 0:
             return 0.0
         return float(np.dot(self.coef.as_array(), shape.features(self.coef.knee)))
+
+    def fastest(self, shape: StepShape) -> float:
+        """The lower of the live fit's and the starting table's prediction: what a
+        refusal may rest on. A fit can be skewed by the steps it saw (a replica that only
+        prefills has never timed a decode step) and refusing stops the steps that
+        would correct it."""
+        if shape.rows == 0:
+            return 0.0
+        features = shape.features(self.start.knee)
+        return min(self.predict(shape), float(np.dot(self.start.as_array(), features)))
 
     @property
     def verify_call(self) -> float:

@@ -120,7 +120,8 @@ class LLMEngine:
                                    config.max_prefill_step_seconds,
                                    lambda tenant: config.limits_for(tenant).share(
                                        "kv_share", num_blocks))
-        self.intake = Intake(config, self.loaded, self.kv, self.max_model_len, self._predict)
+        self.intake = Intake(config, self.loaded, self.kv, self.max_model_len,
+                             lambda shape: self.scheduler.costs.fastest(shape))
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)
         self.commit = Commit(self.kv)

@@ -88,7 +88,7 @@ class Intake:
         self.tokenizer = loaded.tokenizer
         self.kv = kv
         self.max_model_len = max_model_len
-        self._predict = predict  # the step-cost model's seconds for a step shape
+        self._predict = predict  # the fastest the step-cost model says a step may take
         self.model_salt = loaded.fingerprint().encode()
         source = loaded.chat_template.source if loaded.chat_template else None
         self.thinking_tags = ThinkingTags.of_template(source)

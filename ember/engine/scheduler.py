@@ -282,7 +282,9 @@ class Scheduler:
         (the candidate's own TPOT objective counts too)."""
         if req.slo_tpot is not None:
             limit = min(limit, STALL_MARGIN * req.slo_tpot)
-        if limit == math.inf:
+        if limit == math.inf or not self.running:
+            # an idle engine runs it whatever the model predicts: the request cannot
+            # wait for ever on a prediction only the steps it would run can correct
             return True
         rows = self._seats() + req.group_size
         context = sum(len(r.token_ids) for r in self.running) + len(req.token_ids)
