@@ -212,7 +212,8 @@ def test_the_load_generator_measures_the_stubs_fixed_timings(stub_url):
         assert r.output_tokens == TOKENS
         assert (r.prompt_tokens, r.cached_tokens) == (100, 40)
         assert TTFT <= r.ttft < TTFT + 0.1
-        assert GAP <= r.tpot < GAP + 0.03
+        # the first token's own delivery lag shortens the span it starts: a little under GAP
+        assert 0.9 * GAP <= r.tpot < GAP + 0.03
         assert len(r.itls) == TOKENS - 1
     assert result.records[2].sent == pytest.approx(0.2, abs=0.05)  # sent on schedule
 

@@ -707,7 +707,7 @@ class AdmissionGate:
                 and self.server.authorized(dict(scope["headers"]).get(b"authorization", b""))):
             e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
             self.server.metrics.count_http(scope["path"], 429)
-            await drain_request(scope, receive, self.server.config.body_timeout)
+            await drain_request(scope, receive)
             body = JSONBody(e.body(), status_code=429,
                             headers={**e.headers, "Connection": "close"})
             await body(scope, receive, send)

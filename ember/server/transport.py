@@ -59,7 +59,7 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     stream = request.stream()
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if int(declared) <= MAX_DRAINED_BYTES and not _expects_continue(request):
-            await _drain(stream, timeout)
+            await _drain(stream)
         raise _too_large(int(declared), max_bytes)
     chunks, size = [], 0
     try:
@@ -76,7 +76,7 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
                        code="request_timeout", headers={"Connection": "close"}) from None
     except ClientDisconnect:
         raise ClientGone() from None
-    await _drain(stream, timeout)
+    await _drain(stream)
     raise _too_large(size, max_bytes)
 
 
@@ -84,12 +84,16 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 # arriving): a server that answers and closes while the client is still uploading
 # resets the connection, and most clients then report the reset, not the 413. A client
 # that sent "Expect: 100-continue" has not sent the body: it gets the 413 at once.
+# Draining has its own bounds, as nginx's lingering close does, not --body-timeout: a
+# tight body deadline meant for bodies the server keeps would otherwise cut off fifty
+# concurrent uploads that are arriving fine, and every one of them would read a reset.
 MAX_DRAINED_BYTES = 64 * 1024 * 1024
-DRAIN_IDLE_SECONDS = 1.0  # a sender silent this long is not uploading: stop waiting
 DRAIN_SECONDS = 10.0
+DRAIN_FIRST_BYTE_SECONDS = 1.0  # a sender that declared a body but sends none is waiting
+DRAIN_IDLE_SECONDS = 5.0  # an uploading sender silent this long has stalled: stop waiting
 
 
-async def drain_request(scope: dict[str, Any], receive: Any, timeout: float) -> None:
+async def drain_request(scope: dict[str, Any], receive: Any) -> None:
     """Read and drop a raw ASGI request's body before answering it without reading it
     (see MAX_DRAINED_BYTES), unless it expects a 100 Continue."""
     headers = dict(scope.get("headers", []))
@@ -105,24 +109,26 @@ async def drain_request(scope: dict[str, Any], receive: Any, timeout: float) -> 
             if not message.get("more_body", False):
                 return
 
-    await _drain(chunks(), timeout)
+    await _drain(chunks())
 
 
 def _expects_continue(request: Request) -> bool:
     return request.headers.get("expect", "").lower() == "100-continue"
 
 
-async def _drain(stream: Any, timeout: float) -> None:
-    """Read and drop the rest of a body, until it ends, MAX_DRAINED_BYTES have come, the
-    sender pauses DRAIN_IDLE_SECONDS, or the deadline passes."""
+async def _drain(stream: Any) -> None:
+    """Read and drop the rest of a body, until it ends, MAX_DRAINED_BYTES have come,
+    DRAIN_SECONDS pass, or the sender pauses (DRAIN_FIRST_BYTE_SECONDS before its first
+    byte, DRAIN_IDLE_SECONDS once it is uploading)."""
     loop = asyncio.get_running_loop()
-    deadline, drained = loop.time() + min(timeout, DRAIN_SECONDS), 0
+    deadline, drained = loop.time() + DRAIN_SECONDS, 0
     while drained <= MAX_DRAINED_BYTES:
         left = deadline - loop.time()
+        idle = DRAIN_IDLE_SECONDS if drained else DRAIN_FIRST_BYTE_SECONDS
         if left <= 0:
             return
         try:
-            async with asyncio.timeout(min(left, DRAIN_IDLE_SECONDS)):
+            async with asyncio.timeout(min(left, idle)):
                 drained += len(await anext(stream))
         except (TimeoutError, StopAsyncIteration, ClientDisconnect):
             return
