@@ -167,6 +167,7 @@ def test_compare_without_llama_reports_ember_only(tiny_gguf: Path, tiny_loaded,
     assert set(ember["median_tok_s"]) == {"prefill_8", "decode_1", "decode_2"}
     assert len(ember["runs"]) == 2 and ember["peak_rss_bytes"] > 0
     assert ember["weight_bytes_per_step"] == compare.ember_weight_bytes(tiny_loaded.model)
+    assert result["cache_reach"]["bytes"] == []  # nothing probed below a 4 MiB ceiling tensor
 
 
 def test_cli_rejects_unknown_weight_format(capsys) -> None:
@@ -438,6 +439,37 @@ def test_bandwidth_ceiling_is_the_median_of_every_pass() -> None:
     assert c["check_gb_s"] == 44.5 and c["check_agrees"] is True
     m[1]["check_gb_s"] = m[0]["check_gb_s"] = [20.0] * 5
     assert compare.bandwidth_ceiling(m)["check_agrees"] is False
+
+
+MiB = 1 << 20
+# torch.sum by tensor size on a 2-core Xeon VM whose sysfs reports a 480 MiB L3
+XEON_REACH = {"bytes": [n * MiB for n in (4, 16, 32, 64, 128, 256, 400, 1024)],
+              "gb_s": [104.8, 50.9, 51.5, 52.5, 24.7, 23.5, 23.9, 26.6]}
+
+
+def test_the_cache_probe_reads_each_size_below_the_ceilings_tensor() -> None:
+    r = compare.measure_cache_reach(1, 16 * MiB, read_bytes=8 * MiB)
+    assert r["bytes"] == [4 * MiB, 8 * MiB] and min(r["gb_s"]) > 0
+
+
+def test_the_cache_decode_sees_is_where_reads_fall_to_the_dram_rate() -> None:
+    assert compare.cache_reach_bytes(XEON_REACH, 25.1) == 64 * MiB
+    bounced = {**XEON_REACH, "gb_s": [104.8, 50.9, 30.0, 52.5, 24.7, 80.0, 23.9, 26.6]}
+    assert compare.cache_reach_bytes(bounced, 25.1) == 16 * MiB  # the first fall counts
+    assert compare.cache_reach_bytes(XEON_REACH, 80.0) == 0
+    assert compare.cache_reach_bytes({"bytes": [], "gb_s": []}, 25.1) == 0
+
+
+def test_the_cache_note_trusts_the_measured_cache_over_sysfs() -> None:
+    sysfs = 480 * MiB
+    fits = compare.cache_note(30_000_000, sysfs, 64 * MiB)
+    assert fits and "can exceed the DRAM ceiling" in fits and "64 MiB" in fits
+    # SmolLM2 (98 MB) inside sysfs's 480 MiB but past the measured 64: a DRAM-bound figure
+    dram = compare.cache_note(98_000_000, sysfs, 64 * MiB)
+    assert dram and "480 MiB" in dram and "from DRAM" in dram and "exceed" not in dram
+    assert "at no probed size" in compare.cache_note(98_000_000, sysfs, 0)
+    assert compare.cache_note(740_000_000, sysfs, 64 * MiB) is None
+    assert compare.cache_note(740_000_000, None, 0) is None
 
 
 # ---------------------------------------------------------------- speculation rows
