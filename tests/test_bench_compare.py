@@ -107,6 +107,22 @@ def test_weight_bytes_q4_matches_gguf_for_q8_tensors(tiny_gguf: Path) -> None:
     assert compare.ember_weight_bytes(loaded.model) == compare.gguf_step_bytes(GGUFFile(tiny_gguf))
 
 
+def test_the_streams_of_a_batched_run_prefill_in_one_step_however_slow_the_model(
+        make_tiny_engine, tiny_gguf: Path) -> None:
+    """The timed window must be S streams decoding together: a serving-style cap on
+    prompt steps would let the first streams decode while the last still prefill."""
+    spec = compare.build_spec(_tokens(tiny_gguf), prefill=[], decode_prompt=4,
+                              decode_tokens=0, streams=[4], stream_prompt=12, stream_gen=3)
+    engine = make_tiny_engine(**compare.engine_options(spec))
+    costs = engine.scheduler.costs
+    costs.predict = lambda shape: 0.2 * shape.tokens  # a model far slower than 0.5 s
+    reqs = [engine.add_request(p, compare._greedy(3)) for p in spec["batched"][0]["prompts"]]
+    engine.step()
+    assert all(r.first_token_time is not None for r in reqs)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_step_tensors_exclude_untied_embedding() -> None:
     class Fake:
         tensors = {"token_embd.weight": 0, "output.weight": 0, "blk.0.attn_q.weight": 0}
