@@ -86,6 +86,36 @@ def test_fused_stack_end_to_end_against_f32(models):
     assert kl < 0.02 and top1 > 0.9, (kl, top1)
 
 
+def test_a_long_step_in_slices_of_tokens_is_the_same_bits_as_one_call(models, monkeypatch):
+    """Two prompts of 700 and 520 tokens in one step: the stack run over 512-token
+    slices (the default), over 100-token slices (cuts inside both rows), and in one
+    call gives the same residual stream and the same K/V, bit for bit."""
+    import ember.models.decoder as decoder
+
+    q4 = models[0].model
+    ids = models[0].tokenizer.encode(TEXT * 20)
+    lengths, bs = (700, 520), 16
+    assert len(ids) >= max(lengths)
+    alloc = BlockAllocator(sum(-(-n // bs) for n in lengths))
+    specs = []
+    for n in lengths:
+        table = BlockTable(alloc, bs)
+        table.reserve(n)
+        specs.append(RowSpec(table.block_ids(n), 0, n))
+    batch = AttentionBatch.build(specs, bs)
+    x = q4.embed(torch.tensor([t for n in lengths for t in ids[:n]]))
+
+    def run(slice_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(decoder, "NATIVE_SLICE_TOKENS", slice_tokens)
+        kv = q4.new_kv_storage(alloc.num_blocks, bs)
+        return q4.decode_layers(x, batch, kv), kv.pool
+
+    whole_x, whole_kv = run(1 << 20)
+    for slice_tokens in (512, 100):
+        got_x, got_kv = run(slice_tokens)
+        assert torch.equal(got_x, whole_x) and torch.equal(got_kv, whole_kv), slice_tokens
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "bf16", "q8_0"])
 def test_narrow_pools_hold_the_rounded_or_quantized_kv(models, kv_dtype):
     """With an f16/bf16 pool the stack stores K/V rounded as torch rounds (to nearest
