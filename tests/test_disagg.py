@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -248,12 +249,14 @@ def test_a_prefill_that_is_cancelled_releases_its_blocks(replicas) -> None:
         await stream.aclose()  # the front's client left during the prefill
 
     asyncio.run(leave_after_the_verdict())
-    engine = prefill.engine
+    def idle(e) -> bool:  # read on the engine thread: between steps, never inside one
+        return not e.scheduler.running and not e.scheduler.waiting
+
     for _ in range(200):
-        if not engine.scheduler.running and not engine.scheduler.waiting:
+        if prefill.thread.call(idle):
             break
-        asyncio.run(asyncio.sleep(0.01))
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+        time.sleep(0.01)
+    assert prefill.thread.call(idle)
     assert prefill.thread.call(lambda e: e.kv.num_used) == 0
     prefill.thread.call(lambda e: e.kv.check_no_leaks())
 
