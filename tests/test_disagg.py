@@ -249,6 +249,7 @@ def test_a_prefill_that_is_cancelled_releases_its_blocks(replicas) -> None:
         await stream.aclose()  # the front's client left during the prefill
 
     asyncio.run(leave_after_the_verdict())
+
     def idle(e) -> bool:  # read on the engine thread: between steps, never inside one
         return not e.scheduler.running and not e.scheduler.waiting
 

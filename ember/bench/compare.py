@@ -69,6 +69,7 @@ Figures are printed as a table and written as JSON; nothing here asserts a timin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -80,6 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -448,30 +450,44 @@ def probe_llama(python: str | None) -> dict:
 
 
 # ---------------------------------------------------------------- measurements
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _read_rates(x: Any, reduce: Any, passes: int) -> list[float]:
+    """GB/s (1e9 B) of each of ``passes`` timed ``reduce(x)`` calls over float tensor x."""
+    rates = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        reduce(x)
+        rates.append(x.nbytes / (time.perf_counter() - start) / 1e9)
+    return rates
+
+
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, reps: int = 5) -> dict:
     """Read bandwidth with ``threads`` threads over an ``nbytes`` float32 tensor, bytes / s
     of each pass (GB = 1e9 B): ``reps`` passes of ``torch.sum``, then as many of
     ``torch.amax`` (another reduction kernel over the same bytes: the check)."""
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()  # fault the pages in, warm the threads
         x.amax()
-        passes: dict[str, list[float]] = {"sum": [], "amax": []}
-        for name, fn in (("sum", torch.sum), ("amax", torch.amax)):
-            for _ in range(reps):
-                start = time.perf_counter()
-                fn(x)
-                passes[name].append(x.nbytes / (time.perf_counter() - start) / 1e9)
+        sums = _read_rates(x, torch.sum, reps)
+        amaxes = _read_rates(x, torch.amax, reps)
         del x
-    finally:
-        torch.set_num_threads(old)
     return {"method": f"torch.sum over {nbytes / 2**30:.2f} GiB float32, {threads} threads",
-            "gb_s": passes["sum"], "median_gb_s": statistics.median(passes["sum"]),
-            "check_method": "torch.amax over the same tensor", "check_gb_s": passes["amax"]}
+            "gb_s": sums, "median_gb_s": statistics.median(sums),
+            "check_method": "torch.amax over the same tensor", "check_gb_s": amaxes}
 
 
 CHECK_TOLERANCE = 0.25  # the two methods' medians further apart than this: say so
@@ -490,25 +506,17 @@ def measure_cache_reach(threads: int, largest: int, read_bytes: int = 256 << 20)
     size. Where it falls to the DRAM ceiling is the cache decode really has."""
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     sizes, rates = [], []
-    try:
+    with _torch_threads(threads):
         size = CACHE_PROBE_SMALLEST
         while size < largest:
             x = torch.ones(size // 4, dtype=torch.float32)
-            x.sum()
-            passes = []
-            for _ in range(max(3, read_bytes // size)):
-                start = time.perf_counter()
-                x.sum()
-                passes.append(size / (time.perf_counter() - start) / 1e9)
+            x.sum()  # fault the pages in
             sizes.append(size)
-            rates.append(statistics.median(passes))
+            rates.append(statistics.median(_read_rates(x, torch.sum,
+                                                       max(3, read_bytes // size))))
             del x
             size *= 2
-    finally:
-        torch.set_num_threads(old)
     return {"method": f"torch.sum, {threads} threads, median per size", "bytes": sizes,
             "gb_s": rates}
 
@@ -539,7 +547,7 @@ def cache_note(step_bytes: int, sysfs_llc: int | None, reach_bytes: int | None) 
         return (f"note: sysfs reports a {sysfs_llc / 2**20:.0f} MiB last-level cache, which "
                 f"would hold the weights per step ({step_bytes / 1e6:.0f} MB), but reads "
                 f"were measured faster than the DRAM ceiling only {measured}: decode here "
-                "reads its weights from DRAM")
+                "reads most of its weights from DRAM")
     return None
 
 
@@ -1031,15 +1039,15 @@ def _print_table(results: dict, ratios: dict, columns: list[str], anchor: str | 
                  + ("" if ceiling["check_agrees"] else
                     f" — the two differ by more than {CHECK_TOLERANCE:.0%}: a noisy machine?"))
     print(line)
+    llc = last_level_cache_bytes()
     if reach["bytes"]:
         curve = ", ".join(f"{b / 2**20:.0f} MiB {g:.0f}"
                           for b, g in zip(reach["bytes"], reach["gb_s"], strict=True))
-        llc = last_level_cache_bytes()
         print(f"read bandwidth by tensor size (GB/s): {curve}; cached (over "
               f"{CACHED_FACTOR:g}x the ceiling) up to {reach['cached_bytes'] / 2**20:.0f} MiB"
               + (f"; sysfs reports a {llc / 2**20:.0f} MiB last-level cache" if llc else ""))
     step = max(results[s]["weight_bytes_per_step"] for s in columns)
-    note = cache_note(step, last_level_cache_bytes(), reach["cached_bytes"])
+    note = cache_note(step, llc, reach["cached_bytes"])
     if note:
         print(note)
 

@@ -340,7 +340,8 @@ class DecoderModel:
             x = x.clone(memory_format=torch.contiguous_format)  # updated in place
             ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
                      for rope in self.ropes.values()]  # in rope_keys order
-            loras = [] if batch.lora is None else batch.lora.native(self.native, x.shape[0])
+            adapters, which = ((None, None) if batch.lora is None
+                               else batch.lora.native(self.native, x.shape[0]))
             # a long step runs the stack over slices of tokens in order, so its scratch
             # (~130 KB a token at 1B) is a slice's: each slice writes its K/V to the pool
             # before the next attends to them, and rows are computed alike in any batch,
@@ -350,7 +351,7 @@ class DecoderModel:
                 self.native.forward(x[part], kv.pool, [r[part] for r in ropes],
                                     batch.slot_mapping[part], batch.tables,
                                     batch.token_rows[part], batch.positions[part],
-                                    *([loras[0], loras[1][part]] if loras else []))
+                                    *([] if adapters is None else [adapters, which[part]]))
             return x
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
         q_scale = attention_temperature(self.cfg, batch.positions)

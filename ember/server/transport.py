@@ -85,8 +85,8 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 # resets the connection, and most clients then report the reset, not the 413. A client
 # that sent "Expect: 100-continue" has not sent the body: it gets the 413 at once.
 # Draining has its own bounds, as nginx's lingering close does, not --body-timeout: a
-# tight body deadline meant for bodies the server keeps would otherwise cut off fifty
-# concurrent uploads that are arriving fine, and every one of them would read a reset.
+# tight body deadline meant for bodies the server keeps would cut an upload that is
+# still arriving steadily, and its client would read a reset instead of the 413.
 MAX_DRAINED_BYTES = 64 * 1024 * 1024
 DRAIN_SECONDS = 10.0
 DRAIN_FIRST_BYTE_SECONDS = 1.0  # a sender that declared a body but sends none is waiting
@@ -124,9 +124,9 @@ async def _drain(stream: Any) -> None:
     deadline, drained = loop.time() + DRAIN_SECONDS, 0
     while drained <= MAX_DRAINED_BYTES:
         left = deadline - loop.time()
-        idle = DRAIN_IDLE_SECONDS if drained else DRAIN_FIRST_BYTE_SECONDS
         if left <= 0:
             return
+        idle = DRAIN_IDLE_SECONDS if drained else DRAIN_FIRST_BYTE_SECONDS
         try:
             async with asyncio.timeout(min(left, idle)):
                 drained += len(await anext(stream))
