@@ -47,3 +47,46 @@ def test_a_key_no_client_can_send_is_refused_at_start(tmp_path: Path):
         load_api_keys([], f)
     with pytest.raises(EmberError, match=r"--api-key #2"):
         load_api_keys(["fine", "has space"], None)
+
+
+STARTUP_PROBE = """
+import socket, sys
+from ember.server.app import ServerConfig, run_server
+
+port = int(sys.argv[1])
+
+def start():
+    # what a backend that binds ports while it starts (Ray's processes) would meet
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            print("PORT FREE WHILE LOADING", flush=True)
+        except OSError:
+            print("PORT ALREADY TAKEN", flush=True)
+    raise RuntimeError("no backend in this probe")
+
+sys.exit(run_server(ServerConfig(), "127.0.0.1", port, graceful_seconds=0.5, start=start))
+"""
+
+
+def test_the_server_takes_its_port_before_the_backend_starts_loading(tmp_path: Path):
+    """With ``--replicas`` the backend starts Ray, whose processes bind ports of their
+    own; when the server bound its port only after that, one of them could take it
+    first and ``ember serve`` died with "address already in use"."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    probe = tmp_path / "probe.py"
+    probe.write_text(STARTUP_PROBE)
+    proc = subprocess.Popen([sys.executable, str(probe), str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]  # listening ..., the probe's
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "PORT ALREADY TAKEN\n" in lines, lines + [proc.stderr.read()]

@@ -1036,7 +1036,6 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
 
     _log_to_stderr()
     server = Server(config, start)
-    server.start_loading()
     app = create_app(server)
     # uvicorn cancels whatever is still running after its own timeout; ember aborts the
     # generations first, at ``graceful_seconds``, and leaves uvicorn time to flush them.
@@ -1047,11 +1046,15 @@ def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: flo
                                timeout_graceful_shutdown=graceful_seconds
                                + SHUTDOWN_FLUSH_SECONDS)
     uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds, server.abort_all)
+    # The port is taken before the backend starts: Ray's processes bind ports of their
+    # own while it starts, and one of them could otherwise take this one first.
+    sock = uv_config.bind_socket()
+    server.start_loading()
     print(f"ember: listening on http://{host}:{port}/v1 (model loading; GET /health)",
           flush=True)
     if on_ready:
         on_ready(f"http://{host}:{port}")
-    uv.run()
+    uv.run(sockets=[sock])
     if server.thread is not None:
         server.thread.drain(timeout=graceful_seconds)
         server.thread.shutdown(timeout=graceful_seconds)
