@@ -118,9 +118,11 @@ def run_ember(engine: LLMEngine, task: Task) -> dict[str, Any]:
                 sources.setdefault(name, [0, 0])
                 sources[name][0] += d
                 sources[name][1] += a
-        verify = sum(s.verify_steps + s.fallback_steps + s.off_steps for s in specs)
-        out.update(drafted=sum(s.drafted for s in specs), accepted=sum(s.accepted for s in specs),
-                   tokens_per_step=tokens / max(1, verify), sources=sources)
+        accepted = sum(s.accepted for s in specs)
+        # every forward pass a request takes part in commits one token beyond the drafts
+        # it accepted there, so its passes number its tokens less its accepted drafts
+        out.update(drafted=sum(s.drafted for s in specs), accepted=accepted,
+                   tokens_per_step=tokens / max(1, tokens - accepted), sources=sources)
     return out
 
 

@@ -50,6 +50,7 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.served import served_model
 from ember.engine.transfer import KVTransfer
 from ember.engine.verify import (
+    FEED_ROWS,
     feed_speculator,
     processed,
     record_prompt_logprobs,
@@ -71,9 +72,10 @@ from ember.spec.speculator import Proposal
 log = logging.getLogger("ember.engine")
 # While the gate grants no draft (a batch whose steps are compute-bound: only
 # near-certain drafts pay, and recycled ones never are), the tables are fed only every
-# this many steps: the feed (a top-k over the vocabulary and the table updates) cost
-# SmolLM2 at 16 streams ~5% of its throughput for drafts nobody could take.
-IDLE_FEED_EVERY = 8
+# this many steps, from one request at a time: the feed (a top-k over the vocabulary
+# and the table updates, ~0.2 ms a row here) cost SmolLM2 at 16 streams ~5% of its
+# throughput for drafts nobody could take.
+IDLE_FEED_EVERY = 16
 
 
 class LLMEngine:
@@ -130,6 +132,7 @@ class LLMEngine:
         if config.kv_cache_dir is not None:
             self.transfer.attach_disk_tier(self._predict)
         self.steps = 0
+        self._feeds = 0  # steps that fed the recycling tables (whose turn it is)
         self.spec_totals = SpecTotals()
         # calibrating runs requests through this engine: last
         self.scheduler.costs = StepCostModel(initial_costs(self, config.calibrate_costs))
@@ -230,13 +233,15 @@ class LLMEngine:
     def _proposals(self) -> dict[Request, Proposal]:
         """Drafts of the decoding requests that speculate (the gate picks among them)."""
         out = {}
+        rows = len(self.scheduler.running)
         for req in self.scheduler.running:
             spec = req.speculator
-            if spec is None or req.remaining_prefill != 1 or not spec.due():
+            if spec is None or req.remaining_prefill != 1 or not spec.due(rows):
                 continue
             proposal = spec.propose()
             if proposal is None:
                 spec.stats.fallback_steps += 1
+                spec.granted(0)
             else:
                 out[req] = proposal
         return out
@@ -298,8 +303,10 @@ class LLMEngine:
         raw = stacked([row_logits for _, row_logits, _ in plans])
         results = sample_rows(batch, raw)
         drafting = any(row.draft for row, _ in sampled)
-        topk = (recycling_feed(plans, raw, self.steps)
-                if drafting or self.steps % IDLE_FEED_EVERY == 0 else {})
+        topk = {}
+        if drafting or self.steps % IDLE_FEED_EVERY == 0:
+            self._feeds += 1
+            topk = recycling_feed(plans, raw, self._feeds, FEED_ROWS if drafting else 1)
         for row, _, start in plans:
             try:
                 committed = self.commit.sampled(row, results[start:start + len(row.draft) + 1])

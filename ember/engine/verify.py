@@ -59,17 +59,19 @@ def stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def recycling_feed(plans: list[tuple[ScheduledRow, torch.Tensor, int]],
-                   raw: torch.Tensor | None, step: int) -> dict[Request, torch.Tensor]:
-    """Top-k rows for the recycling tables, from at most FEED_ROWS requests a step
-    (taking turns by ``step``): a table of successors fills as well from a few streams,
-    and a top-k over every row of a full batch would cost more than its drafts win."""
+                   raw: torch.Tensor | None, turn: int, rows: int = FEED_ROWS
+                   ) -> dict[Request, torch.Tensor]:
+    """Top-k rows for the recycling tables, from at most ``rows`` requests (the
+    ``turn``-th feed's share, so requests take turns): a table of successors fills as
+    well from a few streams, and a top-k over every row of a full batch would cost more
+    than its drafts win."""
     wanting = [(row, start) for row, _, start in plans
                if row.request.speculator is not None and row.request.speculator.wants_topk]
     if raw is None or not wanting:
         return {}
-    if len(wanting) > FEED_ROWS:
-        turn = step * FEED_ROWS % len(wanting)
-        wanting = (wanting + wanting)[turn:turn + FEED_ROWS]
+    if len(wanting) > rows:
+        first = turn * rows % len(wanting)
+        wanting = (wanting + wanting)[first:first + rows]
     index = torch.cat([torch.arange(start, start + len(row.draft) + 1)
                        for row, start in wanting])
     topk = raw.index_select(0, index).topk(TOPK).indices

@@ -44,8 +44,9 @@ MIN_RATE = 0.2  # below this a source is muted
 MUTE_STEPS = 128  # committed tokens of a first mute; doubles up to MAX_MUTE
 MAX_MUTE = 1024
 TOPK = 8
-REFUSALS_PER_GAP = 4  # refusals in a row that lengthen the gap between proposals by one
+REFUSALS_PER_GAP = 4  # proposals in a row without a draft that double the proposal gap
 MAX_PROPOSE_GAP = 7  # steps skipped at most between two proposals
+PENDING_LIMIT = 64  # committed tokens held back from the indexes at most
 RECYCLING_DRAFT = 4  # tokens of a top-1 successor chain worth verifying
 PRIOR_WEIGHT = 4  # drafted tokens' worth of trust in a source's prior acceptance
 
@@ -207,33 +208,40 @@ class Speculator:
         self.tracks = {s.name: _Track() for s in self.sources}
         self.stats = SpecStats()
         self.warm = False  # drafted in its previous step (the gate's hysteresis)
-        self.refused = 0  # steps in a row the gate turned its proposal down
+        self.refused = 0  # proposals in a row that drafted nothing (none found, or declined)
         self._wait = 0  # steps until it proposes again
+        self.wants_topk = any(hasattr(s, "observe_topk") for s in self.sources)
+        # Committed tokens not yet given to the sources. Indexing them waits for the next
+        # proposal (or PENDING_LIMIT of them): one call for many tokens, on warm caches,
+        # instead of a cold one per token after every forward pass; and while the batch
+        # is too busy for drafts, proposals are rare.
+        self._pending: list[int] = []
 
-    def due(self) -> bool:
-        """Whether to propose this step. After a run of proposals the gate refused (a
-        busy batch, text no source predicts), only every few steps, up to every
-        MAX_PROPOSE_GAP-th: proposing costs time every step, a refused one buys nothing,
-        and an occasional probe notices when drafts pay again."""
+    def due(self, rows: int = 1) -> bool:
+        """Whether to propose this step, in a step of ``rows`` decoding rows. After a run
+        of proposals that drafted nothing (text no source predicts, or a busy batch whose
+        gate declines), only every second step, then every fourth, up to every
+        (MAX_PROPOSE_GAP + 1)-th and at most every ``rows``-th: proposing costs time per
+        row while a draft gains per step, so a lone stream always proposes, and an
+        occasional probe notices when drafts pay again."""
         if self._wait > 0:
             self._wait -= 1
             return False
-        self._wait = min(MAX_PROPOSE_GAP, self.refused // REFUSALS_PER_GAP)
+        doublings = min(8, self.refused // REFUSALS_PER_GAP)
+        self._wait = min(MAX_PROPOSE_GAP, rows - 1, (1 << doublings) - 1)
         return True
 
     def granted(self, tokens: int) -> None:
-        """The gate's answer to this step's proposal: ``tokens`` draft tokens (0: none)."""
+        """What this step's proposal got: ``tokens`` draft tokens verified (0: nothing to
+        draft, or the gate declined)."""
         self.warm = tokens > 0
         self.refused = 0 if tokens else self.refused + 1
         if tokens:
             self._wait = 0
 
-    @property
-    def wants_topk(self) -> bool:
-        return any(hasattr(s, "observe_topk") for s in self.sources)
-
     def propose(self) -> Proposal | None:
         """The cascade's draft for the next step, or None."""
+        self._index_pending()
         forced = list(self.grammar.forced_tokens()) if self.grammar is not None else []
         budget = self.max_draft - len(forced)
         best: tuple[int, int, DraftSource, list[int], int] | None = None
@@ -271,9 +279,17 @@ class Speculator:
         return Proposal(tokens, source_name, reach, len(forced))
 
     def observe(self, committed: Sequence[int]) -> None:
-        for source in self.sources:
-            source.observe(committed)
+        """Newly committed tokens; the sources see them by the next proposal."""
+        self._pending += committed
         self.committed += len(committed)
+        if len(self._pending) >= PENDING_LIMIT:
+            self._index_pending()
+
+    def _index_pending(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for source in self.sources:
+                source.observe(pending)
 
     def observe_topk(self, inputs: Sequence[int], topk: torch.Tensor) -> None:
         for source in self.sources:
