@@ -436,14 +436,16 @@ def test_past_the_knee_a_draft_token_costs_its_compute():
     assert gate.allocate([("a", sure, 10, True)], busy, costs, 16) == {"a": 2}
 
 
-def _proposal_pattern(spec: Speculator, rows: int, steps: int = 200) -> list[bool]:
-    """Which of ``steps`` steps the speculator proposes in, every proposal turned down."""
+def _proposal_pattern(spec: Speculator, rows: int, steps: int = 200,
+                      declined: bool = True) -> list[bool]:
+    """Which of ``steps`` steps the speculator proposes in, every proposal turned down
+    by the gate (or, with ``declined=False``, finding nothing to draft)."""
     pattern = []
     for _ in range(steps):
         due = spec.due(rows)
         pattern.append(due)
         if due:
-            spec.granted(0)
+            spec.granted(0) if declined else spec.found_nothing()
     return pattern
 
 
@@ -452,27 +454,36 @@ def _gaps(pattern: list[bool]) -> set[int]:
     return {b - a for a, b in zip(due, due[1:], strict=False)}
 
 
-def test_proposals_that_draft_nothing_are_made_less_often_until_one_is_granted():
+@pytest.mark.parametrize("rows", [1, 16])
+def test_declined_proposals_are_made_less_often_until_one_is_granted(rows):
+    """A declined proposal cost its lookups and the gate's pricing, at any batch size."""
     from ember.spec.speculator import MAX_PROPOSE_GAP, REFUSALS_PER_GAP
 
     spec = Speculator([1, 2, 3])
-    pattern = _proposal_pattern(spec, rows=16)
+    pattern = _proposal_pattern(spec, rows)
     assert all(pattern[:REFUSALS_PER_GAP + 1])  # the first refusals cost no gap
+    assert _gaps(pattern[REFUSALS_PER_GAP:3 * REFUSALS_PER_GAP]) == {2}  # then doubling
     assert _gaps(pattern[-60:]) == {MAX_PROPOSE_GAP + 1}  # probes only
     spec.granted(3)  # a probe that pays: propose every step again
-    assert all(spec.due(16) for _ in range(REFUSALS_PER_GAP))
+    assert all(spec.due(rows) for _ in range(REFUSALS_PER_GAP))
 
 
-def test_the_fewer_the_rows_the_shorter_the_gap_and_a_lone_stream_always_proposes():
-    """Proposing costs time per row, a draft gains per step: a lone stream proposes
-    every step however many proposals drafted nothing, three rows every third step."""
-    assert all(_proposal_pattern(Speculator([1, 2, 3]), rows=1))
-    assert _gaps(_proposal_pattern(Speculator([1, 2, 3]), rows=3)[-60:]) == {3}
+def test_finding_nothing_backs_off_by_the_rows_and_a_lone_stream_keeps_looking():
+    """A lookup that finds nothing costs per row, a draft gains per step: a lone stream
+    looks every step, three rows every third step, sixteen every eighth."""
+    from ember.spec.speculator import MAX_PROPOSE_GAP
+
+    def tail(rows):
+        return _proposal_pattern(Speculator([1, 2, 3]), rows, declined=False)[-60:]
+
+    assert all(tail(1))
+    assert _gaps(tail(3)) == {3}
+    assert _gaps(tail(16)) == {MAX_PROPOSE_GAP + 1}
 
 
-def test_nothing_to_draft_counts_as_a_proposal_that_drafted_nothing(make_tiny_engine):
-    """A speculator with nothing to propose (text no source predicts) backs off like
-    one the gate turns down: at sixteen streams the lookups cost every step."""
+def test_a_busy_batch_with_nothing_to_draft_looks_less_often(make_tiny_engine):
+    """Sixteen speculators with nothing to propose (text no source predicts) back off:
+    at sixteen streams their lookups cost every step."""
     engine = make_tiny_engine()
     reqs = [engine.add_request([5 + i, 9, 2 + i], SamplingParams(temperature=0, max_tokens=40))
             for i in range(16)]

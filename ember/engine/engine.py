@@ -240,8 +240,7 @@ class LLMEngine:
                 continue
             proposal = spec.propose()
             if proposal is None:
-                spec.stats.fallback_steps += 1
-                spec.granted(0)
+                spec.found_nothing()
             else:
                 out[req] = proposal
         return out

@@ -209,6 +209,7 @@ class Speculator:
         self.stats = SpecStats()
         self.warm = False  # drafted in its previous step (the gate's hysteresis)
         self.refused = 0  # proposals in a row that drafted nothing (none found, or declined)
+        self.declined = False  # the gate turned the last one down (else: none was found)
         self._wait = 0  # steps until it proposes again
         self.wants_topk = any(hasattr(s, "observe_topk") for s in self.sources)
         # Committed tokens not yet given to the sources. Indexing them waits for the next
@@ -221,23 +222,31 @@ class Speculator:
         """Whether to propose this step, in a step of ``rows`` decoding rows. After a run
         of proposals that drafted nothing (text no source predicts, or a busy batch whose
         gate declines), only every second step, then every fourth, up to every
-        (MAX_PROPOSE_GAP + 1)-th and at most every ``rows``-th: proposing costs time per
-        row while a draft gains per step, so a lone stream always proposes, and an
-        occasional probe notices when drafts pay again."""
+        (MAX_PROPOSE_GAP + 1)-th: a proposal costs its lookups, and the gate's pricing
+        when it finds one, and buys nothing when nothing is drafted; an occasional probe
+        notices when drafts pay again. Lookups that found nothing cost per row, so they
+        space proposals at most every ``rows``-th step (a lone stream keeps looking)."""
         if self._wait > 0:
             self._wait -= 1
             return False
         doublings = min(8, self.refused // REFUSALS_PER_GAP)
-        self._wait = min(MAX_PROPOSE_GAP, rows - 1, (1 << doublings) - 1)
+        cap = MAX_PROPOSE_GAP if self.declined else min(MAX_PROPOSE_GAP, rows - 1)
+        self._wait = min(cap, (1 << doublings) - 1)
         return True
 
     def granted(self, tokens: int) -> None:
-        """What this step's proposal got: ``tokens`` draft tokens verified (0: nothing to
-        draft, or the gate declined)."""
+        """The gate's answer to this step's proposal: ``tokens`` draft tokens (0: none)."""
         self.warm = tokens > 0
+        self.declined = not tokens
         self.refused = 0 if tokens else self.refused + 1
         if tokens:
             self._wait = 0
+
+    def found_nothing(self) -> None:
+        """This step's proposal had no draft from any source."""
+        self.warm = self.declined = False
+        self.refused += 1
+        self.stats.fallback_steps += 1
 
     def propose(self) -> Proposal | None:
         """The cascade's draft for the next step, or None."""
