@@ -161,6 +161,20 @@ def test_bandwidth_measurement_is_well_formed() -> None:
     assert b["median_gb_s"] == sorted(b["gb_s"])[1] > 0 and min(b["check_gb_s"]) > 0
 
 
+def test_each_decode_is_priced_by_the_passes_around_its_own_run() -> None:
+    """Reps decoding 2 GB/s beside 2.5 GB/s and 1.6 beside 2.0 are both 80% of what the
+    machine read then, whatever the run's overall median ceiling; a run with no passes
+    around it (a spec row) does not count."""
+    def run(tok_s: float, around: float | None) -> dict:
+        r = {"decode": {"tokens": 100, "seconds": 100 / tok_s}}
+        return r if around is None else {**r, "read_gb_s_around": around}
+
+    step = 10**8  # bytes per step: 20 tok/s reads 2 GB/s
+    runs = [run(20, 2.5), run(16, 2.0), run(30, 3.0), run(5, None)]
+    assert compare.fraction_nearby(runs, step) == pytest.approx(0.8)
+    assert compare.fraction_nearby([run(5, None)], step) is None
+
+
 def _run_main(tiny_gguf: Path, out: Path, llama_python: str | None, **kw) -> dict:
     kw.setdefault("spec_rows", False)
     return compare.main(str(tiny_gguf), ["f32"], threads=1, reps=kw.pop("reps", 2), out=out,
@@ -184,6 +198,11 @@ def test_compare_without_llama_reports_ember_only(tiny_gguf: Path, tiny_loaded,
     assert len(ember["runs"]) == 2 and ember["peak_rss_bytes"] > 0
     assert ember["weight_bytes_per_step"] == compare.ember_weight_bytes(tiny_loaded.model)
     assert result["cache_reach"]["bytes"] == []  # nothing probed below a 4 MiB ceiling tensor
+    # every timed run sits between two ceiling measurements of its own
+    assert len(result["bandwidth"]) == 1 + 2 * 2
+    assert all(r["read_gb_s_around"] > 0 for r in ember["runs"])
+    assert ember["decode_1_fraction_nearby"] == compare.fraction_nearby(
+        ember["runs"], ember["weight_bytes_per_step"])
 
 
 def test_cli_rejects_unknown_weight_format(capsys) -> None:

@@ -40,16 +40,19 @@ look 3.4x as fast as llama.cpp):
 4. weight bytes per decode step, and bytes/s achieved by single-stream decode
    (= bytes per step x tok/s) against a read-bandwidth ceiling measured in this run
    (``measure_bandwidth``: ``torch.sum`` over a 1 GiB float32 tensor with the same
-   thread count, 5 passes before the runs and after each repetition; the ceiling is
-   the median of all passes, printed with their min and max, and checked against
-   ``torch.amax`` over the same tensor). ember's bytes per step are the sizes of the
-   tensors its Linear objects and norm vectors hold (the packed codes and scales for
-   q4, 4 B/weight for f32; the embedding table is excluded, a step reads one row of
-   it). llama.cpp's (both sides) are the GGUF tensor sizes of every tensor a step
-   reads (all but ``token_embd`` unless it doubles as the output head). Whether those
-   bytes come from DRAM is measured, not read from sysfs (``measure_cache_reach``: the
-   same reduction over 4 MiB, 8 MiB, ... tensors; a size is cached while it reads at
-   least ``CACHED_FACTOR`` x the ceiling): a VM can report a cache it does not give.
+   thread count, 5 passes before the runs and 3 just before and just after each
+   side's run; the ceiling is the median of all passes, printed with their min and
+   max, and checked against ``torch.amax`` over the same tensor). Beside it, "% of
+   read BW around" prices each repetition's decode against the passes around that
+   run alone (``fraction_nearby``): a VM's bandwidth drifts between minutes. ember's
+   bytes per step are the sizes of the tensors its Linear objects and norm vectors
+   hold (the packed codes and scales for q4, 4 B/weight for f32; the embedding table
+   is excluded, a step reads one row of it). llama.cpp's (both sides) are the GGUF
+   tensor sizes of every tensor a step reads (all but ``token_embd`` unless it
+   doubles as the output head). Whether those bytes come from DRAM is measured, not
+   read from sysfs (``measure_cache_reach``: the same reduction over 4 MiB, 8 MiB, ...
+   tensors; a size is cached while it reads at least ``CACHED_FACTOR`` x the
+   ceiling): a VM can report a cache it does not give.
 5. peak RSS of each process: the workers' own ``VmHWM`` at exit; the native
    binaries' ``VmHWM`` polled from /proc while they run (``getrusage``'s
    ``ru_maxrss`` would include this launcher's peak on Linux, as it survives fork +
@@ -498,6 +501,7 @@ CHECK_TOLERANCE = 0.25  # the two methods' medians further apart than this: say 
 # from 128 MiB up: a 0.75 GB model there is read from DRAM, whatever sysfs says.
 CACHED_FACTOR = 1.5
 CACHE_PROBE_SMALLEST = 4 << 20
+BRACKET = 3  # ceiling passes just before and just after each side's run
 
 
 def measure_cache_reach(threads: int, largest: int, read_bytes: int = 256 << 20) -> dict:
@@ -591,6 +595,17 @@ def warmup_spec(spec: dict) -> dict:
     if spec.get("decode"):
         out["decode"] = {"prompt": spec["decode"]["prompt"], "n": min(8, spec["decode"]["n"])}
     return out
+
+
+def fraction_nearby(runs: list[dict], step_bytes: int) -> float | None:
+    """Median over repetitions of single-stream decode's read rate (bytes per step x
+    tok/s) over the ceiling measured just before and just after that run. A VM's read
+    bandwidth moves by a third from minute to minute (23.6-32.1 GB/s in one run on the
+    Xeon): a pass minutes away can be from a faster phase than the decode it prices."""
+    fractions = [step_bytes * r["decode"]["tokens"] / r["decode"]["seconds"] / 1e9
+                 / r["read_gb_s_around"] for r in runs
+                 if "decode" in r and r.get("read_gb_s_around")]
+    return statistics.median(fractions) if fractions else None
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -819,9 +834,15 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
             order = list(sides)
             order = order[rep % len(order):] + order[: rep % len(order)]
             for s in order:
-                if s in sides:
+                if s in spec_of:
                     _run_side(sides, runs, info, s, message(s, rep), rep)
-            bandwidth.append(measure_bandwidth(threads, bandwidth_bytes))
+                elif s in sides:  # its run between two ceiling passes: see fraction_nearby
+                    bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
+                    _run_side(sides, runs, info, s, message(s, rep), rep)
+                    bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
+                    if runs.get(s) and runs[s][-1]["rep"] == rep:
+                        runs[s][-1]["read_gb_s_around"] = statistics.fmean(
+                            b["median_gb_s"] for b in bandwidth[-2:])
             print(f"  rep {rep + 1}/{reps} done ({time.perf_counter() - started:.0f} s, "
                   f"load {' '.join(map(str, _load()))}, read BW "
                   f"{bandwidth[-1]['median_gb_s']:.1f} GB/s)", flush=True)
@@ -849,6 +870,7 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
             "weight_bytes_per_step": step_bytes,
             "decode_1_weight_gb_s": achieved,
             "decode_1_fraction_of_ceiling": achieved / ceiling["gb_s"] if achieved else None,
+            "decode_1_fraction_nearby": fraction_nearby(runs[s], step_bytes),
             "peak_rss_bytes": info[s].get("peak_rss_bytes"),
         }
         if s.startswith("ember-"):
@@ -909,9 +931,11 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
             "weight_bytes": "ember: bytes of the tensors held by its Linear objects + norm "
                             "vectors (embedding rows excluded); llama.cpp: GGUF sizes of the "
                             "tensors a step reads (token_embd only when tied as output head)",
-            "bandwidth": f"{ceiling['method']}, 5 passes before the runs and after each "
-                         "repetition; the ceiling is the median of all passes (min/max "
-                         "beside it); check: torch.amax over the same tensor",
+            "bandwidth": f"{ceiling['method']}, 5 passes before the runs and {BRACKET} "
+                         "just before and just after each side's run; the ceiling is the "
+                         "median of all passes (min/max beside it); check: torch.amax over "
+                         "the same tensor; 'around': each rep's decode over the mean of "
+                         "the passes just before and after its run, median over reps",
             "peak_rss": "VmHWM: the workers' own from /proc/self/status at exit; the native "
                         "binaries' polled from /proc/PID/status every 10 ms while they run "
                         "(getrusage ru_maxrss is inherited from the launcher across "
@@ -1013,6 +1037,8 @@ def _print_table(results: dict, ratios: dict, columns: list[str], anchor: str | 
     extra("weight GB/s (1 stream)", lambda x: x["decode_1_weight_gb_s"], ".2f")
     extra("% of read BW ceiling", lambda x: x["decode_1_fraction_of_ceiling"] and
           100 * x["decode_1_fraction_of_ceiling"], ".0f")
+    extra("% of read BW around", lambda x: x["decode_1_fraction_nearby"] and
+          100 * x["decode_1_fraction_nearby"], ".0f")
     extra("peak RSS MB", lambda x: x["peak_rss_bytes"] and x["peak_rss_bytes"] / 1e6, ".0f")
     if any("greedy_agreement_tokens" in results[s] for s in columns):
         extra(f"greedy agree w/ {BINDING}", lambda x: x.get("greedy_agreement_tokens"), "d")
@@ -1032,7 +1058,7 @@ def _print_table(results: dict, ratios: dict, columns: list[str], anchor: str | 
                       f"drafted tokens accepted, {t['tokens']} tokens after a "
                       f"{t['prompt_tokens']}-token prompt{flags}")
     line = (f"read bandwidth ceiling {ceiling['gb_s']:.1f} GB/s: median of {ceiling['passes']} "
-            f"passes of {ceiling['method']} before the runs and after each rep (min "
+            f"passes of {ceiling['method']} before the runs and around each side's run (min "
             f"{ceiling['min_gb_s']:.1f}, max {ceiling['max_gb_s']:.1f})")
     if "check_gb_s" in ceiling:
         line += (f"; check, torch.amax: {ceiling['check_gb_s']:.1f} GB/s"
