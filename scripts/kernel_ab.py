@@ -65,7 +65,7 @@ def batch(model, rows: int, prefill: int):
         table.reserve(prefill or 161)
         specs.append(RowSpec(table.block_ids(prefill or 161), 0 if prefill else 160,
                              prefill or 1))
-    kv.zero_blocks(alloc.take_fresh())
+    kv.zero_blocks(alloc.take_unzeroed())
     return kv, AttentionBatch.build(specs, 16)
 
 
