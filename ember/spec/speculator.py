@@ -100,7 +100,8 @@ class DraftSource(Protocol):
         ...
 
     def observe(self, committed: Sequence[int]) -> None:
-        """Newly committed tokens (called for every commit, muted or not)."""
+        """Newly committed tokens, in order, muted or not (batched: every commit since the
+        last call, given before the next proposal)."""
         ...
 
 
