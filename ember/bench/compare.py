@@ -834,13 +834,15 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
             order = list(sides)
             order = order[rep % len(order):] + order[: rep % len(order)]
             for s in order:
-                if s in spec_of:
-                    _run_side(sides, runs, info, s, message(s, rep), rep)
-                elif s in sides:  # its run between two ceiling passes: see fraction_nearby
+                if s not in sides:
+                    continue
+                bracket = s not in spec_of  # a kernel side's run sits between two ceilings
+                if bracket:
                     bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
-                    _run_side(sides, runs, info, s, message(s, rep), rep)
+                _run_side(sides, runs, info, s, message(s, rep), rep)
+                if bracket:
                     bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
-                    if runs.get(s) and runs[s][-1]["rep"] == rep:
+                    if runs.get(s) and runs[s][-1]["rep"] == rep:  # see fraction_nearby
                         runs[s][-1]["read_gb_s_around"] = statistics.fmean(
                             b["median_gb_s"] for b in bandwidth[-2:])
             print(f"  rep {rep + 1}/{reps} done ({time.perf_counter() - started:.0f} s, "

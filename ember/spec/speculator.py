@@ -220,7 +220,7 @@ class Speculator:
         self._pending: list[int] = []
 
     def due(self, rows: int = 1) -> bool:
-        """Whether to propose this step, in a step of ``rows`` decoding rows. After a run
+        """Whether to propose this step, in a step of ``rows`` running requests. After a run
         of proposals that drafted nothing (text no source predicts, or a busy batch whose
         gate declines), only every second step, then every fourth, up to every
         (MAX_PROPOSE_GAP + 1)-th: a proposal costs its lookups, and the gate's pricing
@@ -230,7 +230,7 @@ class Speculator:
         if self._wait > 0:
             self._wait -= 1
             return False
-        doublings = min(8, self.refused // REFUSALS_PER_GAP)
+        doublings = min(self.refused // REFUSALS_PER_GAP, MAX_PROPOSE_GAP.bit_length())
         cap = MAX_PROPOSE_GAP if self.declined else min(MAX_PROPOSE_GAP, rows - 1)
         self._wait = min(cap, (1 << doublings) - 1)
         return True
