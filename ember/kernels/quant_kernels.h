@@ -568,7 +568,8 @@ struct SegView {
 // Zen 5 (48 KiB L1) with the Llama 3.2 1B shape, the layers took 7% less time at one
 // row and 14% less at sixteen; prefetching groups larger than L1 (8192-wide rows)
 // cost up to 15% at one row, and spreading the prefetches through the group's
-// blocks gained nothing.
+// blocks gained nothing. The AVX2 lanes walk a group twice (one half of every line
+// per pass), and there the prefetch costs instead (Lanes::kPrefetchGroups).
 inline int64_t prefetch_limit() {
   static const int64_t limit = [] {
     const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
@@ -582,7 +583,7 @@ template <int T>
 void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t g1,
                 int64_t m0, int64_t m1, float* y, int64_t ldy) {
   constexpr int MT = Kind<T>::kTile;
-  const bool ahead = s.g.stride <= prefetch_limit();
+  const bool ahead = Lanes::kPrefetchGroups && s.g.stride <= prefetch_limit();
   for (int64_t gi = g0; gi < g1; ++gi) {
     const uint8_t* grp = s.data + gi * s.g.stride;
     if (ahead && gi + 1 < g1) {

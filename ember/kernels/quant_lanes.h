@@ -44,6 +44,8 @@ struct Lanes {
   // activation rows per tile: legacy types, and K-quants (three sums per row)
   static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4;
   static constexpr int32_t kS8Bias = 128;
+  // whether run_groups asks for the next row group while computing one (quant_kernels.h)
+  static constexpr bool kPrefetchGroups = true;
   using B = __m512i;
   using I = __m512i;
   using F = __m512;
@@ -135,6 +137,10 @@ struct Lanes {
 
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
+  // Not here: on a Zen 3 (AVX2 only, 32 KiB L1) the fused layers of the 1B synth files
+  // took 5% (Q4_K_M) and 13% (Q4_0) less time at one row without it, the hardware
+  // prefetchers alone (alternating in one process, 9 repetitions).
+  static constexpr bool kPrefetchGroups = false;
 #if defined(__AVXVNNI__)
   static constexpr int32_t kS8Bias = 128;
 #else
@@ -242,6 +248,7 @@ struct Lanes {
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4;
   static constexpr int32_t kS8Bias = 0;
+  static constexpr bool kPrefetchGroups = true;
   struct B { uint8_t v[32]; };
   struct I { int32_t v[8]; };
   struct F { float v[8]; };
