@@ -138,8 +138,9 @@ struct Lanes {
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
   // Not here: on a Zen 3 (AVX2 only, 32 KiB L1) the fused layers of the 1B synth files
-  // took 5% (Q4_K_M) and 13% (Q4_0) less time at one row without it, the hardware
-  // prefetchers alone (alternating in one process, 9 repetitions).
+  // took 0.90x (Q4_K_M) and 0.88x (Q4_0) the time at one row without it, the hardware
+  // prefetchers alone (scripts/kernel_ab.py, 9 alternations). Not measured on a CPU
+  // with AVX-VNNI, which these lanes also serve.
   static constexpr bool kPrefetchGroups = false;
 #if defined(__AVXVNNI__)
   static constexpr int32_t kS8Bias = 128;
