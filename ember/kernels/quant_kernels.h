@@ -247,7 +247,8 @@ struct Kind {
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
   // activation rows per tile: what fits the registers
-  static constexpr int kTile = kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
+  static constexpr int kTile =
+      T == kQ6_K ? Lanes::kMaxTileQ6K : kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
 
 // The low- and high-nibble code vectors of code vectors u and u + 1 (u even) of one
@@ -540,6 +541,58 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
+#if defined(EMBER_SUM16)
+// Q6_K where widening to int32 costs a multiply (AVX2 without VNNI): each pair of
+// vpmaddubsw results is summed in int16 (2 * 2 * 63 * 127 < 2^15) and widened by
+// vpmaddwd with its sub-block's signed scale instead of by ones, which leaves no
+// vpmulld per sub-block; the centre's 32 sum_k sc_k (sum x_q)_k pairs two sub-blocks
+// of 16 per vpmaddwd (|sc| <= 128, code sums per 16 <= 16 * 127). Exactly
+// tile_kquant's integers, with two accumulators per activation row, so four rows fit
+// the sixteen registers (tile_kquant takes two). Measured on a Zen 3: see
+// docs/performance.md.
+template <int MT>
+inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
+                           int64_t m0, const Out& out) {
+  using L = Lanes;
+  using B = L::B;
+  using I = L::I;
+  using F = L::F;
+  const int64_t nsb = K / 256;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
+    const uint8_t* hb = grp + g.at(kHi, sb);
+    const int8_t* sc6 = reinterpret_cast<const int8_t*>(grp + g.at(kExtra, sb)) + L::W * h;
+    I isc[MT], icentre[MT];
+    for (int m = 0; m < MT; ++m) isc[m] = icentre[m] = L::zero();
+    for (int j = 0; j < 8; ++j) {
+      const B slo = L::i8_twice16(sc6 + 16 * (2 * j)), shi = L::i8_twice16(sc6 + 16 * (2 * j + 1));
+      for (int u = 0; u < 4; u += 2) {
+        B lo0, hi0, lo1, hi1;
+        unpack_pair<kQ6_K>(cb + 256 * j, hb + 128 * j, u, h, &lo0, &hi0, &lo1, &hi1);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
+          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
+                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
+        }
+      }
+      const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
+        icentre[m] = L::add(icentre[m], L::widen_by(spair, L::set_pair16(bs[0], bs[1])));
+      }
+    }
+    const F dv = L::halves(reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h);
+    for (int m = 0; m < MT; ++m) {
+      const I total = L::sub(isc[m], L::mullo(icentre[m], L::seti(32)));
+      acc[m] = L::fma(L::mul(dv, L::set1(a.d[(m0 + m) * nsb + sb])), L::cvt(total), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
+#endif
+
 template <int T, int MT>
 inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_t K,
                  int64_t m0, const Out& out) {
@@ -547,6 +600,10 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
     tile_q8<MT>(g, grp, h, a.b32, K, m0, out);
   } else if constexpr (T == kIQ4_NL || T == kIQ4_XS || T == kMXFP4) {
     tile_iq4<T, MT>(g, grp, h, a.b32, K, m0, out);
+#if defined(EMBER_SUM16)
+  } else if constexpr (T == kQ6_K && MT >= 4) {  // 1-2 rows: more partials in flight
+    tile_q6k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
+#endif
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);
   } else {
