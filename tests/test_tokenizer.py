@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -57,13 +56,6 @@ def gemma(gemma3_file: GGUFFile) -> Tokenizer:
 
 
 # --------------------------------------------------------------- SmolLM2 metadata
-def test_construction_is_fast(smollm2_file: GGUFFile) -> None:
-    start = time.perf_counter()
-    Tokenizer.from_gguf(smollm2_file)
-    # ~0.15 s here; the bound leaves room for a loaded CI machine.
-    assert time.perf_counter() - start < 1.5
-
-
 def test_smollm2_special_ids(tok: Tokenizer) -> None:
     assert tok.vocab_size == 49152
     assert (tok.bos_id, tok.eos_id, tok.unk_id) == (1, 2, 0)
