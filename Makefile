@@ -31,8 +31,12 @@ browser:
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 	  || echo "chromium is not installed: the chat page's browser tests will be skipped"
 
+# Two pytest-xdist workers, each test file whole on one of them (its module fixtures
+# load once), each worker on its own core (tests/conftest.py); TEST_WORKERS=0 runs
+# the suite in this one process.
+TEST_WORKERS ?= 2
 test: install lint browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from native import require_kernels
 
 from ember.models.gguf import GGUFFile
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``), each worker keeps to its own
+    core, with everything it starts (servers, loaders, compilers): engines size their
+    thread pools from the cores they may use, so two workers each run one thread instead
+    of two workers fighting over two OpenMP pools that spin-wait for each other."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(cpus) >= workers > 1:
+        index = int(worker[2:])
+        share = len(cpus) // workers
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
 
 
 def _resolve(alias: str) -> Path:
