@@ -156,7 +156,7 @@ def pull(alias: str, *, force: bool = False) -> Path:
     target = models_dir() / spec.filename
     target.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(target.parent):
-        return _pull_locked(alias, spec, target, force)
+        return _pull_locked(spec, target, force)
 
 
 @contextlib.contextmanager
@@ -169,7 +169,7 @@ def _directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _pull_locked(alias: str, spec: ModelSpec, target: Path, force: bool) -> Path:
+def _pull_locked(spec: ModelSpec, target: Path, force: bool) -> Path:
     if target.is_file() and not force:
         if sha256_of(target) == spec.sha256:
             return target
@@ -190,7 +190,8 @@ def _pull_locked(alias: str, spec: ModelSpec, target: Path, force: bool) -> Path
                     ) from None
         if digest.hexdigest() != spec.sha256:
             raise ChecksumError(
-                f"{alias}: sha256 {digest.hexdigest()} does not match the registry's {spec.sha256}"
+                f"{spec.alias}: sha256 {digest.hexdigest()} does not match the registry's "
+                f"{spec.sha256}"
             )
         os.replace(partial, target)
     finally:
