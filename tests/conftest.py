@@ -15,7 +15,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2``), each worker keeps to its own
     core, with everything it starts (servers, loaders, compilers): engines size their
     thread pools from the cores they may use, so two workers each run one thread instead
-    of two workers fighting over two OpenMP pools that spin-wait for each other."""
+    of two workers fighting over two OpenMP pools that spin-wait for each other.
+
+    torch's own pool was sized when it was imported, before the pinning, so it is
+    resized here too: left at two threads on one core, every torch op outside an
+    engine (loading, ``model.score``, transformers' oracles) spun against itself,
+    1.4-13x slower than alone."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
         return
@@ -25,6 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
         index = int(worker[2:])
         share = len(cpus) // workers
         os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+        import torch
+
+        torch.set_num_threads(share)
 
 
 def _resolve(alias: str) -> Path:
