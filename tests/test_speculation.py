@@ -539,3 +539,18 @@ def test_bench_spec_reports_committed_tokens_per_forward_pass(make_tiny_engine, 
     assert out["tokens_per_step"] == pytest.approx(out["tokens"] / out["steps"])
     monkeypatch.setattr(Speculator, "propose", lambda self: None)
     assert run_ember(make_tiny_engine(), task)["tokens_per_step"] == 1.0
+
+
+def test_bench_spec_speedup_is_the_median_of_back_to_back_pairs():
+    """A slow spell that lands on one rep's pair slows on and off alike: each rep's
+    on ÷ off is what counts, not the median of all on runs over all off runs (here
+    1.0, though on was twice as fast in two pairs of three)."""
+    from ember.bench.spec import _ember_row
+
+    def runs(rates):
+        return [{"tok_s": r, "texts": ["same"]} for r in rates]
+
+    row = _ember_row({"on": runs([100, 200, 60]), "off": runs([50, 100, 300])})
+    assert row["on_tok_s"] == row["off_tok_s"] == 100
+    assert row["speedup"] == 2.0 and row["speedup_range"] == [0.2, 2.0]
+    assert row["same_output"]

@@ -4,8 +4,9 @@
 a supplied document (the answer quotes it), a code edit (return a function with one
 change), a free-form story, JSON-schema extraction — each at concurrency 1 and 16,
 greedy, the same prompts with speculation on and off, alternating over reps. Speedup
-is generated tokens per second on ÷ off; with it, acceptance and committed tokens
-per step per source. With ``--llama-server PATH`` llama.cpp's server runs the same
+is the median over reps of generated tokens per second on ÷ off (each rep's pair runs
+back to back), printed with its range; with it, acceptance and committed tokens per
+step per source. With ``--llama-server PATH`` llama.cpp's server runs the same
 prompts plain and with each of its n-gram speculation types, and its best speedup
 per task is reported beside ember's.
 
@@ -140,14 +141,7 @@ def main_spec(model: str, weights: str, threads: int | None, concurrency: list[i
                 order = [("on", on), ("off", off)] if rep % 2 == 0 else [("off", off), ("on", on)]
                 for label, engine in order:
                     runs[label].append(run_ember(engine, task))
-            same = runs["on"][0]["texts"] == runs["off"][0]["texts"]
-            best_on = max(runs["on"], key=lambda r: r["tok_s"])
-            row = {"on_tok_s": statistics.median(r["tok_s"] for r in runs["on"]),
-                   "off_tok_s": statistics.median(r["tok_s"] for r in runs["off"]),
-                   "same_output": same, **{k: best_on.get(k) for k in
-                                           ("drafted", "accepted", "tokens_per_step", "sources")}}
-            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
-            results["ember"][f"{task.name}@{n}"] = row
+            results["ember"][f"{task.name}@{n}"] = row = _ember_row(runs)
             print(_ember_line(task.name, n, row), flush=True)
     if llama_server:
         results["llama.cpp"] = run_llama(llama_server, on.loaded.path, threads or 2,
@@ -160,11 +154,25 @@ def main_spec(model: str, weights: str, threads: int | None, concurrency: list[i
     return results
 
 
+def _ember_row(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians of the on and off runs, and the speedup as the median of each rep's
+    on ÷ off: a pair runs back to back, so the machine's drift between reps (on a busy
+    VM, 10-30% over a minute) cancels within it; ``speedup_range`` shows what is left."""
+    pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(runs["on"], runs["off"], strict=True)]
+    best_on = max(runs["on"], key=lambda r: r["tok_s"])
+    return {"on_tok_s": statistics.median(r["tok_s"] for r in runs["on"]),
+            "off_tok_s": statistics.median(r["tok_s"] for r in runs["off"]),
+            "speedup": statistics.median(pairs), "speedup_range": [min(pairs), max(pairs)],
+            "same_output": runs["on"][0]["texts"] == runs["off"][0]["texts"],
+            **{k: best_on.get(k) for k in ("drafted", "accepted", "tokens_per_step", "sources")}}
+
+
 def _ember_line(name: str, n: int, row: dict[str, Any]) -> str:
     acc = (f"{row['accepted']}/{row['drafted']} accepted, {row['tokens_per_step']:.2f} tok/step"
            if row.get("drafted") is not None else "")
     return (f"ember {name:<6} c={n:<3} on {row['on_tok_s']:7.1f} tok/s  off "
-            f"{row['off_tok_s']:7.1f}  speedup {row['speedup']:.2f}x  {acc}"
+            f"{row['off_tok_s']:7.1f}  speedup {row['speedup']:.2f}x "
+            f"({row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f})  {acc}"
             f"{'' if row['same_output'] else '  (OUTPUT DIFFERS)'}")
 
 
