@@ -247,8 +247,9 @@ struct Kind {
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
   // activation rows per tile: what fits the registers
-  static constexpr int kTile =
-      T == kQ6_K ? Lanes::kMaxTileQ6K : kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
+  static constexpr int kTile = (T == kQ5_K || T == kQ6_K) ? Lanes::kMaxTileSum16
+                               : kKQuant                  ? Lanes::kMaxTileK
+                                                          : Lanes::kMaxTile;
 };
 
 // The low- and high-nibble code vectors of code vectors u and u + 1 (u even) of one
@@ -591,6 +592,61 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
   }
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
+
+// Q5_K the same way: five-bit codes (4 * 31 * 127 < 2^15 per int16 pair sum), each
+// pair widened by its sub-block's 6-bit scale; the minimums' sum_j mn_j (sum x_q)_j
+// pairs two sub-blocks per vpmaddwd at the end of the super-block, so a row holds one
+// accumulator through it and four rows fit. Unpacking a 32-element sub-block (the fifth
+// bit spread from its mask bytes) costs as much as two rows' dots: over four rows
+// instead of two it is paid half as often. Exactly tile_kquant's integers.
+template <int MT>
+inline void tile_q5k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
+                           int64_t m0, const Out& out) {
+  using L = Lanes;
+  using B = L::B;
+  using I = L::I;
+  using F = L::F;
+  const int64_t nsb = K / 256;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  alignas(64) uint8_t scb[128], mnb[128];
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
+    const uint8_t* hb = grp + g.at(kHi, sb);
+    decode_kscales(grp + g.at(kExtra, sb), scb, mnb);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(scb) + L::W * h;  // 0 .. 63
+    const int8_t* mn = reinterpret_cast<const int8_t*>(mnb) + L::W * h;
+    I isc[MT];
+    for (int m = 0; m < MT; ++m) isc[m] = L::zero();
+    for (int j = 0; j < 8; ++j) {
+      const B s = L::i8_twice16(sc + 16 * j);
+      for (int u = 0; u < 4; u += 2) {
+        B lo0, hi0, lo1, hi1;
+        unpack_pair<kQ5_K>(cb + 256 * j, hb + 64 * j, u, h, &lo0, &hi0, &lo1, &hi1);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
+          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), s),
+                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), s)));
+        }
+      }
+    }
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h;
+    const F dv = L::halves(hv), mv = L::halves(hv + RG);
+    for (int m = 0; m < MT; ++m) {
+      const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16;
+      I imn = L::zero();
+      for (int j = 0; j < 8; j += 2) {
+        imn = L::add(imn, L::widen_by(L::i8_pairs16(mn + 16 * j, mn + 16 * (j + 1)),
+                                      L::set_pair16(bs[2 * j] + bs[2 * j + 1],
+                                                    bs[2 * j + 2] + bs[2 * j + 3])));
+      }
+      const F dx = L::set1(a.d[(m0 + m) * nsb + sb]);
+      acc[m] = L::fma(L::mul(dv, dx), L::cvt(isc[m]), acc[m]);
+      acc[m] = L::fnma(L::mul(mv, dx), L::cvt(imn), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
 #endif
 
 template <int T, int MT>
@@ -603,6 +659,8 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
 #if defined(EMBER_SUM16)
   } else if constexpr (T == kQ6_K && MT >= 4) {  // 1-2 rows: more partials in flight
     tile_q6k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
+  } else if constexpr (T == kQ5_K && MT >= 4) {
+    tile_q5k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
 #endif
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);

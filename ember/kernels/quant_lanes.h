@@ -42,7 +42,7 @@ inline float e8m0_half_f32(uint8_t e) {
 
 struct Lanes {
   // activation rows per tile: legacy types, and K-quants (three sums per row)
-  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4, kMaxTileQ6K = 4;
+  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4, kMaxTileSum16 = 4;
   static constexpr int32_t kS8Bias = 128;
   // whether run_groups asks for the next row group while computing one (quant_kernels.h)
   static constexpr bool kPrefetchGroups = true;
@@ -136,16 +136,16 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 #if !defined(__AVXVNNI__)
-#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_q6k_sum16
+#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_q5k_sum16 / tile_q6k_sum16
 #endif
 
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
 #if defined(EMBER_SUM16)
-  // Q6_K's int16 tile holds two accumulators per activation row (not three)
-  static constexpr int kMaxTileQ6K = 4;
+  // the int16-sum tiles of Q5_K and Q6_K hold fewer accumulators per activation row
+  static constexpr int kMaxTileSum16 = 4;
 #else
-  static constexpr int kMaxTileQ6K = kMaxTileK;
+  static constexpr int kMaxTileSum16 = kMaxTileK;
 #endif
   // Not here: on a Zen 3 (AVX2 only, 32 KiB L1) the fused layers of the 1B synth files
   // took 0.90x (Q4_K_M) and 0.88x (Q4_0) the time at one row without it, the hardware
@@ -282,7 +282,7 @@ struct Lanes {
 #else  // portable: the same arithmetic on plain arrays (the compiler vectorizes what it can)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4, kMaxTileQ6K = 4;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4, kMaxTileSum16 = 4;
   static constexpr int32_t kS8Bias = 0;
   static constexpr bool kPrefetchGroups = true;
   struct B { uint8_t v[32]; };
