@@ -246,10 +246,11 @@ struct Kind {
   static constexpr int32_t kKCentre = T == kQ3_K ? 4 : 32;  // (kHalves K-quants)
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
+  // K-quants with an int16-sum tile where widening costs a multiply (EMBER_SUM16)
+  static constexpr bool kSum16 = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   // activation rows per tile: what fits the registers
-  static constexpr int kTile = (T == kQ5_K || T == kQ6_K) ? Lanes::kMaxTileSum16
-                               : kKQuant                  ? Lanes::kMaxTileK
-                                                          : Lanes::kMaxTile;
+  static constexpr int kTile =
+      kSum16 ? Lanes::kMaxTileSum16 : kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
 
 // The low- and high-nibble code vectors of code vectors u and u + 1 (u even) of one
@@ -593,15 +594,16 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
-// Q5_K the same way: five-bit codes (4 * 31 * 127 < 2^15 per int16 pair sum), each
-// pair widened by its sub-block's 6-bit scale; the minimums' sum_j mn_j (sum x_q)_j
-// pairs two sub-blocks per vpmaddwd at the end of the super-block, so a row holds one
-// accumulator through it and four rows fit. Unpacking a 32-element sub-block (the fifth
-// bit spread from its mask bytes) costs as much as two rows' dots: over four rows
-// instead of two it is paid half as often. Exactly tile_kquant's integers.
-template <int MT>
-inline void tile_q5k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
-                           int64_t m0, const Out& out) {
+// Q4_K and Q5_K (codes from a minimum) the same way: four- and five-bit codes
+// (4 * 31 * 127 < 2^15 per int16 pair sum), each pair widened by its sub-block's 6-bit
+// scale; the minimums' sum_j mn_j (sum x_q)_j pairs two sub-blocks per vpmaddwd at the
+// end of the super-block, so a row holds one accumulator through it and four rows fit
+// (tile_kquant takes two). Unpacking a Q5_K sub-block (the fifth bit spread from its
+// mask bytes) costs as much as two rows' dots, so it gains most. Exactly tile_kquant's
+// integers. Measured on a Zen 3: see docs/performance.md.
+template <int T, int MT>
+inline void tile_kmin_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a,
+                            int64_t K, int64_t m0, const Out& out) {
   using L = Lanes;
   using B = L::B;
   using I = L::I;
@@ -622,7 +624,7 @@ inline void tile_q5k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
       const B s = L::i8_twice16(sc + 16 * j);
       for (int u = 0; u < 4; u += 2) {
         B lo0, hi0, lo1, hi1;
-        unpack_pair<kQ5_K>(cb + 256 * j, hb + 64 * j, u, h, &lo0, &hi0, &lo1, &hi1);
+        unpack_pair<T>(cb + 256 * j, hb + 64 * j, u, h, &lo0, &hi0, &lo1, &hi1);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
           isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), s),
@@ -659,8 +661,8 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
 #if defined(EMBER_SUM16)
   } else if constexpr (T == kQ6_K && MT >= 4) {  // 1-2 rows: more partials in flight
     tile_q6k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
-  } else if constexpr (T == kQ5_K && MT >= 4) {
-    tile_q5k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
+  } else if constexpr ((T == kQ4_K || T == kQ5_K) && MT >= 4) {
+    tile_kmin_sum16<T, MT>(g, grp, h, a.b256, K, m0, out);
 #endif
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);

@@ -136,13 +136,13 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 #if !defined(__AVXVNNI__)
-#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_q5k_sum16 / tile_q6k_sum16
+#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_kmin_sum16 / tile_q6k_sum16
 #endif
 
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
 #if defined(EMBER_SUM16)
-  // the int16-sum tiles of Q5_K and Q6_K hold fewer accumulators per activation row
+  // the int16-sum tiles of Q4_K, Q5_K and Q6_K hold fewer accumulators per row
   static constexpr int kMaxTileSum16 = 4;
 #else
   static constexpr int kMaxTileSum16 = kMaxTileK;
