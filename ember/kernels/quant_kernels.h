@@ -544,6 +544,26 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 }
 
 #if defined(EMBER_SUM16)
+// The int16-sum tiles' inner step: one 32-element sub-block (codes cj, high bits hj)
+// dotted with elements at .. at + 32 of rows m0 .. m0 + MT, each int16 pair sum widened
+// by its scale lanes (slo: the sub-block's first 16 elements, shi: its last 16) and
+// added to isc[m].
+template <int T, int MT>
+inline void add_sub_block_sum16(const uint8_t* cj, const uint8_t* hj, int h, const QuantK& a,
+                                int64_t K, int64_t m0, int64_t at, Lanes::B slo,
+                                Lanes::B shi, Lanes::I* isc) {
+  using L = Lanes;
+  for (int u = 0; u < 4; u += 2) {
+    L::B lo0, hi0, lo1, hi1;
+    unpack_pair<T>(cj, hj, u, h, &lo0, &hi0, &lo1, &hi1);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = a.q + (m0 + m) * K + at + 4 * u;
+      isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
+                                     L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
+    }
+  }
+}
+
 // Q6_K where widening to int32 costs a multiply (AVX2 without VNNI): each pair of
 // vpmaddubsw results is summed in int16 (2 * 2 * 63 * 127 < 2^15) and widened by
 // vpmaddwd with its sub-block's signed scale instead of by ones, which leaves no
@@ -569,16 +589,9 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
     I isc[MT], icentre[MT];
     for (int m = 0; m < MT; ++m) isc[m] = icentre[m] = L::zero();
     for (int j = 0; j < 8; ++j) {
-      const B slo = L::i8_twice16(sc6 + 16 * (2 * j)), shi = L::i8_twice16(sc6 + 16 * (2 * j + 1));
-      for (int u = 0; u < 4; u += 2) {
-        B lo0, hi0, lo1, hi1;
-        unpack_pair<kQ6_K>(cb + 256 * j, hb + 128 * j, u, h, &lo0, &hi0, &lo1, &hi1);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
-          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
-                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
-        }
-      }
+      add_sub_block_sum16<kQ6_K, MT>(cb + 256 * j, hb + 128 * j, h, a, K, m0, sb * 256 + QK * j,
+                                     L::i8_twice16(sc6 + 16 * (2 * j)),
+                                     L::i8_twice16(sc6 + 16 * (2 * j + 1)), isc);
       const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
       for (int m = 0; m < MT; ++m) {
         const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
@@ -622,15 +635,8 @@ inline void tile_kmin_sum16(const Geom& g, const uint8_t* grp, int h, const Quan
     for (int m = 0; m < MT; ++m) isc[m] = L::zero();
     for (int j = 0; j < 8; ++j) {
       const B s = L::i8_twice16(sc + 16 * j);
-      for (int u = 0; u < 4; u += 2) {
-        B lo0, hi0, lo1, hi1;
-        unpack_pair<T>(cb + 256 * j, hb + 64 * j, u, h, &lo0, &hi0, &lo1, &hi1);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
-          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), s),
-                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), s)));
-        }
-      }
+      add_sub_block_sum16<T, MT>(cb + 256 * j, hb + 64 * j, h, a, K, m0, sb * 256 + QK * j, s, s,
+                                 isc);
     }
     const uint16_t* hv = reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h;
     const F dv = L::halves(hv), mv = L::halves(hv + RG);
