@@ -359,6 +359,28 @@ def test_heavy_tailed_and_zero_inputs(ext, qtype: GGMLType) -> None:
     assert torch.equal(lin(x[:1]), torch.zeros(1, rows))
 
 
+# the bytes of a K-quant block that hold codes and sub-block scales (not its f16 scales)
+K_CODE_BYTES = {GGMLType.Q3_K: slice(0, 108), GGMLType.Q4_K: slice(4, 144),
+                GGMLType.Q5_K: slice(4, 176), GGMLType.Q6_K: slice(0, 208)}
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_extreme_codes_and_activations_stay_exact(ext, qtype: GGMLType) -> None:
+    """Every code and scale at its largest, against activations whose codes are all
+    +127 or all -127: the kernels add vpmaddubsw products up in int16 for as long as
+    they cannot overflow, and an overflow here would wrap the row's sum."""
+    rows, cols = 32, 512
+    blk = any_raw(qtype, rows, cols, seed=9).reshape(-1, BLOCK_GEOMETRY[qtype][1])
+    blk[:, K_CODE_BYTES[qtype]] = 0xFF
+    parts = [(blk.reshape(-1), qtype, (rows, cols))]
+    lin = QuantLinear.from_raw(parts)
+    x = torch.ones(10, cols)
+    x[4:8] = -1
+    x[8, ::2] = -1  # signs alternating within every pair
+    x[9] = torch.linspace(-1, 1, cols)
+    check_linear(lin, parts, x)
+
+
 def test_fused_parts_and_shapes(ext) -> None:
     """QKV-style fusion of Q4_1 and Q4_0 parts; 3-D and non-contiguous inputs."""
     cols = 128

@@ -246,20 +246,49 @@ struct Kind {
   static constexpr int32_t kKCentre = T == kQ3_K ? 4 : 32;  // (kHalves K-quants)
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
-  // K-quants with an int16-sum tile where widening costs a multiply (EMBER_SUM16)
-  static constexpr bool kSum16 = T == kQ4_K || T == kQ5_K || T == kQ6_K;
+  // where widening costs a multiply (EMBER_SUM16): K-quants with an int16-sum tile per
+  // half of a group, and those with one over both halves (kWideTile rows)
+  static constexpr bool kSum16 = T == kQ6_K;
+  static constexpr bool kWide = T == kQ4_K || T == kQ5_K;
+  static constexpr int kWideTile = 4;
   // activation rows per tile: what fits the registers
   static constexpr int kTile =
       kSum16 ? Lanes::kMaxTileSum16 : kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
 
-// The low- and high-nibble code vectors of code vectors u and u + 1 (u even) of one
-// 32-element block: codes at cj, high bits (Q5_*: masks; Q6_K: 2-bit fields) at hj.
+// The low- and high-nibble code vectors of code vector u of one 32-element block of a
+// nibble-coded type (not Q3_K): codes at cj, high bits (Q5_*: masks; Q6_K: 2-bit
+// fields) at hj.
+template <int T>
+inline void unpack_one(const uint8_t* cj, const uint8_t* hj, int u, int h, Lanes::B* lo,
+                       Lanes::B* hi) {
+  using L = Lanes;
+  using KT = Kind<T>;
+  const L::B r = L::load(cj + SUBV * u);
+  *lo = L::and_(r, L::set8(0x0F));
+  *hi = L::high_nibbles(r);
+  if constexpr (KT::kHi1) {
+    const uint8_t* mb = hj + L::W / 2 * h;
+    *lo = L::or_bits(*lo, mb + 8 * (2 * u), 0x10);
+    *hi = L::or_bits(*hi, mb + 8 * (2 * u + 1), 0x10);
+  }
+  if constexpr (KT::kHi2) {  // one vector of 2-bit fields serves code vectors 2i, 2i + 1
+    const L::B hv = L::load(hj + SUBV * (u / 2) + 4 * L::W * h);
+    if (u % 2 == 0) {
+      *lo = L::or_(*lo, L::template shl<4>(hv, 0x30));
+      *hi = L::or_(*hi, L::template shl<2>(hv, 0x30));
+    } else {
+      *lo = L::or_(*lo, L::and_(hv, L::set8(0x30)));
+      *hi = L::or_(*hi, L::template shr<2>(hv, 0x30));
+    }
+  }
+}
+
+// The same for code vectors u and u + 1 (u even), and for Q3_K.
 template <int T>
 inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lanes::B* lo0,
                         Lanes::B* hi0, Lanes::B* lo1, Lanes::B* hi1) {
   using L = Lanes;
-  using KT = Kind<T>;
   if constexpr (T == kQ3_K) {  // bits 0-1 from the hi2-laid codes, bit 2 from masks
     const L::B v = L::load(cj + SUBV * (u / 2));
     const uint8_t* mb = hj + L::W / 2 * h;
@@ -267,26 +296,9 @@ inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lane
     *hi0 = L::or_bits(L::template shr<2>(v, 0x03), mb + 8 * (2 * u + 1), 0x04);
     *lo1 = L::or_bits(L::template shr<4>(v, 0x03), mb + 8 * (2 * u + 2), 0x04);
     *hi1 = L::or_bits(L::template shr<6>(v, 0x03), mb + 8 * (2 * u + 3), 0x04);
-    return;
-  }
-  const L::B r0 = L::load(cj + SUBV * u), r1 = L::load(cj + SUBV * (u + 1));
-  *lo0 = L::and_(r0, L::set8(0x0F));
-  *hi0 = L::high_nibbles(r0);
-  *lo1 = L::and_(r1, L::set8(0x0F));
-  *hi1 = L::high_nibbles(r1);
-  if constexpr (KT::kHi1) {
-    const uint8_t* mb = hj + L::W / 2 * h;
-    *lo0 = L::or_bits(*lo0, mb + 8 * (2 * u), 0x10);
-    *hi0 = L::or_bits(*hi0, mb + 8 * (2 * u + 1), 0x10);
-    *lo1 = L::or_bits(*lo1, mb + 8 * (2 * u + 2), 0x10);
-    *hi1 = L::or_bits(*hi1, mb + 8 * (2 * u + 3), 0x10);
-  }
-  if constexpr (KT::kHi2) {
-    const L::B hv = L::load(hj + SUBV * (u / 2) + 4 * L::W * h);
-    *lo0 = L::or_(*lo0, L::template shl<4>(hv, 0x30));
-    *hi0 = L::or_(*hi0, L::template shl<2>(hv, 0x30));
-    *lo1 = L::or_(*lo1, L::and_(hv, L::set8(0x30)));
-    *hi1 = L::or_(*hi1, L::template shr<2>(hv, 0x30));
+  } else {
+    unpack_one<T>(cj, hj, u, h, lo0, hi0);
+    unpack_one<T>(cj, hj, u + 1, h, lo1, hi1);
   }
 }
 
@@ -544,26 +556,6 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 }
 
 #if defined(EMBER_SUM16)
-// The int16-sum tiles' inner step: one 32-element sub-block (codes cj, high bits hj)
-// dotted with elements at .. at + 32 of rows m0 .. m0 + MT, each int16 pair sum widened
-// by its scale lanes (slo: the sub-block's first 16 elements, shi: its last 16) and
-// added to isc[m].
-template <int T, int MT>
-inline void add_sub_block_sum16(const uint8_t* cj, const uint8_t* hj, int h, const QuantK& a,
-                                int64_t K, int64_t m0, int64_t at, Lanes::B slo,
-                                Lanes::B shi, Lanes::I* isc) {
-  using L = Lanes;
-  for (int u = 0; u < 4; u += 2) {
-    L::B lo0, hi0, lo1, hi1;
-    unpack_pair<T>(cj, hj, u, h, &lo0, &hi0, &lo1, &hi1);
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* x = a.q + (m0 + m) * K + at + 4 * u;
-      isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
-                                     L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
-    }
-  }
-}
-
 // Q6_K where widening to int32 costs a multiply (AVX2 without VNNI): each pair of
 // vpmaddubsw results is summed in int16 (2 * 2 * 63 * 127 < 2^15) and widened by
 // vpmaddwd with its sub-block's signed scale instead of by ones, which leaves no
@@ -589,9 +581,16 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
     I isc[MT], icentre[MT];
     for (int m = 0; m < MT; ++m) isc[m] = icentre[m] = L::zero();
     for (int j = 0; j < 8; ++j) {
-      add_sub_block_sum16<kQ6_K, MT>(cb + 256 * j, hb + 128 * j, h, a, K, m0, sb * 256 + QK * j,
-                                     L::i8_twice16(sc6 + 16 * (2 * j)),
-                                     L::i8_twice16(sc6 + 16 * (2 * j + 1)), isc);
+      const B slo = L::i8_twice16(sc6 + 16 * (2 * j)), shi = L::i8_twice16(sc6 + 16 * (2 * j + 1));
+      for (int u = 0; u < 4; u += 2) {
+        B lo0, hi0, lo1, hi1;
+        unpack_pair<kQ6_K>(cb + 256 * j, hb + 128 * j, u, h, &lo0, &hi0, &lo1, &hi1);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
+          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
+                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
+        }
+      }
       const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
       for (int m = 0; m < MT; ++m) {
         const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
@@ -607,53 +606,83 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
 }
 
-// Q4_K and Q5_K (codes from a minimum) the same way: four- and five-bit codes
-// (4 * 31 * 127 < 2^15 per int16 pair sum), each pair widened by its sub-block's 6-bit
-// scale; the minimums' sum_j mn_j (sum x_q)_j pairs two sub-blocks per vpmaddwd at the
-// end of the super-block, so a row holds one accumulator through it and four rows fit
-// (tile_kquant takes two). Unpacking a Q5_K sub-block (the fifth bit spread from its
-// mask bytes) costs as much as two rows' dots, so it gains most. Exactly tile_kquant's
-// integers. Measured on a Zen 3: see docs/performance.md.
+// Q4_K and Q5_K (codes from a minimum) over both halves of a group (its 16 rows) at
+// once, for MT activation rows: each activation broadcast meets both halves' code
+// vectors, half the broadcasts of a tile per half (on a Zen 3 they cost about as much
+// as the multiplies). The vpmaddubsw pair sums add up in int16 for as long as they
+// stay exact (a lane of one is at most 2 * 15 * 127 for Q4_K, 2 * 31 * 127 for Q5_K,
+// and an int16 holds 32767): a whole sub-block's eight for Q4_K, four for Q5_K. Each
+// such sum is widened to int32 by its sub-block's 6-bit scale in one vpmaddwd. The
+// minimums' sum_j mn_j (sum x_q)_j pairs two sub-blocks per vpmaddwd at the end of the
+// super-block. Exactly tile_kquant's integers and float steps, so any row gives the
+// same bits here as in a tile of one. Measured on a Zen 3: see docs/performance.md.
 template <int T, int MT>
-inline void tile_kmin_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a,
-                            int64_t K, int64_t m0, const Out& out) {
+inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const QuantK& a, int64_t K,
+                           int64_t m0, const Out (&out)[2]) {
   using L = Lanes;
   using B = L::B;
   using I = L::I;
   using F = L::F;
+  static_assert(L::H == 2, "both halves of a group");
+  constexpr int kSpan = T == kQ4_K ? 4 : 2;  // code vectors per int16 sum
   const int64_t nsb = K / 256;
-  F acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  F acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = L::zerof();
   alignas(64) uint8_t scb[128], mnb[128];
   for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
+    const uint8_t* cb = grp + g.at(kCodes, sb);
     const uint8_t* hb = grp + g.at(kHi, sb);
     decode_kscales(grp + g.at(kExtra, sb), scb, mnb);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(scb) + L::W * h;  // 0 .. 63
-    const int8_t* mn = reinterpret_cast<const int8_t*>(mnb) + L::W * h;
-    I isc[MT];
-    for (int m = 0; m < MT; ++m) isc[m] = L::zero();
+    const int8_t* sc = reinterpret_cast<const int8_t*>(scb);  // 0 .. 63
+    const int8_t* mn = reinterpret_cast<const int8_t*>(mnb);
+    I isc[MT][2];
+    for (int m = 0; m < MT; ++m) isc[m][0] = isc[m][1] = L::zero();
     for (int j = 0; j < 8; ++j) {
-      const B s = L::i8_twice16(sc + 16 * j);
-      add_sub_block_sum16<T, MT>(cb + 256 * j, hb + 64 * j, h, a, K, m0, sb * 256 + QK * j, s, s,
-                                 isc);
-    }
-    const uint16_t* hv = reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h;
-    const F dv = L::halves(hv), mv = L::halves(hv + RG);
-    for (int m = 0; m < MT; ++m) {
-      const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16;
-      I imn = L::zero();
-      for (int j = 0; j < 8; j += 2) {
-        imn = L::add(imn, L::widen_by(L::i8_pairs16(mn + 16 * j, mn + 16 * (j + 1)),
-                                      L::set_pair16(bs[2 * j] + bs[2 * j + 1],
-                                                    bs[2 * j + 2] + bs[2 * j + 3])));
+      const B s[2] = {L::i8_twice16(sc + 16 * j), L::i8_twice16(sc + 16 * j + L::W)};
+      B sums[MT][2];
+#pragma GCC unroll 4  // the sums stay in registers only when every index is a constant
+      for (int u = 0; u < 4; ++u) {
+        B lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          unpack_one<T>(cb + 256 * j + 4 * L::W * h, hb + 64 * j, u, h, &lo[h], &hi[h]);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
+          for (int h = 0; h < 2; ++h) {
+            const B p = L::pairs16(lo[h], x, hi[h], x + 16);
+            // opaque: GCC would otherwise reassociate the int16 adds and compute every
+            // product first, spilling them
+            sums[m][h] = L::opaque(u % kSpan == 0 ? p : L::add16(sums[m][h], p));
+            if (u % kSpan == kSpan - 1) {
+              isc[m][h] = L::add(isc[m][h], L::widen_by(sums[m][h], s[h]));
+            }
+          }
+        }
       }
-      const F dx = L::set1(a.d[(m0 + m) * nsb + sb]);
-      acc[m] = L::fma(L::mul(dv, dx), L::cvt(isc[m]), acc[m]);
-      acc[m] = L::fnma(L::mul(mv, dx), L::cvt(imn), acc[m]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t* hv = reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h;
+      const F dv = L::halves(hv), mv = L::halves(hv + RG);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16;
+        I imn = L::zero();
+        for (int j = 0; j < 8; j += 2) {
+          imn = L::add(imn, L::widen_by(L::i8_pairs16(mn + 16 * j + L::W * h,
+                                                      mn + 16 * (j + 1) + L::W * h),
+                                        L::set_pair16(bs[2 * j] + bs[2 * j + 1],
+                                                      bs[2 * j + 2] + bs[2 * j + 3])));
+        }
+        const F dx = L::set1(a.d[(m0 + m) * nsb + sb]);
+        acc[m][h] = L::fma(L::mul(dv, dx), L::cvt(isc[m][h]), acc[m][h]);
+        acc[m][h] = L::fnma(L::mul(mv, dx), L::cvt(imn), acc[m][h]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+  for (int m = 0; m < MT; ++m) {
+    for (int h = 0; h < 2; ++h) {
+      if (out[h].valid > 0) store_lanes(acc[m][h], out[h], m0 + m);
+    }
+  }
 }
 #endif
 
@@ -667,8 +696,6 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
 #if defined(EMBER_SUM16)
   } else if constexpr (T == kQ6_K && MT >= 4) {  // 1-2 rows: more partials in flight
     tile_q6k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
-  } else if constexpr ((T == kQ4_K || T == kQ5_K) && MT >= 4) {
-    tile_kmin_sum16<T, MT>(g, grp, h, a.b256, K, m0, out);
 #endif
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);
@@ -712,11 +739,25 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
     if (ahead && gi + 1 < g1) {
       for (int64_t o = 0; o < s.g.stride; o += 64) __builtin_prefetch(grp + s.g.stride + o, 0, 3);
     }
+    int64_t m_half = m0;  // the first row of the tiles per half
+#if defined(EMBER_SUM16)
+    if constexpr (Kind<T>::kWide) {
+      constexpr int WT = Kind<T>::kWideTile;
+      Out both[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r0 = gi * RG + h * Lanes::W;
+        both[h] = Out{y, ldy, s.col0 + r0, std::clamp<int64_t>(s.rows - r0, 0, Lanes::W)};
+      }
+      for (; m_half + WT <= m1; m_half += WT) {
+        tile_kmin_wide<T, WT>(s.g, grp, a.b256, K, m_half, both);
+      }
+    }
+#endif
     for (int h = 0; h < Lanes::H; ++h) {
       const int64_t r0 = gi * RG + h * Lanes::W;
       if (r0 >= s.rows) break;
       const Out out{y, ldy, s.col0 + r0, std::min<int64_t>(Lanes::W, s.rows - r0)};
-      int64_t m = m0;
+      int64_t m = m_half;
       for (; m + MT <= m1; m += MT) tile<T, MT>(s.g, grp, h, a, K, m, out);
       // the rest in tiles of 4, 2, 1 rows (a row's arithmetic is the same in any tile)
       if constexpr (MT > 4) {

@@ -136,13 +136,13 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 #if !defined(__AVXVNNI__)
-#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_kmin_sum16 / tile_q6k_sum16
+#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_kmin_wide / tile_q6k_sum16
 #endif
 
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
 #if defined(EMBER_SUM16)
-  // the int16-sum tiles of Q4_K, Q5_K and Q6_K hold fewer accumulators per row
+  // Q6_K's int16-sum tile holds fewer accumulators per row
   static constexpr int kMaxTileSum16 = 4;
 #else
   static constexpr int kMaxTileSum16 = kMaxTileK;
@@ -215,6 +215,12 @@ struct Lanes {
   static B pairs16(B w0, const int8_t* x0, B w1, const int8_t* x1) {
     return _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast(x0)),
                             _mm256_maddubs_epi16(w1, bcast(x1)));
+  }
+  static B add16(B a, B b) { return _mm256_add_epi16(a, b); }
+  // v as it is, opaque to the compiler (an empty asm that may change it)
+  static B opaque(B v) {
+    __asm__("" : "+x"(v));
+    return v;
   }
   // each lane's two int16 sums times its int16 factor pair, added: int32 lanes
   static I widen_by(B sums, B factors) { return _mm256_madd_epi16(sums, factors); }
