@@ -10,6 +10,10 @@ bandwidth drifts by tens of percent between runs.
     python scripts/kernel_ab.py --model ~/.cache/ember/synth/llama-1b-Q4_K_M.gguf --base HEAD~1
     python scripts/kernel_ab.py --model FILE --base 28cfce5 --rows 16
     python scripts/kernel_ab.py --model FILE --base HEAD~1 --prefill 512
+    EMBER_KERNEL_ISA=avx2 python scripts/kernel_ab.py --model FILE --base HEAD~1
+
+Both builds get the flags this tree's kernels are built with (``-march=native``, or
+those of ``EMBER_KERNEL_ISA``: an AVX2 machine's kernels measured on this one).
 
 Prints each build's median milliseconds per forward and the median of the paired
 ratios (this tree ÷ base); the layers only (no embedding, output head or sampling).
@@ -50,7 +54,7 @@ def build_revision(rev: str, into: Path) -> object:
         if path.endswith((".h", ".cpp")):
             (src / path).write_text(_git("show", f"{rev}:ember/kernels/{path}"))
     return load(name="ember_kernel_ab_base", sources=[str(src / "quant_matmul.cpp")],
-                extra_cflags=[*kernels._BASE_FLAGS, "-march=native"],
+                extra_cflags=[*kernels._BASE_FLAGS, *kernels._variants()[0][1]],
                 extra_ldflags=[*kernels._LDFLAGS], build_directory=str(into), verbose=False)
 
 
