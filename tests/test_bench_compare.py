@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from native import require_kernels
 
+from ember import kernels
 from ember.bench import compare, synth
 from ember.bench import llamacpp_native as native
 from ember.bench.synth import Shape
@@ -196,6 +197,9 @@ def test_compare_without_llama_reports_ember_only(tiny_gguf: Path, tiny_loaded,
     ember = result["results"]["ember-f32"]
     assert set(ember["median_tok_s"]) == {"prefill_8", "decode_1", "decode_2"}
     assert len(ember["runs"]) == 2 and ember["peak_rss_bytes"] > 0
+    # the record says which kernels ran (an EMBER_KERNEL_ISA run is not a native one)
+    assert ember["init"]["kernels"] == kernels.describe()
+    assert f"ember-f32 kernels {kernels.describe()}" in printed
     assert ember["weight_bytes_per_step"] == compare.ember_weight_bytes(tiny_loaded.model)
     assert result["cache_reach"]["bytes"] == []  # nothing probed below a 4 MiB ceiling tensor
     # every timed run sits between two ceiling measurements of its own

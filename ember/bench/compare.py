@@ -224,12 +224,15 @@ class _EmberBackend:
     def info(self) -> dict:
         import torch
 
+        from ember import kernels
+
         config = self.engine.config
         return {"weights": self.weights, "load_s": self.loaded.load_seconds,
                 "weight_bytes": ember_weight_bytes(self.loaded.model),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "speculation": config.speculation, "kv_dtype": config.kv_dtype,
-                "kv_pool_tokens": self.engine.kv.num_blocks * config.block_size}
+                "kv_pool_tokens": self.engine.kv.num_blocks * config.block_size,
+                "kernels": kernels.describe()}
 
     def run(self, msg: dict) -> dict:
         return ember_run(self.engine, msg)
@@ -827,7 +830,9 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
         print(f"model {path.name}, {threads} threads, {reps} reps, ember KV {kv_dtype}; "
               f"load average {' '.join(map(str, load_start))}; sides: "
               f"{', '.join(s for s in sides if s not in spec_of)}"
-              + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else ""), flush=True)
+              + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else "")
+              + "".join(f"; {s} kernels {info[s]['kernels']}" for s in sides
+                        if s not in spec_of and "kernels" in info.get(s, {})), flush=True)
         for s in list(sides):  # warm-up, untimed
             _run_side(sides, runs, info, s, message(s, 0, warm=True), None)
         for rep in range(reps):

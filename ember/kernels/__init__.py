@@ -333,6 +333,19 @@ def quant_matmul() -> ModuleType | None:
     return _module
 
 
+def describe() -> str:
+    """Which kernels this process runs, for benchmark records: the SIMD path and how it
+    was chosen (``avx512vnni, -march=native``; ``avx2, EMBER_KERNEL_ISA=avx2``), or why
+    there are none."""
+    module = quant_matmul()
+    if module is None:
+        return f"none ({unavailable_reason()})"
+    isa = os.environ.get("EMBER_KERNEL_ISA", "native")
+    chosen = f"EMBER_KERNEL_ISA={isa}" if isa != "native" else " ".join(
+        dict(_VARIANTS).get(module.__name__, []) or ["no -march"])
+    return f"{module.simd()}, {chosen}"
+
+
 def available() -> bool:
     """Whether the native quantized-matmul kernels can be used (builds them if needed)."""
     return quant_matmul() is not None
