@@ -4,6 +4,7 @@ failure inside a verify step."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -547,10 +548,38 @@ def test_bench_spec_speedup_is_the_median_of_back_to_back_pairs():
     1.0, though on was twice as fast in two pairs of three)."""
     from ember.bench.spec import _ember_row
 
-    def runs(rates):
-        return [{"tok_s": r, "texts": ["same"]} for r in rates]
+    def runs(rates, latencies):
+        return [{"tok_s": r, "mean_latency_s": t, "texts": ["same"]}
+                for r, t in zip(rates, latencies, strict=True)]
 
-    row = _ember_row({"on": runs([100, 200, 60]), "off": runs([50, 100, 300])})
+    row = _ember_row({"on": runs([100, 200, 60], [1.0, 1.0, 4.0]),
+                      "off": runs([50, 100, 300], [3.0, 1.5, 2.0])})
     assert row["on_tok_s"] == row["off_tok_s"] == 100
     assert row["speedup"] == 2.0 and row["speedup_range"] == [0.2, 2.0]
+    # the mean request's latency, off ÷ on per pair: > 1 where on finished requests sooner
+    assert row["latency_speedup"] == 1.5 and row["latency_speedup_range"] == [0.5, 3.0]
     assert row["same_output"]
+
+
+def test_bench_spec_mean_latency_is_each_requests_own_finish(make_tiny_engine):
+    """A request's latency ends at the step that finished it, not at the batch's last:
+    with one request capped at 4 tokens beside one of 40, the mean is well under the
+    whole run's seconds."""
+    from ember.bench.spec import Task, run_ember
+
+    engine = make_tiny_engine()
+    task = Task("t", [[{"role": "user", "content": "one two three"}],
+                      [{"role": "user", "content": "four five six"}]], 40)
+    short = engine.add_request  # the first prompt's request is capped at 4 tokens
+
+    def add_request(prompt, params, **kw):
+        add_request.calls += 1
+        params = dataclasses.replace(params, ignore_eos=True,
+                                     max_tokens=4 if add_request.calls == 1 else 40)
+        return short(prompt, params, **kw)
+    add_request.calls = 0
+    engine.add_request = add_request
+    out = run_ember(engine, task)
+    seconds = out["tokens"] / out["tok_s"]
+    assert out["tokens"] == 44
+    assert out["mean_latency_s"] < 0.8 * seconds
