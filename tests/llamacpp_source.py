@@ -10,6 +10,7 @@ llama.cpp checkout instead.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -56,9 +57,18 @@ def llamacpp_source() -> Path:
     if given:
         return Path(given)
     root = ember_home() / f"llama.cpp-{SDIST_VERSION}"
-    if not all((root / p).exists() for p in _COMPLETE):
-        shutil.rmtree(root, ignore_errors=True)
-        _extract(root)
+    if all((root / p).exists() for p in _COMPLETE):
+        return root
+    # pytest-xdist workers collect at once: on a fresh machine each would fetch into the
+    # same staging tree, and the second rename fails (or a reader sees a half tree). One
+    # fetches while the others wait on an OS lock (dropped if its holder dies), then find
+    # the tree whole.
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.with_name(root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all((root / p).exists() for p in _COMPLETE):
+            shutil.rmtree(root, ignore_errors=True)
+            _extract(root)
     return root
 
 
