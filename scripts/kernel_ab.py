@@ -12,7 +12,7 @@ bandwidth drifts by tens of percent between runs.
     python scripts/kernel_ab.py --model FILE --base HEAD~1 --prefill 512
     EMBER_KERNEL_ISA=avx2 python scripts/kernel_ab.py --model FILE --base HEAD~1
 
-Both builds get the flags this tree's kernels are built with (``-march=native``, or
+Both builds get the flags this tree's kernels were built with (``-march=native``, or
 those of ``EMBER_KERNEL_ISA``: an AVX2 machine's kernels measured on this one).
 
 Prints each build's median milliseconds per forward and the median of the paired
@@ -54,7 +54,7 @@ def build_revision(rev: str, into: Path) -> object:
         if path.endswith((".h", ".cpp")):
             (src / path).write_text(_git("show", f"{rev}:ember/kernels/{path}"))
     return load(name="ember_kernel_ab_base", sources=[str(src / "quant_matmul.cpp")],
-                extra_cflags=[*kernels._BASE_FLAGS, *kernels._variants()[0][1]],
+                extra_cflags=[*kernels._BASE_FLAGS, *(kernels.loaded_flags() or [])],
                 extra_ldflags=[*kernels._LDFLAGS], build_directory=str(into), verbose=False)
 
 

@@ -1,7 +1,7 @@
 """Where speculation's time goes at N streams: each step of one `ember bench spec` task,
-speculation on and off, by kind (plain decode or with drafts to verify; prompt steps are
-left out), with the tokens it committed per millisecond and the cost model's prediction
-beside its measured time.
+speculation on and off, by kind (plain decode, or with drafts to verify; a step that gave
+any request its first token ran a prompt and is left out), with the tokens it committed
+per millisecond and the cost model's prediction beside its measured time.
 
     python scripts/spec_steps.py --task copy --concurrency 16 --reps 5
     python scripts/spec_steps.py --task code --warm copy,qa   # the gate after other tasks
@@ -46,9 +46,12 @@ class StepLog:
 
         def logged_step() -> Any:
             before = self._committed()
+            waiting = [r for r in self._requests if r.num_output == 0]
             self._seen.clear()
             out = step()
-            if "shape" in self._seen:
+            # a step that gave any request its first token ran (part of) a prompt
+            prompt = any(r.num_output for r in waiting)
+            if "shape" in self._seen and not prompt:
                 self.runs[-1].append((self._seen["shape"], self._seen["seconds"],
                                       self._seen["predicted"], self._committed() - before))
             return out
@@ -64,10 +67,10 @@ class StepLog:
 
 
 def describe(steps: list[tuple[Any, float, float, int]]) -> str:
-    """One line: the run's forward-pass total, then its decode and verify steps."""
-    kinds = {"decode": [s for s in steps if s[0].decode_rows == s[0].rows],
-             "verify": [s for s in steps if s[0].drafts  # not a short cached prompt
-                        and s[0].decode_rows + s[0].verify_rows == s[0].rows]}
+    """One line: the forward-pass total of the run's steps after its prompts, then its
+    plain decode steps and the steps with drafts to verify."""
+    kinds = {"decode": [s for s in steps if not s[0].drafts],
+             "verify": [s for s in steps if s[0].drafts]}
     line = f"forward {sum(s[1] for s in steps) * 1e3:.0f} ms"
     for name, group in kinds.items():
         if not group:
@@ -84,18 +87,24 @@ def describe(steps: list[tuple[Any, float, float, int]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [t.name for t in tasks(1)]
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--task", default="copy")
+    ap.add_argument("--weights", default="auto", help="as `ember bench spec --weights`")
+    ap.add_argument("--task", default="copy", choices=names)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warm", default="", help="comma-separated tasks each engine runs first")
     args = ap.parse_args()
-    base = dict(model=args.model, weights="q4", threads=args.threads, num_kv_blocks=2048)
+    warm = [w for w in args.warm.split(",") if w]
+    if unknown := set(warm) - set(names):
+        ap.error(f"--warm: no task {', '.join(sorted(unknown))} (choose from {', '.join(names)})")
+    base = dict(model=args.model, weights=args.weights, threads=args.threads,
+                num_kv_blocks=2048)
     on = LLMEngine(EngineConfig(**base))
     off = LLMEngine(EngineConfig(**base, speculation="off"), loaded=on.loaded)
     by_name = {t.name: t for t in tasks(args.concurrency)}
-    for name in filter(None, args.warm.split(",")):
+    for name in warm:
         for engine in (on, off):
             run_ember(engine, by_name[name])
     logs = {"on": StepLog(on), "off": StepLog(off)}

@@ -361,24 +361,50 @@ def test_heavy_tailed_and_zero_inputs(ext, qtype: GGMLType) -> None:
 
 # the bytes of a K-quant block that hold codes and sub-block scales (not its f16 scales)
 K_CODE_BYTES = {GGMLType.Q3_K: slice(0, 108), GGMLType.Q4_K: slice(4, 144),
-                GGMLType.Q5_K: slice(4, 176), GGMLType.Q6_K: slice(0, 208)}
+                GGMLType.Q5_K: slice(4, 176), GGMLType.Q6_K: slice(0, 192)}
+Q6K_SCALES = slice(192, 208)  # int8: 0x80 = -128, the largest magnitude
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
-def test_extreme_codes_and_activations_stay_exact(ext, qtype: GGMLType) -> None:
-    """Every code and scale at its largest, against activations whose codes are all
-    +127 or all -127: the kernels add vpmaddubsw products up in int16 for as long as
-    they cannot overflow, and an overflow here would wrap the row's sum."""
-    rows, cols = 32, 512
+def extreme_k_linear(qtype: GGMLType, rows: int = 40, cols: int = 512):
+    """Every code at its largest and every scale at its largest magnitude (40 rows: the
+    last group's second half is empty), with activations whose codes are all +127 or
+    all -127, alternating in sign, or a ramp."""
     blk = any_raw(qtype, rows, cols, seed=9).reshape(-1, BLOCK_GEOMETRY[qtype][1])
     blk[:, K_CODE_BYTES[qtype]] = 0xFF
+    if qtype == GGMLType.Q6_K:
+        blk[:, Q6K_SCALES] = 0x80
     parts = [(blk.reshape(-1), qtype, (rows, cols))]
-    lin = QuantLinear.from_raw(parts)
     x = torch.ones(10, cols)
     x[4:8] = -1
     x[8, ::2] = -1  # signs alternating within every pair
     x[9] = torch.linspace(-1, 1, cols)
-    check_linear(lin, parts, x)
+    return QuantLinear.from_raw(parts), parts, x
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_extreme_codes_and_activations_stay_exact(ext, qtype: GGMLType) -> None:
+    """The kernels add vpmaddubsw products up in int16 for as long as they cannot
+    overflow; an overflow here would wrap a row's sum (this build's lanes)."""
+    check_linear(*extreme_k_linear(qtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_extreme_codes_stay_exact_on_the_avx2_lanes(ext, qtype: GGMLType) -> None:
+    """The same on the plain-AVX2 build, whose tiles hold the int16 sums (EMBER_SUM16:
+    the native build of a VNNI machine never runs them): against the float64
+    emulation, and each row alone gives the same bits as in the batch."""
+    mod = build_variant("avx2", AVX2_FLAGS)
+    lin, parts, x = extreme_k_linear(qtype)
+    other = mod.PackedLinear(lin.in_features, lin.packed.segments)
+    y = other.matmul(x, INT_PATH)
+    exact = emulate_int_path(x, parts)
+    row_scale = exact.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    assert torch.all((y.double() - exact).abs() <= 1e-5 * row_scale + 1e-30), \
+        ((y.double() - exact).abs() / row_scale).max()
+    for i in range(x.shape[0]):
+        assert torch.equal(other.matmul(x[i:i + 1], INT_PATH), y[i:i + 1])
 
 
 def test_fused_parts_and_shapes(ext) -> None:
@@ -553,7 +579,7 @@ def tiny_q4_model(tiny_loaded_q4):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", ["-mavx2", "-mfma", "-mf16c"])])
+@pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", AVX2_FLAGS)])
 def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_model) -> None:
     """The portable fallback and the plain-AVX2 (no VNNI) path pack every type to the
     same bytes and give the native build's results."""

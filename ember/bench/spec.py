@@ -98,7 +98,8 @@ def tasks(n: int) -> list[Task]:
 
 
 def run_ember(engine: LLMEngine, task: Task) -> dict[str, Any]:
-    """Generated tokens per second for the task's prompts, all at once, plus spec stats."""
+    """Generated tokens per second for the task's prompts, all at once, the mean time from
+    their start to each one's last token (``mean_latency_s``), plus spec stats."""
     params = SamplingParams(temperature=0, max_tokens=task.max_tokens,
                             structured=task.structured)
     prompts = [engine.loaded.encode_chat(m) for m in task.messages]
@@ -115,6 +116,7 @@ def run_ember(engine: LLMEngine, task: Task) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     tokens = sum(r.num_output for r in reqs)
     out = {"tok_s": tokens / seconds, "tokens": tokens, "steps": engine.stats["steps"] - steps,
+           # a request refused at admission finished before any step: it counts as the run
            "mean_latency_s": statistics.fmean(done.get(i, seconds) for i in range(len(reqs))),
            "texts": [engine.tokenizer.decode(r.output_ids) for r in reqs]}
     specs = [r.speculator.stats for r in reqs if r.speculator is not None]

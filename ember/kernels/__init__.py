@@ -333,16 +333,24 @@ def quant_matmul() -> ModuleType | None:
     return _module
 
 
+def loaded_flags() -> list[str] | None:
+    """The compiler flags of the kernels this process loaded (building them if needed);
+    None if there are none."""
+    module = quant_matmul()
+    if module is None:
+        return None
+    return dict((*_VARIANTS, *_ISA_VARIANTS.values()))[module.__name__]
+
+
 def describe() -> str:
-    """Which kernels this process runs, for benchmark records: the SIMD path and how it
-    was chosen (``avx512vnni, -march=native``; ``avx2, EMBER_KERNEL_ISA=avx2``), or why
-    there are none."""
+    """Which kernels this process runs, for benchmark records (builds them if needed):
+    the SIMD path and the build it came from (``avx512vnni, -march=native``; ``avx2,
+    EMBER_KERNEL_ISA=avx2``), or why there are none."""
     module = quant_matmul()
     if module is None:
         return f"none ({unavailable_reason()})"
-    isa = os.environ.get("EMBER_KERNEL_ISA", "native")
-    chosen = f"EMBER_KERNEL_ISA={isa}" if isa != "native" else " ".join(
-        dict(_VARIANTS).get(module.__name__, []) or ["no -march"])
+    isa = {name: key for key, (name, _) in _ISA_VARIANTS.items()}.get(module.__name__)
+    chosen = f"EMBER_KERNEL_ISA={isa}" if isa else " ".join(loaded_flags() or ["no -march"])
     return f"{module.simd()}, {chosen}"
 
 

@@ -609,9 +609,10 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
 // Q4_K and Q5_K (codes from a minimum) over both halves of a group (its 16 rows) at
 // once, for MT activation rows: each activation broadcast meets both halves' code
 // vectors, half the broadcasts of a tile per half (on a Zen 3 they cost about as much
-// as the multiplies). The vpmaddubsw pair sums add up in int16 for as long as they
-// stay exact (a lane of one is at most 2 * 15 * 127 for Q4_K, 2 * 31 * 127 for Q5_K,
-// and an int16 holds 32767): a whole sub-block's eight for Q4_K, four for Q5_K. Each
+// as the multiplies). The vpmaddubsw results add up in int16 for as long as they stay
+// exact (a lane of one is at most 2 * 15 * 127 for Q4_K, 2 * 31 * 127 for Q5_K, and an
+// int16 holds 32767): a whole sub-block's eight for Q4_K (kSpan 4 code vectors, two
+// results each), four for Q5_K (kSpan 2). Each
 // such sum is widened to int32 by its sub-block's 6-bit scale in one vpmaddwd. The
 // minimums' sum_j mn_j (sum x_q)_j pairs two sub-blocks per vpmaddwd at the end of the
 // super-block. Exactly tile_kquant's integers and float steps, so any row gives the

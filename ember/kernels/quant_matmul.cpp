@@ -87,6 +87,8 @@ inline float h2f(uint16_t h) {
 std::string simd() {
 #if defined(EMBER_VNNI512)
   return "avx512vnni";
+#elif defined(EMBER_AVX2) && defined(__AVXVNNI__)
+  return "avx2vnni";  // 256-bit VNNI: not the int16-sum tiles of plain AVX2
 #elif defined(EMBER_AVX2)
   return "avx2";
 #else
