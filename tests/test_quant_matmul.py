@@ -579,6 +579,26 @@ def tiny_q4_model(tiny_loaded_q4):
 
 
 @pytest.mark.slow
+def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
+    """Benchmark records say which kernels ran: the loaded module's SIMD path and how
+    it was chosen (an EMBER_KERNEL_ISA build is not a native one), or why none."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(kernels, "_tried", True)
+    for name, simd, label, flags in [
+            ("ember_quant_matmul", "avx512vnni", "avx512vnni, -march=native", ["-march=native"]),
+            ("ember_quant_matmul_generic", "scalar", "scalar, no -march", []),
+            ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2",
+             ["-mavx2", "-mfma", "-mf16c"])]:
+        module = SimpleNamespace(__name__=name, simd=lambda s=simd: s)
+        monkeypatch.setattr(kernels, "_module", module)
+        assert (kernels.describe(), kernels.loaded_flags()) == (label, flags)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_error", "disabled by EMBER_NO_KERNELS")
+    assert kernels.describe() == "none (disabled by EMBER_NO_KERNELS)"
+    assert kernels.loaded_flags() is None
+
+
 @pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", AVX2_FLAGS)])
 def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_model) -> None:
     """The portable fallback and the plain-AVX2 (no VNNI) path pack every type to the
