@@ -207,6 +207,15 @@ def assert_gemm_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     assert torch.all((y - ref).abs() <= 1e-5 * ref.abs() + slack), (y - ref).abs().max()
 
 
+def assert_int_path_exact(y: torch.Tensor, x: torch.Tensor, parts) -> None:
+    """``y`` is the integer path's result for ``x``: the float64 emulation's to 1e-5 of
+    each row's largest output."""
+    exact = emulate_int_path(x, parts)
+    row_scale = exact.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    assert torch.all((y.double() - exact).abs() <= 1e-5 * row_scale + 1e-30), \
+        ((y.double() - exact).abs() / row_scale).max()
+
+
 def check_linear(lin: QuantLinear, parts, x: torch.Tensor) -> float:
     """Every path of ``lin`` on ``x`` against the oracles; returns the int8 path's error."""
     w = gguf_py_weight(parts)
@@ -215,10 +224,7 @@ def check_linear(lin: QuantLinear, parts, x: torch.Tensor) -> float:
     assert_gemm_close(lin(x), x, w)
     lin.gemm_min_m = INT_PATH
     y = lin(x)
-    exact = emulate_int_path(x, parts)
-    row_scale = exact.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    assert torch.all((y.double() - exact).abs() <= 1e-5 * row_scale + 1e-30), \
-        ((y.double() - exact).abs() / row_scale).max()
+    assert_int_path_exact(y, x, parts)
     err = rel_err(y, F.linear(x, w))
     assert err < REL_TOL_INT8, err
     # batch invariance: each row alone gives the same bits as in the batch
@@ -399,10 +405,7 @@ def test_extreme_codes_stay_exact_on_the_avx2_lanes(ext, qtype: GGMLType) -> Non
     lin, parts, x = extreme_k_linear(qtype)
     other = mod.PackedLinear(lin.in_features, lin.packed.segments)
     y = other.matmul(x, INT_PATH)
-    exact = emulate_int_path(x, parts)
-    row_scale = exact.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    assert torch.all((y.double() - exact).abs() <= 1e-5 * row_scale + 1e-30), \
-        ((y.double() - exact).abs() / row_scale).max()
+    assert_int_path_exact(y, x, parts)
     for i in range(x.shape[0]):
         assert torch.equal(other.matmul(x[i:i + 1], INT_PATH), y[i:i + 1])
 
@@ -578,7 +581,6 @@ def tiny_q4_model(tiny_loaded_q4):
     return tiny_loaded_q4.model
 
 
-@pytest.mark.slow
 def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
     """Benchmark records say which kernels ran: the loaded module's SIMD path and how
     it was chosen (an EMBER_KERNEL_ISA build is not a native one), or why none."""
@@ -588,8 +590,7 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
     for name, simd, label, flags in [
             ("ember_quant_matmul", "avx512vnni", "avx512vnni, -march=native", ["-march=native"]),
             ("ember_quant_matmul_generic", "scalar", "scalar, no -march", []),
-            ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2",
-             ["-mavx2", "-mfma", "-mf16c"])]:
+            ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2", AVX2_FLAGS)]:
         module = SimpleNamespace(__name__=name, simd=lambda s=simd: s)
         monkeypatch.setattr(kernels, "_module", module)
         assert (kernels.describe(), kernels.loaded_flags()) == (label, flags)
@@ -599,6 +600,7 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
     assert kernels.loaded_flags() is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", AVX2_FLAGS)])
 def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_model) -> None:
     """The portable fallback and the plain-AVX2 (no VNNI) path pack every type to the
