@@ -251,6 +251,14 @@ struct Kind {
   // tile_q6k_wide), summing in int16 before each widening
   static constexpr bool kWide = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   static constexpr int kWideTile = 4;
+  // whether the wide tiles over `rows` activation rows read a group's codes unpacked
+  // once (unpack_group) instead of unpacking them per tile: Q5_K's fifth bits and
+  // Q6_K's two high bits cost as much as a tile's dot products; Q4_K's nibbles are two
+  // instructions, which pay for the buffer's stores and loads only over many tiles (on
+  // the Xeon VM's AVX2 build, 0.97x the time of a 1B Q4_K_M prefill, 1.01x at 16 rows)
+  static constexpr bool unpack_once(int64_t rows) {
+    return T == kQ5_K || T == kQ6_K || (T == kQ4_K && rows >= 32);
+  }
   // activation rows per tile: what fits the registers
   static constexpr int kTile = kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
@@ -557,16 +565,18 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 #if defined(EMBER_SUM16)
 // Q6_K's six-bit codes of a whole group (its 16 rows x K), unpacked once per pass over
 // the group's activation rows into a per-thread buffer, one byte a code: each 32-byte
-// vector is what unpack_pair gives, at q6k_code_vector(). Unpacking (the low nibble,
+// vector is what unpack_pair gives, at code_vector(). Unpacking (the low nibble,
 // two high bits from another vector) costs about as many instructions as four
 // activation rows' dot products; a tile unpacking its own codes paid that once per
 // four rows, a pass of 16-80 rows now pays it once.
-inline int64_t q6k_code_vector(int64_t sb, int j, int u, int h, int hi) {
+inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
   return ((((sb * 8 + j) * 4 + u) * 2 + h) * 2 + hi) * 32;
 }
 
-inline const uint8_t* unpack_q6k_group(const Geom& g, const uint8_t* grp) {
+template <int T>
+inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
   using L = Lanes;
+  constexpr int64_t kHiStride = T == kQ6_K ? 128 : 64;  // bytes of high bits per block
   thread_local std::vector<uint8_t> buf;
   buf.resize(static_cast<size_t>(g.nsb) * 4096);
   uint8_t* out = buf.data();
@@ -575,13 +585,11 @@ inline const uint8_t* unpack_q6k_group(const Geom& g, const uint8_t* grp) {
     for (int j = 0; j < 8; ++j) {
       for (int h = 0; h < 2; ++h) {
         const uint8_t* cj = grp + g.at(kCodes, sb) + 4 * L::W * h + 256 * j;
-        for (int u = 0; u < 4; u += 2) {
-          L::B lo0, hi0, lo1, hi1;
-          unpack_pair<kQ6_K>(cj, hb + 128 * j, u, h, &lo0, &hi0, &lo1, &hi1);
-          L::store_b(lo0, out + q6k_code_vector(sb, j, u, h, 0));
-          L::store_b(hi0, out + q6k_code_vector(sb, j, u, h, 1));
-          L::store_b(lo1, out + q6k_code_vector(sb, j, u + 1, h, 0));
-          L::store_b(hi1, out + q6k_code_vector(sb, j, u + 1, h, 1));
+        for (int u = 0; u < 4; ++u) {
+          L::B lo, hi;
+          unpack_one<T>(cj, hb + kHiStride * j, u, h, &lo, &hi);
+          L::store_b(lo, out + code_vector(sb, j, u, h, 0));
+          L::store_b(hi, out + code_vector(sb, j, u, h, 1));
         }
       }
     }
@@ -628,8 +636,8 @@ inline void tile_q6k_wide(const Geom& g, const uint8_t* grp, const uint8_t* code
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
           for (int h = 0; h < 2; ++h) {
-            const uint8_t* c0 = codes + q6k_code_vector(sb, j, u, h, 0);
-            const uint8_t* c1 = codes + q6k_code_vector(sb, j, u + 1, h, 0);
+            const uint8_t* c0 = codes + code_vector(sb, j, u, h, 0);
+            const uint8_t* c1 = codes + code_vector(sb, j, u + 1, h, 0);
             const B plo = L::pairs16(L::load(c0), x, L::load(c1), x + 4);
             const B phi = L::pairs16(L::load(c0 + 32), x + 16, L::load(c1 + 32), x + 20);
             isc[m][h] = L::add(isc[m][h], L::add(L::widen_by(plo, slo[h]),
@@ -666,8 +674,8 @@ inline void tile_q6k_wide(const Geom& g, const uint8_t* grp, const uint8_t* code
 // super-block. Exactly tile_kquant's integers and float steps, so any row gives the
 // same bits here as in a tile of one. Measured on a Zen 3: see docs/performance.md.
 template <int T, int MT>
-inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const QuantK& a, int64_t K,
-                           int64_t m0, const Out (&out)[2]) {
+inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const uint8_t* codes,
+                           const QuantK& a, int64_t K, int64_t m0, const Out (&out)[2]) {
   using L = Lanes;
   using B = L::B;
   using I = L::I;
@@ -693,7 +701,12 @@ inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const QuantK& a, i
       for (int u = 0; u < 4; ++u) {
         B lo[2], hi[2];
         for (int h = 0; h < 2; ++h) {
-          unpack_one<T>(cb + 256 * j + 4 * L::W * h, hb + 64 * j, u, h, &lo[h], &hi[h]);
+          if (codes != nullptr) {
+            lo[h] = L::load(codes + code_vector(sb, j, u, h, 0));
+            hi[h] = L::load(codes + code_vector(sb, j, u, h, 1));
+          } else {
+            unpack_one<T>(cb + 256 * j + 4 * L::W * h, hb + 64 * j, u, h, &lo[h], &hi[h]);
+          }
         }
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
@@ -795,13 +808,15 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
       }
       if (m1 - m_half >= WT) {
         if constexpr (T == kQ6_K) {
-          const uint8_t* codes = unpack_q6k_group(s.g, grp);
+          const uint8_t* codes = unpack_group<kQ6_K>(s.g, grp);
           for (; m_half + WT <= m1; m_half += WT) {
             tile_q6k_wide<WT>(s.g, grp, codes, a.b256, K, m_half, both);
           }
         } else {
+          const uint8_t* codes =
+              Kind<T>::unpack_once(m1 - m_half) ? unpack_group<T>(s.g, grp) : nullptr;
           for (; m_half + WT <= m1; m_half += WT) {
-            tile_kmin_wide<T, WT>(s.g, grp, a.b256, K, m_half, both);
+            tile_kmin_wide<T, WT>(s.g, grp, codes, a.b256, K, m_half, both);
           }
         }
       }
