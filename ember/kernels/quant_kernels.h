@@ -251,14 +251,12 @@ struct Kind {
   // tile_q6k_wide), summing in int16 before each widening
   static constexpr bool kWide = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   static constexpr int kWideTile = 4;
-  // whether the wide tiles over `rows` activation rows read a group's codes unpacked
-  // once (unpack_group) instead of unpacking them per tile: Q5_K's fifth bits and
-  // Q6_K's two high bits cost as much as a tile's dot products; Q4_K's nibbles are two
-  // instructions, which pay for the buffer's stores and loads only over many tiles (on
-  // the Xeon VM's AVX2 build, 0.97x the time of a 1B Q4_K_M prefill, 1.01x at 16 rows)
-  static constexpr bool unpack_once(int64_t rows) {
-    return T == kQ5_K || T == kQ6_K || (T == kQ4_K && rows >= 32);
-  }
+  // whether the wide tiles read a group's codes unpacked once per pass (unpack_group)
+  // instead of unpacking them per tile: Q5_K's fifth bits and Q6_K's two high bits cost
+  // as much as a tile's dot products. Q4_K's nibbles take two instructions; its codes
+  // read from the buffer measured 0.97-1.02x the time of Q4_K_M prefills on the Xeon
+  // VM's AVX2 build (1.01x at 16 rows), so they are unpacked in the tile.
+  static constexpr bool kUnpackOnce = T == kQ5_K || T == kQ6_K;
   // activation rows per tile: what fits the registers
   static constexpr int kTile = kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
@@ -563,12 +561,13 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 }
 
 #if defined(EMBER_SUM16)
-// Q6_K's six-bit codes of a whole group (its 16 rows x K), unpacked once per pass over
-// the group's activation rows into a per-thread buffer, one byte a code: each 32-byte
-// vector is what unpack_pair gives, at code_vector(). Unpacking (the low nibble,
-// two high bits from another vector) costs about as many instructions as four
-// activation rows' dot products; a tile unpacking its own codes paid that once per
-// four rows, a pass of 16-80 rows now pays it once.
+// The codes of a whole group (its 16 rows x K) of Q5_K or Q6_K, unpacked once per pass
+// over the group's activation rows into a per-thread buffer, one byte a code: each
+// 32-byte vector is what unpack_one gives, at code_vector(). Unpacking a code vector
+// (a nibble, plus a fifth bit spread from mask bytes or two high bits from another
+// vector) costs about as many instructions as four activation rows' dot products with
+// it; a tile unpacking its own codes paid that once per four rows, a pass of 16-80 rows
+// now pays it once (16 x K bytes: 128 KiB at K = 8192, read from L2).
 inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
   return ((((sb * 8 + j) * 4 + u) * 2 + h) * 2 + hi) * 32;
 }
@@ -672,7 +671,8 @@ inline void tile_q6k_wide(const Geom& g, const uint8_t* grp, const uint8_t* code
 // such sum is widened to int32 by its sub-block's 6-bit scale in one vpmaddwd. The
 // minimums' sum_j mn_j (sum x_q)_j pairs two sub-blocks per vpmaddwd at the end of the
 // super-block. Exactly tile_kquant's integers and float steps, so any row gives the
-// same bits here as in a tile of one. Measured on a Zen 3: see docs/performance.md.
+// same bits here as in a tile of one. Q5_K reads its codes from unpack_group's buffer
+// (`codes`; Kind::kUnpackOnce), Q4_K unpacks its own. Measured: docs/performance.md.
 template <int T, int MT>
 inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const uint8_t* codes,
                            const QuantK& a, int64_t K, int64_t m0, const Out (&out)[2]) {
@@ -701,7 +701,7 @@ inline void tile_kmin_wide(const Geom& g, const uint8_t* grp, const uint8_t* cod
       for (int u = 0; u < 4; ++u) {
         B lo[2], hi[2];
         for (int h = 0; h < 2; ++h) {
-          if (codes != nullptr) {
+          if constexpr (Kind<T>::kUnpackOnce) {
             lo[h] = L::load(codes + code_vector(sb, j, u, h, 0));
             hi[h] = L::load(codes + code_vector(sb, j, u, h, 1));
           } else {
@@ -813,8 +813,7 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
             tile_q6k_wide<WT>(s.g, grp, codes, a.b256, K, m_half, both);
           }
         } else {
-          const uint8_t* codes =
-              Kind<T>::unpack_once(m1 - m_half) ? unpack_group<T>(s.g, grp) : nullptr;
+          const uint8_t* codes = Kind<T>::kUnpackOnce ? unpack_group<T>(s.g, grp) : nullptr;
           for (; m_half + WT <= m1; m_half += WT) {
             tile_kmin_wide<T, WT>(s.g, grp, codes, a.b256, K, m_half, both);
           }
