@@ -246,19 +246,19 @@ struct Kind {
   static constexpr int32_t kKCentre = T == kQ3_K ? 4 : 32;  // (kHalves K-quants)
   // the code a legacy block's codes are measured from (integers: exact; floats: above)
   static constexpr int32_t kCentre = (T == kQ4_0 || T == kQ4_1) ? 8 : 16;
-  // where widening costs a multiply (EMBER_SUM16): K-quants whose tiles of four or more
-  // activation rows cover both halves of a group (kWideTile rows; tile_kmin_wide,
-  // tile_q6k_wide), summing in int16 before each widening
-  static constexpr bool kWide = T == kQ4_K || T == kQ5_K || T == kQ6_K;
+  // where widening costs a multiply (EMBER_SUM16): K-quants with an int16-sum tile per
+  // half of a group, and those with one over both halves (kWideTile rows)
+  static constexpr bool kSum16 = T == kQ6_K;
+  static constexpr bool kWide = T == kQ4_K || T == kQ5_K;
   static constexpr int kWideTile = 4;
-  // whether the wide tiles read a group's codes unpacked once per pass (unpack_group)
-  // instead of unpacking them per tile: Q5_K's fifth bits and Q6_K's two high bits cost
-  // as much as a tile's dot products. Q4_K's nibbles take two instructions; its codes
-  // read from the buffer measured 0.97-1.02x the time of Q4_K_M prefills on the Xeon
-  // VM's AVX2 build (1.01x at 16 rows), so they are unpacked in the tile.
-  static constexpr bool kUnpackOnce = T == kQ5_K || T == kQ6_K;
+  // whether the wide tile reads a group's codes unpacked once per pass (unpack_group)
+  // instead of unpacking them itself: Q5_K's fifth bits cost as much as four rows' dot
+  // products. Q4_K's nibbles take two instructions, and its codes read from the buffer
+  // measured 0.97-1.02x the time of Q4_K_M prefills on the Xeon VM's AVX2 build.
+  static constexpr bool kUnpackOnce = T == kQ5_K;
   // activation rows per tile: what fits the registers
-  static constexpr int kTile = kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
+  static constexpr int kTile =
+      kSum16 ? Lanes::kMaxTileSum16 : kKQuant ? Lanes::kMaxTileK : Lanes::kMaxTile;
 };
 
 // The low- and high-nibble code vectors of code vector u of one 32-element block of a
@@ -561,13 +561,62 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 }
 
 #if defined(EMBER_SUM16)
-// The codes of a whole group (its 16 rows x K) of Q5_K or Q6_K, unpacked once per pass
-// over the group's activation rows into a per-thread buffer, one byte a code: each
-// 32-byte vector is what unpack_one gives, at code_vector(). Unpacking a code vector
-// (a nibble, plus a fifth bit spread from mask bytes or two high bits from another
-// vector) costs about as many instructions as four activation rows' dot products with
-// it; a tile unpacking its own codes paid that once per four rows, a pass of 16-80 rows
-// now pays it once (16 x K bytes: 128 KiB at K = 8192, read from L2).
+// Q6_K where widening to int32 costs a multiply (AVX2 without VNNI): each pair of
+// vpmaddubsw results is summed in int16 (2 * 2 * 63 * 127 < 2^15) and widened by
+// vpmaddwd with its sub-block's signed scale instead of by ones, which leaves no
+// vpmulld per sub-block; the centre's 32 sum_k sc_k (sum x_q)_k pairs two sub-blocks
+// of 16 per vpmaddwd (|sc| <= 128, code sums per 16 <= 16 * 127). Exactly
+// tile_kquant's integers, with two accumulators per activation row, so four rows fit
+// the sixteen registers (tile_kquant takes two). Measured on a Zen 3: see
+// docs/performance.md.
+template <int MT>
+inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
+                           int64_t m0, const Out& out) {
+  using L = Lanes;
+  using B = L::B;
+  using I = L::I;
+  using F = L::F;
+  const int64_t nsb = K / 256;
+  F acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = L::zerof();
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* cb = grp + g.at(kCodes, sb) + 4 * L::W * h;
+    const uint8_t* hb = grp + g.at(kHi, sb);
+    const int8_t* sc6 = reinterpret_cast<const int8_t*>(grp + g.at(kExtra, sb)) + L::W * h;
+    I isc[MT], icentre[MT];
+    for (int m = 0; m < MT; ++m) isc[m] = icentre[m] = L::zero();
+    for (int j = 0; j < 8; ++j) {
+      const B slo = L::i8_twice16(sc6 + 16 * (2 * j)), shi = L::i8_twice16(sc6 + 16 * (2 * j + 1));
+      for (int u = 0; u < 4; u += 2) {
+        B lo0, hi0, lo1, hi1;
+        unpack_pair<kQ6_K>(cb + 256 * j, hb + 128 * j, u, h, &lo0, &hi0, &lo1, &hi1);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
+          isc[m] = L::add(isc[m], L::add(L::widen_by(L::pairs16(lo0, x, lo1, x + 4), slo),
+                                         L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
+        }
+      }
+      const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
+        icentre[m] = L::add(icentre[m], L::widen_by(spair, L::set_pair16(bs[0], bs[1])));
+      }
+    }
+    const F dv = L::halves(reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) + L::W * h);
+    for (int m = 0; m < MT; ++m) {
+      const I total = L::sub(isc[m], L::mullo(icentre[m], L::seti(32)));
+      acc[m] = L::fma(L::mul(dv, L::set1(a.d[(m0 + m) * nsb + sb])), L::cvt(total), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
+}
+
+// The codes of a whole group (its 16 rows x K) of Q5_K, unpacked once per pass over the
+// group's activation rows into a per-thread buffer, one byte a code: each 32-byte vector
+// is what unpack_one gives, at code_vector(). Unpacking a code vector (its nibbles, and
+// fifth bits spread from mask bytes) costs about as many instructions as four activation
+// rows' dot products with it; the wide tile unpacking its own codes paid that once per
+// four rows, a pass of 16-80 rows pays it once (16 x K bytes: 128 KiB at K = 8192).
 inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
   return ((((sb * 8 + j) * 4 + u) * 2 + h) * 2 + hi) * 32;
 }
@@ -575,7 +624,6 @@ inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
 template <int T>
 inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
   using L = Lanes;
-  constexpr int64_t kHiStride = T == kQ6_K ? 128 : 64;  // bytes of high bits per block
   thread_local std::vector<uint8_t> buf;
   buf.resize(static_cast<size_t>(g.nsb) * 4096);
   uint8_t* out = buf.data();
@@ -586,7 +634,7 @@ inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
         const uint8_t* cj = grp + g.at(kCodes, sb) + 4 * L::W * h + 256 * j;
         for (int u = 0; u < 4; ++u) {
           L::B lo, hi;
-          unpack_one<T>(cj, hb + kHiStride * j, u, h, &lo, &hi);
+          unpack_one<T>(cj, hb + 64 * j, u, h, &lo, &hi);
           L::store_b(lo, out + code_vector(sb, j, u, h, 0));
           L::store_b(hi, out + code_vector(sb, j, u, h, 1));
         }
@@ -594,71 +642,6 @@ inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
     }
   }
   return out;
-}
-
-// Q6_K over both halves of a group for MT activation rows, from the codes
-// unpack_q6k_group left: every activation broadcast meets both halves' code vectors.
-// Pairs of vpmaddubsw results add up in int16 (2 * 2 * 63 * 127 < 2^15) and are widened
-// by vpmaddwd with their sub-block's signed scale, so no vpmulld is needed. The centre's
-// -32 sum_k sc_k (sum x_q)_k goes into the same accumulator (-32 sc fits int16). These
-// are tile_kquant's integers summed in another order: the same total, so a row gives the
-// same bits here as in a tile of one.
-template <int MT>
-inline void tile_q6k_wide(const Geom& g, const uint8_t* grp, const uint8_t* codes,
-                          const QuantK& a, int64_t K, int64_t m0, const Out (&out)[2]) {
-  using L = Lanes;
-  using B = L::B;
-  using I = L::I;
-  using F = L::F;
-  const int64_t nsb = K / 256;
-  F acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = L::zerof();
-  for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const int8_t* sc6 = reinterpret_cast<const int8_t*>(grp + g.at(kExtra, sb));
-    I isc[MT][2];
-    for (int m = 0; m < MT; ++m) isc[m][0] = isc[m][1] = L::zero();
-    for (int j = 0; j < 8; ++j) {
-      B slo[2], shi[2], centre[2];
-      for (int h = 0; h < 2; ++h) {
-        slo[h] = L::i8_twice16(sc6 + 16 * (2 * j) + L::W * h);
-        shi[h] = L::i8_twice16(sc6 + 16 * (2 * j + 1) + L::W * h);
-        centre[h] = L::mul16(L::i8_pairs16(sc6 + 16 * (2 * j) + L::W * h,
-                                           sc6 + 16 * (2 * j + 1) + L::W * h),
-                             L::set16(-32));
-      }
-      for (int m = 0; m < MT; ++m) {
-        const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
-        const B sums = L::set_pair16(bs[0], bs[1]);
-        for (int h = 0; h < 2; ++h) isc[m][h] = L::add(isc[m][h], L::widen_by(centre[h], sums));
-      }
-      for (int u = 0; u < 4; u += 2) {
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = a.q + (m0 + m) * K + sb * 256 + QK * j + 4 * u;
-          for (int h = 0; h < 2; ++h) {
-            const uint8_t* c0 = codes + code_vector(sb, j, u, h, 0);
-            const uint8_t* c1 = codes + code_vector(sb, j, u + 1, h, 0);
-            const B plo = L::pairs16(L::load(c0), x, L::load(c1), x + 4);
-            const B phi = L::pairs16(L::load(c0 + 32), x + 16, L::load(c1 + 32), x + 20);
-            isc[m][h] = L::add(isc[m][h], L::add(L::widen_by(plo, slo[h]),
-                                                 L::widen_by(phi, shi[h])));
-          }
-        }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const F dv = L::halves(reinterpret_cast<const uint16_t*>(grp + g.at(kScales, sb)) +
-                             L::W * h);
-      for (int m = 0; m < MT; ++m) {
-        acc[m][h] = L::fma(L::mul(dv, L::set1(a.d[(m0 + m) * nsb + sb])), L::cvt(isc[m][h]),
-                           acc[m][h]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    for (int h = 0; h < 2; ++h) {
-      if (out[h].valid > 0) store_lanes(acc[m][h], out[h], m0 + m);
-    }
-  }
 }
 
 // Q4_K and Q5_K (codes from a minimum) over both halves of a group (its 16 rows) at
@@ -755,6 +738,10 @@ inline void tile(const Geom& g, const uint8_t* grp, int h, const Acts& a, int64_
     tile_q8<MT>(g, grp, h, a.b32, K, m0, out);
   } else if constexpr (T == kIQ4_NL || T == kIQ4_XS || T == kMXFP4) {
     tile_iq4<T, MT>(g, grp, h, a.b32, K, m0, out);
+#if defined(EMBER_SUM16)
+  } else if constexpr (T == kQ6_K && MT >= 4) {  // 1-2 rows: more partials in flight
+    tile_q6k_sum16<MT>(g, grp, h, a.b256, K, m0, out);
+#endif
   } else if constexpr (Kind<T>::kKQuant) {
     tile_kquant<T, MT>(g, grp, h, a.b256, K, m0, out);
   } else {
@@ -806,18 +793,11 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
         const int64_t r0 = gi * RG + h * Lanes::W;
         both[h] = Out{y, ldy, s.col0 + r0, std::clamp<int64_t>(s.rows - r0, 0, Lanes::W)};
       }
-      if (m1 - m_half >= WT) {
-        if constexpr (T == kQ6_K) {
-          const uint8_t* codes = unpack_group<kQ6_K>(s.g, grp);
-          for (; m_half + WT <= m1; m_half += WT) {
-            tile_q6k_wide<WT>(s.g, grp, codes, a.b256, K, m_half, both);
-          }
-        } else {
-          const uint8_t* codes = Kind<T>::kUnpackOnce ? unpack_group<T>(s.g, grp) : nullptr;
-          for (; m_half + WT <= m1; m_half += WT) {
-            tile_kmin_wide<T, WT>(s.g, grp, codes, a.b256, K, m_half, both);
-          }
-        }
+      // Q5_K's codes unpacked once for every tile of this pass (kUnpackOnce)
+      const uint8_t* codes =
+          Kind<T>::kUnpackOnce && m1 - m_half >= WT ? unpack_group<T>(s.g, grp) : nullptr;
+      for (; m_half + WT <= m1; m_half += WT) {
+        tile_kmin_wide<T, WT>(s.g, grp, codes, a.b256, K, m_half, both);
       }
     }
 #endif

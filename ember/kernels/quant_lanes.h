@@ -42,7 +42,7 @@ inline float e8m0_half_f32(uint8_t e) {
 
 struct Lanes {
   // activation rows per tile: legacy types, and K-quants (three sums per row)
-  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4;
+  static constexpr int W = 16, H = 1, kMaxTile = 8, kMaxTileK = 4, kMaxTileSum16 = 4;
   static constexpr int32_t kS8Bias = 128;
   // whether run_groups asks for the next row group while computing one (quant_kernels.h)
   static constexpr bool kPrefetchGroups = true;
@@ -136,11 +136,17 @@ struct Lanes {
 #elif defined(EMBER_AVX2)
 
 #if !defined(__AVXVNNI__)
-#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_kmin_wide / tile_q6k_wide
+#define EMBER_SUM16 1  // Lanes has the int16 block sums of tile_kmin_wide / tile_q6k_sum16
 #endif
 
 struct Lanes {
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
+#if defined(EMBER_SUM16)
+  // Q6_K's int16-sum tile holds fewer accumulators per row
+  static constexpr int kMaxTileSum16 = 4;
+#else
+  static constexpr int kMaxTileSum16 = kMaxTileK;
+#endif
   // Not here: on a Zen 3 (AVX2 only, 32 KiB L1) the fused layers of the 1B synth files
   // took 0.90x (Q4_K_M) and 0.88x (Q4_0) the time at one row without it, the hardware
   // prefetchers alone (scripts/kernel_ab.py, 9 alternations). Not measured on a CPU
@@ -204,7 +210,7 @@ struct Lanes {
   }
   static B s8_prep(B w) { return w; }
   // Without VNNI a widening to int32 is a vpmaddwd either way, so it may as well
-  // multiply by a scale (tile_q6k_wide in quant_kernels.h).
+  // multiply by a scale (tile_q6k_sum16 in quant_kernels.h).
   // int16 lanes: the pair sums of w0 . x0 plus those of w1 . x1 (codes < 64)
   static B pairs16(B w0, const int8_t* x0, B w1, const int8_t* x1) {
     return _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast(x0)),
@@ -229,8 +235,6 @@ struct Lanes {
         _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))));
   }
-  static B set16(int16_t v) { return _mm256_set1_epi16(v); }
-  static B mul16(B a, B b) { return _mm256_mullo_epi16(a, b); }
   // every lane: v0 and v1 (|v| < 2^15) as its two int16 halves
   static B set_pair16(int32_t v0, int32_t v1) {
     return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(v1) << 16) |
@@ -284,7 +288,7 @@ struct Lanes {
 #else  // portable: the same arithmetic on plain arrays (the compiler vectorizes what it can)
 
 struct Lanes {
-  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4;
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4, kMaxTileSum16 = 4;
   static constexpr int32_t kS8Bias = 0;
   static constexpr bool kPrefetchGroups = true;
   struct B { uint8_t v[32]; };
