@@ -307,15 +307,53 @@ inline void unpack_pair(const uint8_t* cj, const uint8_t* hj, int u, int h, Lane
   }
 }
 
+// The codes of a whole group (its 16 rows x K), unpacked once per pass over the group's
+// activation rows into a per-thread buffer, one byte a code: each code vector is what
+// unpack_one gives, at code_vector() (16 x K bytes: 128 KiB at K = 8192). For Q5_K,
+// unpacking a code vector (its nibbles, and fifth bits spread from mask bytes) costs
+// about as many instructions as four activation rows' dot products with it; a tile
+// unpacking its own codes paid that once per tile, a pass of 16-80 rows pays it once.
+// Which types read their codes from here: Kind::kUnpackOnce.
+constexpr int64_t kUnpackRows = 32;  // without EMBER_SUM16: see run_groups
+
+inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
+  return ((((sb * 8 + j) * 4 + u) * Lanes::H + h) * 2 + hi) *
+         static_cast<int64_t>(sizeof(Lanes::B));
+}
+
+template <int T>
+inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
+  using L = Lanes;
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(static_cast<size_t>(g.nsb) * 4096);
+  uint8_t* out = buf.data();
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* hb = grp + g.at(kHi, sb);
+    for (int j = 0; j < 8; ++j) {
+      for (int h = 0; h < L::H; ++h) {
+        const uint8_t* cj = grp + g.at(kCodes, sb) + 4 * L::W * h + 256 * j;
+        for (int u = 0; u < 4; ++u) {
+          L::B lo, hi;
+          unpack_one<T>(cj, hb + 64 * j, u, h, &lo, &hi);
+          L::store_b(lo, out + code_vector(sb, j, u, h, 0));
+          L::store_b(hi, out + code_vector(sb, j, u, h, 1));
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // Exact integer dots of one 32-element block of codes (cj, hj) with activation rows
 // m0 .. m0 + MT (codes at q + row * K + x0): lo[m] over elements 0-15 and hi[m] over
 // 16-31 (kHalves), else all 32 in lo[m]. Dot call c (u = 0 low, u = 0 high, u = 2 low,
 // u = 2 high nibbles) adds into partial c % P; with few rows several partials keep the
 // dot-product chains short, so the core overlaps more blocks (and keeps more weight
 // bytes in flight from memory). kHalves keeps even and odd calls apart.
-template <int T, int MT>
+template <int T, int MT, bool kUnpacked = false>
 inline void block_dots(const uint8_t* cj, const uint8_t* hj, int h, const int8_t* q, int64_t K,
-                       int64_t m0, int64_t x0, Lanes::I* lo, Lanes::I* hi) {
+                       int64_t m0, int64_t x0, Lanes::I* lo, Lanes::I* hi,
+                       const uint8_t* unpacked = nullptr) {
   using L = Lanes;
   constexpr bool kHalves = Kind<T>::kHalves;
   constexpr int P = kHalves ? (MT == 1 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
@@ -325,7 +363,15 @@ inline void block_dots(const uint8_t* cj, const uint8_t* hj, int h, const int8_t
   }
   for (int u = 0; u < 4; u += 2) {
     L::B lo0, hi0, lo1, hi1;
-    unpack_pair<T>(cj, hj, u, h, &lo0, &hi0, &lo1, &hi1);
+    if constexpr (kUnpacked) {  // the block's vectors from unpack_group, at code_vector
+      constexpr int64_t V = sizeof(L::B);
+      lo0 = L::load(unpacked + ((u * L::H + h) * 2) * V);
+      hi0 = L::load(unpacked + ((u * L::H + h) * 2 + 1) * V);
+      lo1 = L::load(unpacked + (((u + 1) * L::H + h) * 2) * V);
+      hi1 = L::load(unpacked + (((u + 1) * L::H + h) * 2 + 1) * V);
+    } else {
+      unpack_pair<T>(cj, hj, u, h, &lo0, &hi0, &lo1, &hi1);
+    }
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = q + (m0 + m) * K + x0 + 4 * u;
       part[m][u % P] = L::dot2(part[m][u % P], lo0, x, lo1, x + 4);
@@ -494,9 +540,9 @@ inline void tile_iq4(const Geom& g, const uint8_t* grp, int h, const QuantX& a, 
 //   Q3_K:      the same with centre 4 and sc_k the decoded six-bit scale - 32
 // Bounds: |q . x_q| <= 32 * 31 * 127 per sub-block, times 63, times 8 (Q5_K: < 2^26);
 // Q6_K 16 * 32 * 127 * 128 * 16 < 2^28: int32 never overflows.
-template <int T, int MT>
+template <int T, int MT, bool kUnpacked = false>
 inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
-                        int64_t m0, const Out& out) {
+                        int64_t m0, const Out& out, const uint8_t* codes = nullptr) {
   using L = Lanes;
   using I = L::I;
   using F = L::F;
@@ -520,8 +566,9 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
     for (int j = 0; j < 8; ++j) {
       const uint8_t* hj = hb + (T == kQ6_K ? 128 : 64) * j;
       I lo[MT], hi[MT];
-      block_dots<T, MT>(cb + (T == kQ3_K ? 128 : 256) * j, hj, h, a.q, K, m0,
-                        sb * 256 + QK * j, lo, hi);
+      block_dots<T, MT, kUnpacked>(cb + (T == kQ3_K ? 128 : 256) * j, hj, h, a.q, K, m0,
+                                   sb * 256 + QK * j, lo, hi,
+                                   kUnpacked ? codes + code_vector(sb, j, 0, 0, 0) : nullptr);
       if constexpr (KT::kHalves) {
         I slo, shi;  // the two sub-blocks' signed scales
         if constexpr (T == kQ3_K) {
@@ -609,39 +656,6 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
     }
   }
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out, m0 + m);
-}
-
-// The codes of a whole group (its 16 rows x K) of Q5_K, unpacked once per pass over the
-// group's activation rows into a per-thread buffer, one byte a code: each 32-byte vector
-// is what unpack_one gives, at code_vector(). Unpacking a code vector (its nibbles, and
-// fifth bits spread from mask bytes) costs about as many instructions as four activation
-// rows' dot products with it; the wide tile unpacking its own codes paid that once per
-// four rows, a pass of 16-80 rows pays it once (16 x K bytes: 128 KiB at K = 8192).
-inline int64_t code_vector(int64_t sb, int j, int u, int h, int hi) {
-  return ((((sb * 8 + j) * 4 + u) * 2 + h) * 2 + hi) * 32;
-}
-
-template <int T>
-inline const uint8_t* unpack_group(const Geom& g, const uint8_t* grp) {
-  using L = Lanes;
-  thread_local std::vector<uint8_t> buf;
-  buf.resize(static_cast<size_t>(g.nsb) * 4096);
-  uint8_t* out = buf.data();
-  for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const uint8_t* hb = grp + g.at(kHi, sb);
-    for (int j = 0; j < 8; ++j) {
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* cj = grp + g.at(kCodes, sb) + 4 * L::W * h + 256 * j;
-        for (int u = 0; u < 4; ++u) {
-          L::B lo, hi;
-          unpack_one<T>(cj, hb + 64 * j, u, h, &lo, &hi);
-          L::store_b(lo, out + code_vector(sb, j, u, h, 0));
-          L::store_b(hi, out + code_vector(sb, j, u, h, 1));
-        }
-      }
-    }
-  }
-  return out;
 }
 
 // Q4_K and Q5_K (codes from a minimum) over both halves of a group (its 16 rows) at
@@ -800,12 +814,28 @@ void run_groups(const SegView& s, const Acts& a, int64_t K, int64_t g0, int64_t 
         tile_kmin_wide<T, WT>(s.g, grp, codes, a.b256, K, m_half, both);
       }
     }
+#else
+    // The codes of kUnpackOnce types unpacked once for all full tiles of a pass of
+    // kUnpackRows rows or more. At 16 rows (AVX-512 VNNI, the Xeon VM, 1B Q5_K_M) the
+    // buffer took 1.11x the time: a step that streams its weights from memory, with the
+    // next group prefetched into L1, loses more to the buffer's traffic than it saves.
+    const uint8_t* codes = nullptr;
+    if constexpr (Kind<T>::kUnpackOnce) {
+      if (m1 - m0 >= kUnpackRows) codes = unpack_group<T>(s.g, grp);
+    }
 #endif
     for (int h = 0; h < Lanes::H; ++h) {
       const int64_t r0 = gi * RG + h * Lanes::W;
       if (r0 >= s.rows) break;
       const Out out{y, ldy, s.col0 + r0, std::min<int64_t>(Lanes::W, s.rows - r0)};
       int64_t m = m_half;
+#if !defined(EMBER_SUM16)
+      if constexpr (Kind<T>::kUnpackOnce) {
+        for (; codes != nullptr && m + MT <= m1; m += MT) {
+          tile_kquant<T, MT, true>(s.g, grp, h, a.b256, K, m, out, codes);
+        }
+      }
+#endif
       for (; m + MT <= m1; m += MT) tile<T, MT>(s.g, grp, h, a, K, m, out);
       // the rest in tiles of 4, 2, 1 rows (a row's arithmetic is the same in any tile)
       if constexpr (MT > 4) {
