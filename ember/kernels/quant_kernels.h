@@ -251,10 +251,11 @@ struct Kind {
   static constexpr bool kSum16 = T == kQ6_K;
   static constexpr bool kWide = T == kQ4_K || T == kQ5_K;
   static constexpr int kWideTile = 4;
-  // whether the wide tile reads a group's codes unpacked once per pass (unpack_group)
-  // instead of unpacking them itself: Q5_K's fifth bits cost as much as four rows' dot
-  // products. Q4_K's nibbles take two instructions, and its codes read from the buffer
-  // measured 0.97-1.02x the time of Q4_K_M prefills on the Xeon VM's AVX2 build.
+  // whether the tiles of a pass read the group's codes unpacked once (unpack_group)
+  // instead of unpacking them in every tile: Q5_K's fifth bits cost as much as four
+  // rows' dot products. Q4_K's nibbles take two instructions; its codes read from the
+  // buffer took 0.97-1.02x the time of Q4_K_M prefills on the Xeon VM's AVX2 build and
+  // 1.06x on its AVX-512 VNNI build.
   static constexpr bool kUnpackOnce = T == kQ5_K;
   // activation rows per tile: what fits the registers
   static constexpr int kTile =
