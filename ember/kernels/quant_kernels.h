@@ -615,10 +615,10 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 // vpmaddubsw results is summed in int16 (2 * 2 * 63 * 127 < 2^15) and widened by
 // vpmaddwd with its sub-block's signed scale instead of by ones, which leaves no
 // vpmulld per sub-block; the centre's 32 sum_k sc_k (sum x_q)_k pairs two sub-blocks
-// of 16 per vpmaddwd (|sc| <= 128, code sums per 16 <= 16 * 127). Exactly
-// tile_kquant's integers, with two accumulators per activation row, so four rows fit
-// the sixteen registers (tile_kquant takes two). Measured on a Zen 3: see
-// docs/performance.md.
+// of 16 per vpmaddwd (|sc| <= 128, code sums per 16 <= 16 * 127), in a loop after the
+// codes'. Exactly tile_kquant's integers, with one accumulator per activation row while
+// the codes are read, so six rows fit the sixteen registers (tile_kquant takes two).
+// Measured on a Zen 3 and the Xeon VM's AVX2 build: see docs/performance.md.
 template <int MT>
 inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
                            int64_t m0, const Out& out) {
@@ -646,6 +646,9 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
                                          L::widen_by(L::pairs16(hi0, x + 16, hi1, x + 20), shi)));
         }
       }
+    }
+    // the centre's sum apart: inside the code loop its accumulators took registers
+    for (int j = 0; j < 8; ++j) {
       const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
       for (int m = 0; m < MT; ++m) {
         const int32_t* bs = a.bsum + ((m0 + m) * nsb + sb) * 16 + 2 * j;
