@@ -10,7 +10,6 @@ llama.cpp checkout instead.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ember import filelock
 from ember.models.registry import ember_home
 
 SDIST_VERSION = "0.3.36"
@@ -64,8 +64,7 @@ def llamacpp_source() -> Path:
     # fetches while the others wait on an OS lock (dropped if its holder dies), then find
     # the tree whole.
     root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.with_name(root.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with filelock.exclusive(root.with_name(root.name + ".lock")):
         if not all((root / p).exists() for p in _COMPLETE):
             shutil.rmtree(root, ignore_errors=True)
             _extract(root)

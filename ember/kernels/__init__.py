@@ -45,7 +45,6 @@ a finished build, and its own lock is one that dies with its process:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -60,6 +59,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from ember import filelock
 
 log = logging.getLogger(__name__)
 
@@ -226,30 +227,14 @@ def _load_built(name: str, flags: list[str], build_dir: Path) -> ModuleType | No
 
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
-    """Hold the ``flock`` on ``path``; the OS releases it when this process dies.
+    """Hold the build lock ``path``, saying so if another builder holds it."""
 
-    The file is never deleted: a process waiting on a deleted file's lock would
-    hold a lock nobody else sees.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            log.warning("another ember process (pid %s) is compiling the native kernels; "
-                        "waiting for it to finish (build lock: %s)", holder, path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        # the holder's pid, for the waiting message of others
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)  # releases the lock
+    def waiting(holder: str) -> None:
+        log.warning("another ember process (pid %s) is compiling the native kernels; "
+                    "waiting for it to finish (build lock: %s)", holder, path)
+
+    with filelock.exclusive(path, on_wait=waiting):
+        yield
 
 
 def _remove_stale_baton(build_dir: Path) -> None:

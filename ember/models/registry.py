@@ -13,8 +13,6 @@ Anywhere a model is named, a path to a ``.gguf`` file works too.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -29,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ember import filelock
 from ember.errors import ChecksumError, ModelFetchError, UnknownModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -155,18 +154,8 @@ def pull(alias: str, *, force: bool = False) -> Path:
     spec = spec_for(alias)
     target = models_dir() / spec.filename
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _directory_lock(target.parent):
+    with filelock.exclusive(target.parent):
         return _pull_locked(spec, target, force)
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: Path) -> Iterator[None]:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _pull_locked(spec: ModelSpec, target: Path, force: bool) -> Path:
