@@ -4,7 +4,8 @@ CI builds them (its machines have a C++ compiler), so a kernel that does not bui
 fails the tests that need it instead of skipping them. A developer on a machine
 without a compiler sets ``EMBER_TESTS_WITHOUT_KERNELS=1`` to skip them, knowingly.
 Builds for another instruction set (the AVX2 variant) are skipped only where the
-machine is not x86.
+machine is not x86; the AVX-VNNI variant also where the CPU lacks AVX-VNNI (it could
+not run it).
 """
 
 from __future__ import annotations
@@ -31,11 +32,32 @@ def require_kernels() -> Any:
     pytest.fail(why + " (set EMBER_TESTS_WITHOUT_KERNELS=1 to skip these tests)")
 
 
-def build_variant(variant: str, flags: list[str]) -> Any:
+# the builds the tests compile beside the native one: their flags (those of
+# EMBER_KERNEL_ISA) and the CPU flag each needs beyond AVX2 (as /proc/cpuinfo names it)
+SIMD_VARIANTS: dict[str, tuple[list[str], str | None]] = {
+    "scalar": ([], None),
+    "avx2": (kernels._ISA_VARIANTS["avx2"][1], None),
+    "avx2vnni": (kernels._ISA_VARIANTS["avx2vnni"][1], "avx_vnni"),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def build_variant(variant: str) -> Any:
     """Another SIMD build of the same source (cached beside the real one)."""
     require_kernels()
+    flags, needs = SIMD_VARIANTS[variant]
     if flags and not X86:
         pytest.skip(f"the {variant} variant is an x86 build; this is {platform.machine()}")
+    if needs and needs not in cpu_flags():
+        pytest.skip(f"the {variant} variant needs the CPU flag {needs}, which this CPU lacks")
     name = f"ember_qmm_test_{variant}"
     return kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
 

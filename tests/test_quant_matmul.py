@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from native import build_variant, require_kernels, score_with_stack
+from native import SIMD_VARIANTS, build_variant, require_kernels, score_with_stack
 
 from ember import kernels
 from ember.errors import GGUFError, UnsupportedModelError
@@ -369,7 +369,6 @@ def test_heavy_tailed_and_zero_inputs(ext, qtype: GGMLType) -> None:
 K_CODE_BYTES = {GGMLType.Q3_K: slice(0, 108), GGMLType.Q4_K: slice(4, 144),
                 GGMLType.Q5_K: slice(4, 176), GGMLType.Q6_K: slice(0, 192)}
 Q6K_SCALES = slice(192, 208)  # int8: 0x80 = -128, the largest magnitude
-AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 
 def extreme_k_linear(qtype: GGMLType, rows: int = 40, cols: int = 512):
@@ -396,12 +395,14 @@ def test_extreme_codes_and_activations_stay_exact(ext, qtype: GGMLType) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["avx2", "avx2vnni"])
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
-def test_extreme_codes_stay_exact_on_the_avx2_lanes(ext, qtype: GGMLType) -> None:
-    """The same on the plain-AVX2 build, whose tiles hold the int16 sums (EMBER_SUM16:
-    the native build of a VNNI machine never runs them): against the float64
-    emulation, and each row alone gives the same bits as in the batch."""
-    mod = build_variant("avx2", AVX2_FLAGS)
+def test_extreme_codes_stay_exact_on_the_avx2_lanes(ext, qtype: GGMLType, variant: str) -> None:
+    """The same on the 256-bit builds, whose tiles a native build of an AVX-512 machine
+    never runs: plain AVX2 (int16 sums, EMBER_SUM16) and AVX2 with VNNI (four-row K-quant
+    tiles): against the float64 emulation, and each row alone gives the same bits as in
+    the batch."""
+    mod = build_variant(variant)
     lin, parts, x = extreme_k_linear(qtype)
     other = mod.PackedLinear(lin.in_features, lin.packed.segments)
     y = other.matmul(x, INT_PATH)
@@ -590,7 +591,8 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
     for name, simd, label, flags in [
             ("ember_quant_matmul", "avx512vnni", "avx512vnni, -march=native", ["-march=native"]),
             ("ember_quant_matmul_generic", "scalar", "scalar, no -march", []),
-            ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2", AVX2_FLAGS)]:
+            ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2",
+             SIMD_VARIANTS["avx2"][0])]:
         module = SimpleNamespace(__name__=name, simd=lambda s=simd: s)
         monkeypatch.setattr(kernels, "_module", module)
         assert (kernels.describe(), kernels.loaded_flags()) == (label, flags)
@@ -601,11 +603,11 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,flags", [("scalar", []), ("avx2", AVX2_FLAGS)])
-def test_other_simd_builds_agree(ext, variant: str, flags: list[str], tiny_q4_model) -> None:
-    """The portable fallback and the plain-AVX2 (no VNNI) path pack every type to the
-    same bytes and give the native build's results."""
-    mod = build_variant(variant, flags)
+@pytest.mark.parametrize("variant", ["scalar", "avx2", "avx2vnni"])
+def test_other_simd_builds_agree(ext, variant: str, tiny_q4_model) -> None:
+    """The portable fallback, the plain-AVX2 path and the AVX2 + VNNI one pack every type
+    to the same bytes and give the native build's results."""
+    mod = build_variant(variant)
     assert mod.simd() == variant
     cols = 512
     torch.manual_seed(0)

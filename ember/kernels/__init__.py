@@ -38,7 +38,8 @@ a finished build, and its own lock is one that dies with its process:
   hold ``build.flock`` first), runs ``load`` and writes the marker.
 
 ``EMBER_NO_KERNELS=1`` disables the native kernels (to exercise fallbacks).
-``EMBER_KERNEL_ISA=avx2`` (or ``scalar``) builds for that instruction set instead of
+``EMBER_KERNEL_ISA=avx2`` (or ``avx2vnni``: AVX2 with 256-bit VNNI, as Intel's client
+cores without AVX-512 have; or ``scalar``) builds for that instruction set instead of
 ``-march=native``: to measure here what an AVX2-only machine (or none) would run.
 """
 
@@ -76,6 +77,8 @@ _LDFLAGS = ["-fopenmp"]
 # Tried in order: the first that builds (or was built) is used.
 _VARIANTS = (("ember_quant_matmul", ["-march=native"]), ("ember_quant_matmul_generic", []))
 _ISA_VARIANTS = {"avx2": ("ember_quant_matmul_avx2", ["-mavx2", "-mfma", "-mf16c"]),
+                 "avx2vnni": ("ember_quant_matmul_avx2vnni",
+                              ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
                  "scalar": ("ember_quant_matmul_scalar", [])}
 
 

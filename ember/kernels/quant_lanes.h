@@ -140,7 +140,14 @@ struct Lanes {
 #endif
 
 struct Lanes {
+  // kMaxTileK: with AVX-VNNI four rows of tile_kquant fit (the Xeon VM's avx2vnni
+  // build: 0.86-0.92x the time of two-row tiles in 1B Q4_K_M / Q5_K_M / Q6_K
+  // prefills); plain AVX2 takes 4+ rows in its int16-sum tiles instead
+#if defined(__AVXVNNI__)
+  static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4;
+#else
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 2;
+#endif
 #if defined(EMBER_SUM16)
   // rows of Q6_K's int16-sum tile: with one accumulator per row in its code loop, six
   // took 0.90x the time of four in a 1B Q6_K prefill (the Xeon VM's AVX2 build); eight
@@ -151,8 +158,8 @@ struct Lanes {
 #endif
   // Not here: on a Zen 3 (AVX2 only, 32 KiB L1) the fused layers of the 1B synth files
   // took 0.90x (Q4_K_M) and 0.88x (Q4_0) the time at one row without it, the hardware
-  // prefetchers alone (scripts/kernel_ab.py, 9 alternations). Not measured on a CPU
-  // with AVX-VNNI, which these lanes also serve.
+  // prefetchers alone (scripts/kernel_ab.py, 9 alternations); the Xeon VM's avx2vnni
+  // build took 1.05x the time with it at one row (1B Q4_K_M).
   static constexpr bool kPrefetchGroups = false;
 #if defined(__AVXVNNI__)
   static constexpr int32_t kS8Bias = 128;
