@@ -592,7 +592,9 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
             ("ember_quant_matmul", "avx512vnni", "avx512vnni, -march=native", ["-march=native"]),
             ("ember_quant_matmul_generic", "scalar", "scalar, no -march", []),
             ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2",
-             SIMD_VARIANTS["avx2"][0])]:
+             SIMD_VARIANTS["avx2"][0]),
+            ("ember_quant_matmul_avx2vnni", "avx2vnni", "avx2vnni, EMBER_KERNEL_ISA=avx2vnni",
+             SIMD_VARIANTS["avx2vnni"][0])]:
         module = SimpleNamespace(__name__=name, simd=lambda s=simd: s)
         monkeypatch.setattr(kernels, "_module", module)
         assert (kernels.describe(), kernels.loaded_flags()) == (label, flags)
