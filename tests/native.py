@@ -32,32 +32,21 @@ def require_kernels() -> Any:
     pytest.fail(why + " (set EMBER_TESTS_WITHOUT_KERNELS=1 to skip these tests)")
 
 
-# the builds the tests compile beside the native one: their flags (those of
-# EMBER_KERNEL_ISA) and the CPU flag each needs beyond AVX2 (as /proc/cpuinfo names it)
-SIMD_VARIANTS: dict[str, tuple[list[str], str | None]] = {
-    "scalar": ([], None),
-    "avx2": (kernels._ISA_VARIANTS["avx2"][1], None),
-    "avx2vnni": (kernels._ISA_VARIANTS["avx2vnni"][1], "avx_vnni"),
-}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
+# the builds the tests compile beside the native one (those of EMBER_KERNEL_ISA)
+SIMD_VARIANTS: dict[str, list[str]] = {
+    isa: flags for isa, (_, flags) in kernels._ISA_VARIANTS.items()}
 
 
 def build_variant(variant: str) -> Any:
     """Another SIMD build of the same source (cached beside the real one)."""
     require_kernels()
-    flags, needs = SIMD_VARIANTS[variant]
+    flags = SIMD_VARIANTS[variant]
     if flags and not X86:
         pytest.skip(f"the {variant} variant is an x86 build; this is {platform.machine()}")
-    if needs and needs not in cpu_flags():
-        pytest.skip(f"the {variant} variant needs the CPU flag {needs}, which this CPU lacks")
+    have = kernels.cpu_flags()
+    missing = [f for f in kernels.ISA_CPU_FLAGS[variant] if have is not None and f not in have]
+    if missing:
+        pytest.skip(f"the {variant} variant needs {', '.join(missing)}, which this CPU lacks")
     name = f"ember_qmm_test_{variant}"
     return kernels.compile_quant_matmul(name, flags, kernels._build_root() / name)
 

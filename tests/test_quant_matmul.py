@@ -592,9 +592,9 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
             ("ember_quant_matmul", "avx512vnni", "avx512vnni, -march=native", ["-march=native"]),
             ("ember_quant_matmul_generic", "scalar", "scalar, no -march", []),
             ("ember_quant_matmul_avx2", "avx2", "avx2, EMBER_KERNEL_ISA=avx2",
-             SIMD_VARIANTS["avx2"][0]),
+             SIMD_VARIANTS["avx2"]),
             ("ember_quant_matmul_avx2vnni", "avx2vnni", "avx2vnni, EMBER_KERNEL_ISA=avx2vnni",
-             SIMD_VARIANTS["avx2vnni"][0])]:
+             SIMD_VARIANTS["avx2vnni"])]:
         module = SimpleNamespace(__name__=name, simd=lambda s=simd: s)
         monkeypatch.setattr(kernels, "_module", module)
         assert (kernels.describe(), kernels.loaded_flags()) == (label, flags)
@@ -602,6 +602,17 @@ def test_describe_names_the_build_that_is_loaded(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "_error", "disabled by EMBER_NO_KERNELS")
     assert kernels.describe() == "none (disabled by EMBER_NO_KERNELS)"
     assert kernels.loaded_flags() is None
+
+
+def test_an_isa_build_the_cpu_cannot_run_is_refused_by_name(monkeypatch) -> None:
+    """EMBER_KERNEL_ISA=avx2vnni on a CPU without AVX-VNNI would die of SIGILL at the first
+    matmul; it is refused up front, naming the missing flag."""
+    monkeypatch.setenv("EMBER_KERNEL_ISA", "avx2vnni")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_vnni"})
+    with pytest.raises(RuntimeError, match="EMBER_KERNEL_ISA=avx2vnni: this CPU lacks avx_vnni"):
+        kernels._variants()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    assert kernels._variants() == (kernels._ISA_VARIANTS["avx2vnni"],)
 
 
 @pytest.mark.slow

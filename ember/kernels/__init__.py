@@ -80,6 +80,21 @@ _ISA_VARIANTS = {"avx2": ("ember_quant_matmul_avx2", ["-mavx2", "-mfma", "-mf16c
                  "avx2vnni": ("ember_quant_matmul_avx2vnni",
                               ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
                  "scalar": ("ember_quant_matmul_scalar", [])}
+# what a CPU must have (as /proc/cpuinfo names it) to run each of those builds
+ISA_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx2vnni": ("avx2", "fma", "f16c", "avx_vnni"),
+                 "scalar": ()}
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's instruction-set flags from /proc/cpuinfo; None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def _variants() -> tuple[tuple[str, list[str]], ...]:
@@ -89,6 +104,10 @@ def _variants() -> tuple[tuple[str, list[str]], ...]:
     if isa not in _ISA_VARIANTS:
         raise RuntimeError(f"EMBER_KERNEL_ISA={isa!r}: choose native, "
                            f"{', '.join(_ISA_VARIANTS)}")
+    have = cpu_flags()
+    missing = [f for f in ISA_CPU_FLAGS[isa] if have is not None and f not in have]
+    if missing:  # its instructions would kill the process (SIGILL) at the first matmul
+        raise RuntimeError(f"EMBER_KERNEL_ISA={isa}: this CPU lacks {', '.join(missing)}")
     return (_ISA_VARIANTS[isa],)
 BUILD_MARKER = "ember-build.json"
 BUILD_LOCK = "build.flock"
