@@ -19,7 +19,8 @@ def exclusive(path: Path, *, on_wait: Callable[[str], None] | None = None) -> It
     """Hold the lock on ``path`` (a directory, or a file created if missing).
 
     A lock file records its holder's pid while held; a process that has to wait calls
-    ``on_wait`` with it ("unknown" if the holder wrote none) before it blocks. The file
+    ``on_wait`` with it before it blocks ("unknown" for a directory, or a file whose
+    holder wrote none). The file
     is never deleted: a process waiting on a deleted file's lock would hold a lock
     nobody else sees.
     """

@@ -27,7 +27,9 @@ with filelock.exclusive(Path(sys.argv[1])):
 def _holder(path: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
                             text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    assert proc.stdout is not None
+    with proc.stdout:
+        assert proc.stdout.readline() == "held\n"
     return proc
 
 
@@ -38,22 +40,37 @@ def test_a_waiter_blocks_until_the_killed_holder_lets_go(tmp_path: Path, kind: s
         path.mkdir()
     holder = _holder(path)
     seen: list[str] = []
-    got = threading.Event()
+    waiting, got = threading.Event(), threading.Event()
+
+    def on_wait(holder_pid: str) -> None:
+        seen.append(holder_pid)
+        waiting.set()
 
     def wait_for_lock() -> None:
-        with filelock.exclusive(path, on_wait=seen.append):
+        with filelock.exclusive(path, on_wait=on_wait):
             got.set()
 
-    waiter = threading.Thread(target=wait_for_lock)
+    # a daemon: if the lock were never released, the test fails instead of hanging pytest
+    waiter = threading.Thread(target=wait_for_lock, daemon=True)
     try:
         waiter.start()
-        assert not got.wait(1.0), "took a lock another process holds"
+        assert waiting.wait(30), "neither waited nor was told who holds the lock"
+        assert not got.is_set(), "took a lock another process holds"
         assert seen == [str(holder.pid) if kind == "file" else "unknown"]
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
     assert got.wait(30), "the lock of a killed holder was not released"
     waiter.join()
+
+
+def test_a_body_that_raises_still_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "build.flock"
+    with pytest.raises(KeyError), filelock.exclusive(path):
+        raise KeyError("the build failed")
+    assert path.read_text() == ""
+    with filelock.exclusive(path, on_wait=lambda _: pytest.fail("still held")):
+        pass
 
 
 def test_the_lock_file_names_only_its_current_holder(tmp_path: Path) -> None:

@@ -617,7 +617,8 @@ inline void tile_kquant(const Geom& g, const uint8_t* grp, int h, const QuantK& 
 // vpmulld per sub-block; the centre's 32 sum_k sc_k (sum x_q)_k pairs two sub-blocks
 // of 16 per vpmaddwd (|sc| <= 128, code sums per 16 <= 16 * 127), in a loop after the
 // codes'. Exactly tile_kquant's integers, with one accumulator per activation row while
-// the codes are read, so six rows fit the sixteen registers (tile_kquant takes two).
+// the codes are read, so a tile takes six rows (tile_kquant takes two): each unpacked
+// code vector serves six rows, though GCC keeps some of their accumulators on the stack.
 // Measured on a Zen 3 and the Xeon VM's AVX2 build: see docs/performance.md.
 template <int MT>
 inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const QuantK& a, int64_t K,
@@ -647,7 +648,8 @@ inline void tile_q6k_sum16(const Geom& g, const uint8_t* grp, int h, const Quant
         }
       }
     }
-    // the centre's sum apart: inside the code loop its accumulators took registers
+    // the centre's sum apart: inside the code loop its accumulators competed with the
+    // code vectors for registers
     for (int j = 0; j < 8; ++j) {
       const B spair = L::i8_pairs16(sc6 + 16 * (2 * j), sc6 + 16 * (2 * j + 1));
       for (int m = 0; m < MT; ++m) {

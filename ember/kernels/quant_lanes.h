@@ -140,9 +140,10 @@ struct Lanes {
 #endif
 
 struct Lanes {
-  // kMaxTileK: with AVX-VNNI four rows of tile_kquant fit (the Xeon VM's avx2vnni
-  // build: 0.86-0.92x the time of two-row tiles in 1B Q4_K_M / Q5_K_M / Q6_K
-  // prefills); plain AVX2 takes 4+ rows in its int16-sum tiles instead
+  // kMaxTileK: with AVX-VNNI a dot is one instruction and tile_kquant takes four rows
+  // (the Xeon VM's avx2vnni build: 0.86-0.92x the time of two-row tiles in 1B Q4_K_M /
+  // Q5_K_M / Q6_K prefills, some accumulators on the stack); plain AVX2 takes 4+ rows
+  // in its int16-sum tiles instead
 #if defined(__AVXVNNI__)
   static constexpr int W = 8, H = 2, kMaxTile = 4, kMaxTileK = 4;
 #else
@@ -151,7 +152,7 @@ struct Lanes {
 #if defined(EMBER_SUM16)
   // rows of Q6_K's int16-sum tile: with one accumulator per row in its code loop, six
   // took 0.90x the time of four in a 1B Q6_K prefill (the Xeon VM's AVX2 build); eight
-  // spill registers (0.96x)
+  // spilled more (0.96x)
   static constexpr int kMaxTileSum16 = 6;
 #else
   static constexpr int kMaxTileSum16 = kMaxTileK;
