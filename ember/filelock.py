@@ -20,9 +20,8 @@ def exclusive(path: Path, *, on_wait: Callable[[str], None] | None = None) -> It
 
     A lock file records its holder's pid while held; a process that has to wait calls
     ``on_wait`` with it before it blocks ("unknown" for a directory, or a file whose
-    holder wrote none). The file
-    is never deleted: a process waiting on a deleted file's lock would hold a lock
-    nobody else sees.
+    holder wrote none). The file is never deleted: a process waiting on a deleted
+    file's lock would hold a lock nobody else sees.
     """
     is_dir = path.is_dir()
     if not is_dir:

@@ -43,8 +43,7 @@ def build_variant(variant: str) -> Any:
     flags = SIMD_VARIANTS[variant]
     if flags and not X86:
         pytest.skip(f"the {variant} variant is an x86 build; this is {platform.machine()}")
-    have = kernels.cpu_flags()
-    missing = [f for f in kernels.ISA_CPU_FLAGS[variant] if have is not None and f not in have]
+    missing = kernels.missing_cpu_flags(variant)
     if missing:
         pytest.skip(f"the {variant} variant needs {', '.join(missing)}, which this CPU lacks")
     name = f"ember_qmm_test_{variant}"

@@ -97,6 +97,13 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def missing_cpu_flags(isa: str) -> list[str]:
+    """The flags an ``EMBER_KERNEL_ISA`` build needs that this CPU lacks (none where
+    /proc/cpuinfo cannot be read)."""
+    have = cpu_flags()
+    return [f for f in ISA_CPU_FLAGS[isa] if have is not None and f not in have]
+
+
 def _variants() -> tuple[tuple[str, list[str]], ...]:
     isa = os.environ.get("EMBER_KERNEL_ISA", "native")
     if isa == "native":
@@ -104,8 +111,7 @@ def _variants() -> tuple[tuple[str, list[str]], ...]:
     if isa not in _ISA_VARIANTS:
         raise RuntimeError(f"EMBER_KERNEL_ISA={isa!r}: choose native, "
                            f"{', '.join(_ISA_VARIANTS)}")
-    have = cpu_flags()
-    missing = [f for f in ISA_CPU_FLAGS[isa] if have is not None and f not in have]
+    missing = missing_cpu_flags(isa)
     if missing:  # its instructions would kill the process (SIGILL) at the first matmul
         raise RuntimeError(f"EMBER_KERNEL_ISA={isa}: this CPU lacks {', '.join(missing)}")
     return (_ISA_VARIANTS[isa],)
