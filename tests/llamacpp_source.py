@@ -62,8 +62,7 @@ def llamacpp_source() -> Path:
     # pytest-xdist workers collect at once: on a fresh machine each would fetch into the
     # same staging tree, and the second rename fails (or a reader sees a half tree). One
     # fetches while the others wait on an OS lock (dropped if its holder dies), then find
-    # the tree whole.
-    root.parent.mkdir(parents=True, exist_ok=True)
+    # the tree whole. (The lock creates its directory, the tree's parent.)
     with filelock.exclusive(root.with_name(root.name + ".lock")):
         if not all((root / p).exists() for p in _COMPLETE):
             shutil.rmtree(root, ignore_errors=True)
