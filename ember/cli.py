@@ -158,7 +158,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "so a request arriving during a long prefill waits short steps "
                         "(default 0.5)")
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    s.add_argument("--kv-cache-bytes", type=byte_size, default=2 * 1024**3)
     s.add_argument("--num-kv-blocks", type=int, default=None)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-queue", type=int, default=1024)
@@ -331,10 +331,14 @@ def _build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("synth", help="random-weight GGUFs with real models' shapes "
                                        "and llama.cpp's tensor types, for speed runs")
     b.add_argument("--shape", required=True,
-                   help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b")
+                   help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b, "
+                        "qwen3moe-30b-a3b, gpt-oss-20b")
     b.add_argument("--quant", default="Q4_K_M",
                    help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
-                        "Q8_0 (also Q4_1, Q5_0, Q5_1)")
+                        "Q8_0, MXFP4_MOE (experts MXFP4, the rest Q8_0: as gpt-oss ships; "
+                        "also Q4_1, Q5_0, Q5_1)")
+    b.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="write N of the shape's real layers (a cut model, named SHAPE-Nl)")
     b.add_argument("--out-dir", type=Path, default=None,
                    help="default: $EMBER_HOME/synth; files are named SHAPE-QUANT.gguf")
     b.add_argument("--tokenizer", type=Path, default=None, metavar="GGUF",
@@ -389,7 +393,7 @@ def _add_kv_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                    help="keep prefix-cache blocks on disk here: they outlive eviction "
                         "and restarts (docs/kv-cache.md)")
-    s.add_argument("--kv-disk-bytes", type=int, default=16 * 1024**3,
+    s.add_argument("--kv-disk-bytes", type=byte_size, default=16 * 1024**3,
                    help="the disk tier's budget; least recently used blocks go beyond it")
     s.add_argument("--kv-fsync", default="batch", choices=("always", "batch", "never"),
                    help="when disk blocks are fsynced (a crash never leaves a torn "
@@ -445,7 +449,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
         model=args.model, weights=args.weights, threads=args.threads,
         allow_drift=args.allow_drift, moe_stream=args.moe_stream,
-        moe_cache_bytes=args.moe_cache_bytes,
+        moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
+        moe_expert_top_p=args.moe_expert_top_p,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         max_prefill_step_seconds=args.max_prefill_step_seconds,
@@ -630,7 +635,7 @@ def cmd_bench_synth(args: argparse.Namespace) -> int:
     if not shapes or not quants:
         raise ValueError("--shape and --quant must each name at least one")
     bench_main(shapes, quants, args.out_dir or synth_dir(), args.tokenizer,
-               args.seed, args.force)
+               args.seed, args.force, args.layers)
     return 0
 
 
@@ -698,6 +703,20 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+_BYTE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: ``1073741824``, ``600M``, ``1.5G``, ``512KiB`` (K, M, G, T: powers of
+    1024, with or without ``iB`` / ``B``)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 600M, 2G)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).upper()])
+
+
 def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="alias or .gguf path")
     s.add_argument("--weights", default="auto",
@@ -714,8 +733,15 @@ def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--moe-stream", action="store_true",
                    help="mixture-of-experts models: keep dense weights resident and page "
                         "experts from the file through a cache (docs/models.md)")
-    s.add_argument("--moe-cache-bytes", type=int, default=1024**3,
-                   help="the streamed experts' cache: pinned hot set + per-layer LRU")
+    s.add_argument("--moe-cache-bytes", type=byte_size, default=1024**3,
+                   help="the streamed experts' cache: pinned hot set + per-layer LRU "
+                        "(bytes; K, M, G suffixes: powers of 1024)")
+    s.add_argument("--moe-pilot", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --moe-stream: guess each layer's experts one layer ahead and "
+                        "read them early (never changes the output)")
+    s.add_argument("--moe-expert-top-p", type=float, default=1.0, metavar="F",
+                   help="LOSSY: each token keeps its experts only up to cumulative router "
+                        "weight F (< 1 reads fewer experts and changes the output; 1: exact)")
     s.add_argument("--kv-dtype", default="f16", choices=KV_DTYPE_CHOICES,
                    help="KV cache storage: f16 (default; half of f32, drift within noise), "
                         "f32 (exact), bf16, q8_0 (llama.cpp's 8-bit blocks: 0.53x of f16; "
@@ -754,7 +780,8 @@ def _llm(args: argparse.Namespace):
 
     llm = LLM(args.model, weights=args.weights, threads=args.threads, allow_drift=args.allow_drift,
               speculation=args.speculation, moe_stream=args.moe_stream,
-              moe_cache_bytes=args.moe_cache_bytes, kv_dtype=args.kv_dtype)
+              moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
+              moe_expert_top_p=args.moe_expert_top_p, kv_dtype=args.kv_dtype)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)

@@ -104,6 +104,8 @@ class EngineConfig:
     allow_drift: bool = False  # use weights/KV whose `ember eval` drift crosses the limits
     moe_stream: bool = False  # MoE models: page experts from the file (docs/models.md)
     moe_cache_bytes: int = 1024**3  # the streamed experts' cache (pinned + per-layer LRU)
+    moe_pilot: bool = True  # streamed: read the experts guessed for the next layer ahead
+    moe_expert_top_p: float = 1.0  # < 1: each token's experts up to this weight (LOSSY)
 
     def limits_for(self, tenant: str | None) -> TenantLimits:
         """The limits of ``tenant``: its own entry, else the one for every tenant."""
@@ -121,6 +123,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "max_queue", "kv_disk_bytes", "moe_cache_bytes"):
             positive(name)
+        if not isinstance(self.moe_expert_top_p, int | float) or not (
+                0 < self.moe_expert_top_p <= 1):
+            raise InvalidConfig(f"moe_expert_top_p must be in (0, 1], got "
+                                f"{self.moe_expert_top_p!r}")
         for tenant, limits in self.tenant_limits.items():
             if not isinstance(limits, TenantLimits):
                 raise InvalidConfig(f"tenant_limits[{tenant!r}] must be a TenantLimits, "

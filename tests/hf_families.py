@@ -35,9 +35,9 @@ class Family:
     options: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "gpt2"  # "gpt2": SmolLM2's BPE; "spm": a small SentencePiece model
     n_layers: int = 2
-    moe: bool = False  # routed experts: no fused native stack; a second file in MXFP4
+    moe: bool = False  # routed experts: a second file with them in MXFP4
     convert_args: tuple[str, ...] = ()  # more arguments to llama.cpp's converter
-    native_stack: bool = True  # dense: the fused native stack runs it (not recurrent layers)
+    native_stack: bool = True  # the fused native stack runs it (not recurrent layers)
     # the model_type written to config.json, where transformers would otherwise force the
     # family's own tokenizer class on the converter (whose pre-tokenizer over SmolLM2's
     # vocabulary llama.cpp cannot recognise); the checkpoint's weights and keys unchanged

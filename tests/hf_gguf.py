@@ -29,7 +29,8 @@ def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
                  q8_0: bool = False, mxfp4_experts: bool = False) -> Path:
     """A copy of ``src`` without some tensors or metadata keys — a file as a broken
     converter or a hand edit would leave it — with ``add_keys`` set, or (``q8_0``) with
-    its f32 matrices quantized to Q8_0 by gguf-py, or (``mxfp4_experts``) its routed
+    its f32 matrices (and routed experts) quantized to Q8_0 by gguf-py, as the converter's
+    ``--outtype q8_0`` does, or (``mxfp4_experts``) its routed
     experts' f32 weights to MXFP4, as gpt-oss ships them. Read by ember's parser (fast: it
     parses a vocabulary in bulk) and written by ember's writer; numeric arrays keep
     their item types, scalars take the writer's (``write_gguf``)."""
@@ -49,9 +50,9 @@ def rewrite_gguf(src: Path, dst: Path, drop_tensors: tuple[str, ...] = (),
                 data = g.tensor_bytes(t.name).view(np.float32).reshape(-1, t.shape[-1])
                 tensors.append(TensorToWrite(t.name, t.shape, int(mxfp4),
                                lambda d=data: [gguf_py.quants.quantize(d, mxfp4)]))
-            elif q8_0 and t.ggml_type == GGMLType.F32 and len(t.shape) == 2 \
-                    and t.shape[-1] % 32 == 0:
-                data = g.tensor_bytes(t.name).view(np.float32).reshape(t.shape)
+            elif q8_0 and t.ggml_type == GGMLType.F32 and t.shape[-1] % 32 == 0 and (
+                    len(t.shape) == 2 or t.name.endswith("_exps.weight")):
+                data = g.tensor_bytes(t.name).view(np.float32).reshape(-1, t.shape[-1])
                 tensors.append(TensorToWrite(t.name, t.shape, int(q8),
                                lambda d=data: [gguf_py.quants.quantize(d, q8)]))
             else:

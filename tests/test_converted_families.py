@@ -4,8 +4,9 @@ Per family (``tests/hf_families.py``): a tiny transformers model with random wei
 converted by ``convert_hf_to_gguf.py``. ember must give transformers' logits on the
 f32 file (float32 on both sides: observed max |Δlogit| ≤ 1e-5 with |logits| up to
 ~10; a dropped soft cap, NoPE layer, multiplier or misplaced norm costs ≥ 0.1) and
-its greedy tokens; on the Q8_0 file the fused native stack must run each dense family
-and agree with the op-by-op path on the same packed weights, and stay batch-invariant.
+its greedy tokens; on the Q8_0 file the fused native stack must run each family (but
+the hybrid ones) and agree with the op-by-op path on the same packed weights, and stay
+batch-invariant.
 A mixture-of-experts family (gpt-oss) also runs with its experts in MXFP4, against
 llama.cpp on the same file.
 """
@@ -31,8 +32,8 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-4
 IDS = list(range(5, 400, 7))  # 57 tokens: past Gemma 2's window of 6 several times
 families = pytest.mark.parametrize("name", sorted(FAMILIES))
-dense_families = pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items()
-                                                        if not f.moe and f.native_stack))
+stack_families = pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items()
+                                                        if f.native_stack))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_greedy_continuation_matches_transformers(converted, name: str) -> None:
     assert list(ours.token_ids) == out[0, len(prompt):].tolist()
 
 
-@dense_families
+@stack_families
 def test_fused_native_stack_runs_the_family(converted, name: str) -> None:
     """The native stack against the PyTorch path on the same packed Q8_0 weights (both
     quantize activations to int8, so a last-bit difference may flip a code: observed
@@ -92,7 +93,7 @@ def test_fused_native_stack_runs_the_family(converted, name: str) -> None:
     assert rel < 0.05, rel
 
 
-@dense_families
+@stack_families
 def test_fused_native_stack_is_batch_invariant(converted, name: str) -> None:
     from test_batch_invariance import outcomes, params, random_prompts
 

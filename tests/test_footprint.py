@@ -52,3 +52,18 @@ def test_the_engine_logs_its_memory_once_at_startup(make_tiny_engine, tiny_loade
     assert pool == round(64 * 16 * token / 2**20, 1)
     assert engine.runner.kv.pool.nbytes == 64 * 16 * token
     assert abs(runtime - (rss - weights)) <= 0.11
+
+
+def test_a_decode_step_reads_the_k_experts_a_token_routes_to(tiny_moe_gguf):
+    """Qwen3-MoE (f32): a step reads every dense tensor, each layer's router, and k of
+    its E experts (each expert's gate, up and down), not the whole stack."""
+    from ember.models.loader import load_model
+
+    gguf, loaded = GGUFFile(tiny_moe_gguf), load_model(str(tiny_moe_gguf), "f32")
+    cfg = loaded.config
+    dense = [n for n in gguf.tensors if n != "token_embd.weight" and "_exps." not in n]
+    per_expert = sum(gguf.tensor(f"blk.0.ffn_{x}_exps.weight").n_elements
+                     for x in ("gate", "up", "down")) // cfg.n_experts * 4
+    assert step_weight_bytes(loaded.model) == (
+        f32_bytes(gguf, dense) + cfg.n_layers * cfg.n_experts_used * per_expert)
+    assert weight_bytes(loaded.model) == f32_bytes(gguf, gguf.tensors)

@@ -1,11 +1,13 @@
-"""Mixture of experts (Qwen3-MoE): the resident path against transformers, and experts
-streamed from disk against the resident path, on random-weight GGUFs written here.
+"""Mixture of experts (Qwen3-MoE): the resident path against transformers, the fused
+native stack's routed experts against the op-by-op path, and experts streamed from
+disk against the resident path, on random-weight GGUFs written here.
 
 transformers reads the same file (its GGUF reader and Qwen3-MoE code; it maps neither
 the experts' FFN size nor Qwen3's renormalised top-k from the GGUF, so both are
 passed): float32 logits agree to 4e-6 (|logits| ~5), ``ATOL`` leaves 25x headroom.
 Streaming changes where an expert's bytes come from, never the arithmetic, so
-streamed and resident runs must agree to the bit at every cache budget.
+streamed and resident runs must agree to the bit at every cache budget, with the
+pilot guessing or not.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 from hf_gguf import transformers_from_gguf
-from native import require_kernels
+from native import fused_vs_op_by_op, require_kernels
 
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.models.loader import load_model
-from ember.models.moe import HISTOGRAM_SUFFIX, PINNED_SHARE, ExpertReadError, MoEOptions
+from ember.models.moe import (
+    HISTOGRAM_SUFFIX,
+    PINNED_SHARE,
+    READ_AHEAD,
+    ExpertReadError,
+    MoEOptions,
+)
 from ember.sampling.params import SamplingParams
 
 ATOL = 1e-4
@@ -120,12 +128,233 @@ def test_streamed_equals_resident_bitwise(model_copy: Path, resident, budget: st
         assert stats["misses"] <= N_LAYERS * N_EXPERTS  # each expert read once at most
 
 
-def test_q4_streamed_equals_q4_resident(model_copy: Path) -> None:
+@pytest.mark.parametrize("cache, pilot", [(1, True), (1, False), (100_000, True),
+                                          (10**9, False)])
+def test_q4_streamed_equals_q4_resident(model_copy: Path, cache: int, pilot: bool) -> None:
+    """The native stack's routed experts, streamed at budgets from nothing (every expert
+    read when needed, a layer's in chunks) to all, with the pilot reading ahead or not."""
+    require_kernels()
+    want, resident = outcomes(model_copy, weights="q4")
+    got, streamed = outcomes(model_copy, weights="q4", moe_stream=True, moe_cache_bytes=cache,
+                             moe_pilot=pilot)
+    assert resident.loaded.model.native is not None and streamed.loaded.model.native is not None
+    assert got == want
+    stats = streamed.moe_metrics()
+    assert stats["misses"] > 0 and stats["tokens_routed"] == resident.moe_metrics()["tokens_routed"]
+    assert (stats["pilot_reads"] > 0) == pilot
+
+
+# ------------------------------------------------------------------ the native stack
+def test_q4_routed_experts_run_in_the_native_stack(moe_gguf: Path, resident) -> None:
+    """Routing, grouping and the experts' products natively: the op-by-op path on the
+    same packed weights (the same int8 activations: a last-bit difference may flip a
+    code) and the f32 oracle (q4's rounding) give the same logits to their error."""
+    require_kernels()
+    q4 = load_model(str(moe_gguf), "q4").model
+    assert q4.batch_invariant
+    fused, rel = fused_vs_op_by_op(q4, IDS)
+    assert rel < 0.02, rel
+    oracle = resident.model.score(IDS)
+    assert ((fused - oracle).norm() / oracle.norm()).item() < 0.05
+    assert (fused.argmax(-1) == oracle.argmax(-1)).float().mean() > 0.9
+
+
+def test_q4_routed_experts_are_batch_invariant(moe_gguf: Path) -> None:
+    from test_batch_invariance import outcomes as run
+    from test_batch_invariance import params, random_prompts
 
     require_kernels()
-    want, _ = outcomes(model_copy, weights="q4")
-    got, _ = outcomes(model_copy, weights="q4", moe_stream=True, moe_cache_bytes=100_000)
-    assert got == want
+    q = load_model(str(moe_gguf), "q4")
+    prompts = random_prompts(4, seed=3, lo=1, hi=40)
+    sps = [params(i, max_tokens=8) for i in range(4)]
+
+    def make() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(moe_gguf), weights="q4", num_kv_blocks=64),
+                         loaded=q)
+
+    alone = [run(make(), [p], [sp])[0] for p, sp in zip(prompts, sps, strict=True)]
+    assert run(make(), prompts, sps) == alone
+
+
+@pytest.fixture(scope="module")
+def kquant_moe(tmp_path_factory: pytest.TempPathFactory, smollm2_file) -> Path:
+    """A tiny Qwen3-MoE of llama-quantize's Q4_K_M types: Q4_K experts (down Q6_K in the
+    last layer), so activations are quantized per 256 (the Q8_0 model's are per 32)."""
+    from ember.bench.synth import Shape, write_synth
+
+    shape = Shape("tiny-moe", "qwen3moe", hidden=256, n_layers=3, n_heads=4, n_kv_heads=2,
+                  head_dim=64, ffn=512, vocab=49152, tied=False, rope_base=1e6,
+                  context=2048, norm_eps=1e-6, n_experts=8, n_experts_used=2,
+                  expert_ffn=256)
+    path = tmp_path_factory.mktemp("kquant-moe") / "tiny-moe-Q4_K_M.gguf"
+    types = write_synth(path, shape, "Q4_K_M", smollm2_file)
+    assert types["blk.0.ffn_gate_exps.weight"].name == "Q4_K"
+    assert types["blk.2.ffn_down_exps.weight"].name == "Q6_K"
+    return path
+
+
+def test_k_quant_experts_in_the_native_stack(kquant_moe: Path) -> None:
+    require_kernels()
+    model = load_model(str(kquant_moe), "q4").model
+    _, rel = fused_vs_op_by_op(model, IDS)
+    assert rel < 0.02, rel
+    want = model.score(IDS)
+    streamed = load_model(str(kquant_moe), "q4", MoEOptions(stream=True, cache_bytes=1))
+    assert torch.equal(streamed.model.score(IDS), want)
+    streamed.model.experts.close()
+
+
+def test_a_layer_routed_to_every_expert_is_computed_in_chunks(model_copy: Path,
+                                                              monkeypatch) -> None:
+    """Native, streamed with no cache: a prefill that routes to all of a layer's experts
+    holds at most a chunk of them (READ_AHEAD) plus the reads in flight, not the layer."""
+    import gc
+    import weakref
+
+    from ember.models import moe
+
+    require_kernels()
+    built: list[weakref.ref] = []
+    build = moe.build_expert
+
+    def tracked(*args):
+        expert = build(*args)
+        built.append(weakref.ref(expert))
+        return expert
+
+    monkeypatch.setattr(moe, "build_expert", tracked)
+    loaded = load_model(str(model_copy), "q4", MoEOptions(stream=True, cache_bytes=1,
+                                                          pilot=False))
+    store = loaded.model.experts
+    provide, calls, most = store._provide, [], 0  # noqa: SLF001
+
+    def counting(layer, needed, guess):
+        nonlocal most
+        done = provide(layer, needed, guess)
+        calls.append((layer, len(needed), done))
+        gc.collect()
+        most = max(most, sum(r() is not None for r in built))
+        return done
+
+    monkeypatch.setattr(store, "_provide", counting)
+    for layer in range(N_LAYERS):  # the providers were bound at load: bind again
+        for native, _ in store._attached.layers[layer]:  # noqa: SLF001
+            native.set_provider(lambda n, g, layer=layer: store._provide(layer, n, g))  # noqa: SLF001
+    loaded.model.score(list(range(5, 600, 3)))  # 199 tokens: every expert of every layer
+    assert {(layer, n) for layer, n, _ in calls if n == N_EXPERTS} == {
+        (layer, N_EXPERTS) for layer in range(N_LAYERS)}
+    assert all(done <= READ_AHEAD for _, _, done in calls)
+    assert 1 <= most <= 2 * READ_AHEAD < N_EXPERTS
+    store.close()
+
+
+@pytest.mark.parametrize("predictable", [True, False])
+def test_pilot_recall_is_the_share_of_needed_experts_it_guessed(
+        tmp_path: Path, smollm2_file, predictable: bool) -> None:
+    """One token at a time, every layer routing with a router of its own: where layers
+    add almost nothing to the stream, the next layer's router on this layer's state picks
+    what it will need (a guess made with any other router would not); where each layer's
+    attention and experts outweigh the stream they read, the guess is right far less
+    often (a count that always said "guessed" would not be)."""
+    from ember.bench.moe_model import write_moe_gguf
+    from ember.models.moe import MoEStats
+
+    require_kernels()
+    path = write_moe_gguf(tmp_path / "pilot.gguf", smollm2_file, n_layers=4, n_experts=8,
+                          n_used=2, hidden=64, expert_ffn=64, seed=5,
+                          branch_scale=1e-3 if predictable else 30.0)
+    engine = LLMEngine(EngineConfig(model=str(path), weights="q4", num_kv_blocks=64,
+                                    moe_stream=True, moe_cache_bytes=1, speculation="off"))
+    store = engine.loaded.model.experts
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=48,
+                                                  ignore_eos=True))  # tokens vary
+    engine.step()  # the prompt
+    store.stats = MoEStats()
+    while engine.has_unfinished():
+        engine.step()
+    stats = store.stats
+    assert stats.pilot_needed == 47 * 3 * 2  # decode steps x guessed layers x k
+    if predictable:
+        assert stats.pilot_recall >= 0.95 and stats.pilot_used == stats.pilot_reads
+    else:
+        assert 0.05 <= stats.pilot_recall <= 0.6
+    engine.close()
+
+
+def test_top_p_keeps_each_tokens_experts_up_to_that_weight(moe_gguf: Path) -> None:
+    """--moe-expert-top-p: the native router and the op-by-op one keep the same experts;
+    a token keeps its first experts until their weight reaches p, renormalised; 1 keeps
+    all k and is the exact model (lossless), below 1 the answer changes."""
+    from ember import kernels
+
+    require_kernels()
+    ext = kernels.quant_matmul()
+    exact = load_model(str(moe_gguf), "q4")
+    cut = load_model(str(moe_gguf), "q4", MoEOptions(top_p=0.6))
+    h = torch.randn(40, exact.config.hidden_size)
+    for loaded in (exact, cut):
+        moe = loaded.model.layers[0].moe
+        chosen, weights = moe.route(h)
+        native = ext.RoutedExperts(moe.router, moe.top_k, loaded.config.expert_ffn_size)
+        native.set_top_p(moe.top_p)
+        ids, w = native.route(h)
+        assert torch.equal(ids.long(), chosen)
+        assert torch.allclose(w, weights.float(), atol=1e-6)
+    probs = torch.softmax(h @ exact.model.layers[0].moe.router.T, dim=-1).topk(N_USED).values
+    probs = probs / probs.sum(-1, keepdim=True)
+    kept = (cut.model.layers[0].moe.route(h)[0] >= 0).sum(-1)
+    assert torch.equal(kept, torch.where(probs[:, 0] >= 0.6, 1, 2))  # k = 2
+    assert 0 < int((kept == 1).sum()) < len(h)
+    assert not torch.equal(cut.model.score(IDS), exact.model.score(IDS))
+    one = load_model(str(moe_gguf), "q4", MoEOptions(top_p=1.0))
+    assert torch.equal(one.model.score(IDS), exact.model.score(IDS))
+
+
+def test_native_routing_and_a_shared_expert_against_the_formula() -> None:
+    """RoutedExperts alone, against the layer written out in torch: softmax over the
+    chosen logits, each expert's SiLU FFN weighted, plus a shared expert scaled by
+    sigmoid(gate . h) (Qwen 3.5 MoE's) and gpt-oss's biases."""
+    import gguf as gguf_py
+
+    from ember import kernels
+    from ember.models.gguf import GGMLType
+    from ember.models.linear import QuantLinear
+
+    ext = require_kernels()
+    del kernels
+    gen = torch.Generator().manual_seed(0)
+    E, k, H, F = 6, 3, 64, 96
+
+    def q8(rows: int, cols: int) -> QuantLinear:
+        w = (torch.randn(rows, cols, generator=gen) / cols**0.5).numpy()
+        raw = gguf_py.quants.quantize(w, gguf_py.GGMLQuantizationType.Q8_0).reshape(-1)
+        return QuantLinear.from_raw([(raw, GGMLType.Q8_0, (rows, cols))])
+
+    def wrap(lin: QuantLinear):
+        return ext.PackedLinear(lin.in_features, lin.packed.segments)
+
+    router = torch.randn(E, H, generator=gen)
+    experts = [(q8(2 * F, H), q8(H, F)) for _ in range(E)]
+    shared = (q8(2 * 64, H), q8(H, 64))
+    gate = torch.randn(H, generator=gen) / H**0.5
+    b_router, b_gu = torch.randn(E, generator=gen), torch.randn(E, 2 * F, generator=gen)
+    b_down = torch.randn(E, H, generator=gen)
+    native = ext.RoutedExperts(router, k, F, "silu")
+    for e, (gu, down) in enumerate(experts):
+        native.set_expert(e, wrap(gu), wrap(down))
+    native.set_shared(wrap(shared[0]), wrap(shared[1]), gate)
+    native.set_biases(b_router, b_gu, b_down)
+    h = torch.randn(9, H, generator=gen)
+    want = torch.zeros_like(h)
+    for t in range(len(h)):
+        top = (router @ h[t] + b_router).topk(k)
+        for w, e in zip(torch.softmax(top.values, 0), top.indices.tolist(), strict=True):
+            g, u = (experts[e][0](h[t:t + 1]) + b_gu[e]).chunk(2, dim=-1)
+            want[t] += w * (experts[e][1](torch.nn.functional.silu(g) * u)[0] + b_down[e])
+        g, u = shared[0](h[t:t + 1]).chunk(2, dim=-1)
+        want[t] += torch.sigmoid(gate @ h[t]) * shared[1](torch.nn.functional.silu(g) * u)[0]
+    got = native.forward(h)
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
 
 
 def test_bytes_read_are_the_misses(model_copy: Path, resident) -> None:
@@ -181,9 +410,13 @@ def damage(path: Path, loaded, layer: int, expert: int, keep_mtime: bool = False
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_a_corrupted_expert_fails_the_request_with_a_clear_error(model_copy: Path) -> None:
+@pytest.mark.parametrize("weights", ["f32", "q4"])  # op by op, and the native stack
+def test_a_corrupted_expert_fails_the_request_with_a_clear_error(model_copy: Path,
+                                                                 weights: str) -> None:
+    if weights == "q4":
+        require_kernels()
     # no prefix cache: the second request recomputes the prompt, routed as the first
-    engine = LLMEngine(EngineConfig(model=str(model_copy), weights="f32", num_kv_blocks=64,
+    engine = LLMEngine(EngineConfig(model=str(model_copy), weights=weights, num_kv_blocks=64,
                                     moe_stream=True, moe_cache_bytes=1,
                                     enable_prefix_caching=False))
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -119,8 +119,15 @@ def step_tensor_names(gguf: Any) -> list[str]:
 
 
 def gguf_step_bytes(gguf: Any) -> int:
-    """Weight bytes per decode step for an engine that reads the GGUF tensors as stored."""
-    return sum(gguf.tensor(n).nbytes for n in step_tensor_names(gguf))
+    """Weight bytes per one-token decode step for an engine that reads the GGUF tensors
+    as stored: of a stack of routed experts ([E, out, in]), the k a token routes to."""
+    used = gguf.get(f"{gguf.architecture}.expert_used_count", 0)
+    total = 0
+    for n in step_tensor_names(gguf):
+        info = gguf.tensor(n)
+        routed = used and n.endswith("_exps.weight") and len(info.shape) == 3
+        total += info.nbytes * used // info.shape[0] if routed else info.nbytes
+    return total
 
 
 # ---------------------------------------------------------------- ember side

@@ -31,9 +31,15 @@ def write_moe_gguf(
     expert_ffn: int = 64,
     seed: int = 0,
     expert_type: str = "Q8_0",
+    branch_scale: float = 1.0,
 ) -> Path:
     """A Qwen3-MoE model: Qwen3 attention, every FFN a router over ``n_experts``
-    SwiGLU experts stored as 3-D [E, out, in] tensors (``expert_type``)."""
+    SwiGLU experts stored as 3-D [E, out, in] tensors (``expert_type``).
+
+    ``branch_scale`` multiplies what attention and the experts add to the residual
+    stream (their output projections): small, a layer's router reads nearly the state
+    the previous layer read, a model whose next-layer routing is predictable from the
+    current state (the pilot's tests); large, it is not."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -80,12 +86,13 @@ def write_moe_gguf(
         quant(p + "attn_v.weight", matrix(kv_dim, hidden), q8)
         f32(p + "attn_q_norm.weight", head_dim)
         f32(p + "attn_k_norm.weight", head_dim)
-        quant(p + "attn_output.weight", matrix(hidden, q_dim), q8)
+        quant(p + "attn_output.weight", matrix(hidden, q_dim) * branch_scale, q8)
         f32(p + "ffn_norm.weight", hidden)
         w.add_tensor(p + "ffn_gate_inp.weight", matrix(n_experts, hidden) * 4)
         quant(p + "ffn_gate_exps.weight", matrix(n_experts, expert_ffn, hidden), qtype)
         quant(p + "ffn_up_exps.weight", matrix(n_experts, expert_ffn, hidden), qtype)
-        quant(p + "ffn_down_exps.weight", matrix(n_experts, hidden, expert_ffn), qtype)
+        quant(p + "ffn_down_exps.weight",
+              matrix(n_experts, hidden, expert_ffn) * branch_scale, qtype)
     f32("output_norm.weight", hidden)
     quant("output.weight", matrix(vocab, hidden), q8)
     w.write_header_to_file()

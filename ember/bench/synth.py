@@ -1,17 +1,21 @@
 """Random-weight GGUFs with the real shapes of the models people run (``ember bench synth``).
 
 Decode speed depends on a model's shapes and tensor types, not on its weight values,
-and it has to be measured at the sizes people run (1-8B): a model that fits in the
-CPU's last-level cache measures the cache, not the engine. No such model ships on
-PyPI, so this writes them: ``SHAPES`` holds the exact hyper-parameters of Llama 3.2
-1B/3B, Llama 3.1 8B, Qwen3 4B and Gemma 3 1B, and ``write_synth`` writes one of them
-at a llama.cpp file type (``Q4_K_M``, ...) with the per-tensor types llama-quantize
-would choose (``tensor_type``), so ember and llama.cpp read the same bytes per token
-as they would from the real model's GGUF.
+and it has to be measured at the sizes people run (1-8B, and mixtures of experts of
+20-30B): a model that fits in the CPU's last-level cache measures the cache, not the
+engine. No such model ships on PyPI, so this writes them: ``SHAPES`` holds the exact
+hyper-parameters of Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B, Gemma 3 1B, Qwen3-30B-A3B
+(128 experts, 8 per token) and gpt-oss-20b (32 experts, 4 per token, sinks and biases),
+and ``write_synth`` writes one of them at a llama.cpp file type (``Q4_K_M``, ...,
+``MXFP4_MOE`` as gpt-oss ships) with the per-tensor types llama-quantize would choose
+(``tensor_type``), so ember and llama.cpp read the same bytes per token as they would
+from the real model's GGUF. ``layers`` cuts a shape's depth to what a machine holds
+(every layer is the real one; a step's cost scales with their number).
 
-Weights are random code bytes with each block's f16 scales set so that the
-dequantized weights have a standard deviation of about 1/sqrt(in_features): finite,
-and the model runs and samples through all its layers (the text is noise). The
+Weights are random code bytes with each block's scales set so that the dequantized
+weights have a standard deviation of about 1/sqrt(in_features): finite, and the model
+runs and samples through all its layers (the text is noise). A router of random
+weights spreads tokens about evenly over the experts, as a worst case for a cache. The
 tokenizer is a real one (SmolLM2's by default) padded with unused placeholder tokens
 up to the shape's vocabulary, so the embedding and head keep their real sizes and
 text still tokenizes. Tensors are generated a few MB at a time and streamed to the
@@ -23,6 +27,7 @@ floats that ember does not read and that cost nothing per token).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -64,16 +69,35 @@ class Shape:
     rope_base: float
     context: int
     norm_eps: float
-    sliding_window: int = 0  # gemma3: window of its local layers (every 6th is global)
+    sliding_window: int = 0  # gemma3: its local layers' window; gpt-oss: every other layer's
+    n_experts: int = 0  # routed experts per layer (0: a dense FFN of ``ffn``)
+    n_experts_used: int = 0  # experts per token
+    expert_ffn: int = 0  # each expert's FFN width
+    yarn: tuple[float, int] = (0.0, 0)  # YaRN (factor, original context); 0: none
     description: str = ""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_EXTRAS:
             raise ValueError(f"shape {self.name!r}: architecture {self.arch!r} is not one "
                              f"synth writes ({', '.join(_ARCH_EXTRAS)})")
-        if (self.arch == "gemma3") != (self.sliding_window > 0):
-            raise ValueError(f"shape {self.name!r}: gemma3, and only gemma3, needs a "
-                             f"sliding_window (got {self.sliding_window})")
+        if (self.arch in _WINDOWED) != (self.sliding_window > 0):
+            raise ValueError(f"shape {self.name!r}: {' and '.join(sorted(_WINDOWED))}, and "
+                             f"only they, need a sliding_window (got {self.sliding_window})")
+        if (self.arch in _ROUTED) != (self.n_experts > 0) or (self.n_experts and not (
+                0 < self.n_experts_used <= self.n_experts and self.expert_ffn > 0)):
+            raise ValueError(f"shape {self.name!r}: {' and '.join(sorted(_ROUTED))}, and "
+                             "only they, need experts (n_experts, n_experts_used <= "
+                             "n_experts, expert_ffn)")
+
+    def with_layers(self, n_layers: int | None) -> Shape:
+        """The same shape cut (or grown) to ``n_layers`` of its real layers, named so."""
+        if n_layers is None or n_layers == self.n_layers:
+            return self
+        if n_layers < 1:
+            raise ValueError(f"layers must be at least 1, got {n_layers}")
+        return dataclasses.replace(self, name=f"{self.name}-{n_layers}l", n_layers=n_layers,
+                                   description=f"{self.description}, {n_layers} of its "
+                                               f"{self.n_layers} layers")
 
 
 # arch -> (per-head q/k RMSNorm, norms after each sublayer too)
@@ -81,7 +105,14 @@ _ARCH_EXTRAS: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen3": (True, False),
     "gemma3": (True, True),
+    "qwen3moe": (True, False),
+    "gpt-oss": (False, False),
 }
+_WINDOWED = {"gemma3", "gpt-oss"}  # sliding-window layers
+_ROUTED = {"qwen3moe", "gpt-oss"}  # every FFN routed over experts
+# gpt-oss: biases on q, k, v, the output, the router and every expert; per-head sinks; the
+# FFN's pre-norm is called post_attention_norm
+_BIASED = {"gpt-oss"}
 
 SHAPES: dict[str, Shape] = {
     s.name: s
@@ -104,6 +135,17 @@ SHAPES: dict[str, Shape] = {
         Shape("gemma3-1b", "gemma3", hidden=1152, n_layers=26, n_heads=4, n_kv_heads=1,
               head_dim=256, ffn=6912, vocab=262144, tied=True, rope_base=1e6,
               context=32768, norm_eps=1e-6, sliding_window=512, description="Gemma 3 1B"),
+        # ffn: the dense width its config states (no layer uses it; llama.cpp reads the
+        # experts' own)
+        Shape("qwen3moe-30b-a3b", "qwen3moe", hidden=2048, n_layers=48, n_heads=32,
+              n_kv_heads=4, head_dim=128, ffn=6144, vocab=151936, tied=False,
+              rope_base=1e6, context=40960, norm_eps=1e-6, n_experts=128, n_experts_used=8,
+              expert_ffn=768, description="Qwen3-30B-A3B"),
+        Shape("gpt-oss-20b", "gpt-oss", hidden=2880, n_layers=24, n_heads=64, n_kv_heads=8,
+              head_dim=64, ffn=2880, vocab=201088, tied=False, rope_base=150000.0,
+              context=131072, norm_eps=1e-5, sliding_window=128, n_experts=32,
+              n_experts_used=4, expert_ffn=2880, yarn=(32.0, 4096),
+              description="gpt-oss-20b"),
     )
 }
 
@@ -129,6 +171,8 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q4_K_M", 15, GGMLType.Q4_K),
         FileType("Q5_K_M", 17, GGMLType.Q5_K),
         FileType("Q6_K", 18, GGMLType.Q6_K),
+        # experts in MXFP4, every other matrix Q8_0: how gpt-oss's GGUFs ship
+        FileType("MXFP4_MOE", 38, GGMLType.MXFP4),
     )
 }
 
@@ -164,35 +208,47 @@ def _use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], file_type_name: str, *, n_layers: int,
-                tied: bool) -> GGMLType:
+                tied: bool, n_experts: int = 0) -> GGMLType:
     """The type llama-quantize gives tensor ``name`` (torch ``shape``) in a file of
     type ``file_type_name``, from an F32/F16 source without an importance matrix.
 
     Mirrors llama.cpp's ``llama_tensor_get_type`` (src/llama-quant.cpp, as vendored in
-    llama-cpp-python 0.3.36): ``tensor_allows_quantization`` (1-D tensors and norms
-    stay as they are: F32 here), ``llama_tensor_get_type_impl`` for the branches these
-    file types reach in dense models below 70B without experts (the output head, or
-    the token embedding when tied, becomes Q6_K, or Q8_0 when its row length is not a
-    multiple of the default type's block; for Q4_K_M / Q5_K_M, attn_v and ffn_down
-    become Q6_K in the layers ``use_more_bits`` picks), then ``tensor_type_fallback``
-    (a K-quant whose row length is not a multiple of 256 becomes Q5_0 / Q5_1 / Q8_0,
-    and F16 if even that block does not fit). llama.cpp counts attn_v / ffn_down
-    tensors in file order; with one per layer, written in layer order, the count is
-    the layer index used here.
+    llama-cpp-python 0.3.36): ``tensor_allows_quantization`` (1-D tensors, biases, norms
+    and the experts' router ``ffn_gate_inp`` stay as they are: F32 here),
+    ``llama_tensor_get_type_impl`` for the branches these file types reach in models
+    below 70B (the output head, or the token embedding when tied, becomes Q6_K, or Q8_0
+    when its row length is not a multiple of the default type's block; for Q4_K_M /
+    Q5_K_M, attn_v and ffn_down (the experts' too) become Q6_K in the layers
+    ``use_more_bits`` picks; with exactly 8 experts attn_v and attn_k become Q8_0 and,
+    for Q4_K_M, attn_output Q5_K; ``MXFP4_MOE`` puts 3-D expert tensors in MXFP4 and
+    every other matrix, the head too, in Q8_0), then ``tensor_type_fallback`` (a K-quant
+    whose row length is not a multiple of 256 becomes Q5_0 / Q5_1 / Q8_0, and F16 if
+    even that block does not fit). llama.cpp counts attn_v / ffn_down tensors in file
+    order; with one per layer, written in layer order, the count is the layer index
+    used here (for experts llama.cpp reads the layer from the name, as here).
     """
     ft = file_type(file_type_name)
-    if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name:
+    if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name \
+            or "ffn_gate_inp.weight" in name:
         return GGMLType.F32
     new = ft.default
     ncols = shape[-1]
     if name == "output.weight" or (tied and name == "token_embd.weight"):
-        if ncols % _block(new):
+        if ft.name == "MXFP4_MOE" or ncols % _block(new):
             new = GGMLType.Q8_0
         elif new != GGMLType.Q8_0:
             new = GGMLType.Q6_K
+    elif ft.name == "MXFP4_MOE":
+        new = GGMLType.MXFP4 if len(shape) == 3 else GGMLType.Q8_0
     elif "attn_v.weight" in name or "ffn_down" in name:
         if ft.name in ("Q4_K_M", "Q5_K_M") and _use_more_bits(_layer_of(name), n_layers):
             new = GGMLType.Q6_K
+        if n_experts == 8 and "attn_v.weight" in name:
+            new = GGMLType.Q8_0
+    elif n_experts == 8 and "attn_k.weight" in name:
+        new = GGMLType.Q8_0
+    elif n_experts == 8 and "attn_output.weight" in name and ft.name == "Q4_K_M":
+        new = GGMLType.Q5_K
     if ncols % _block(new):
         new = _K_FALLBACK.get(new, new)
         if ncols % _block(new):
@@ -214,16 +270,25 @@ def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     h, v, f, hd = shape.hidden, shape.vocab, shape.ffn, shape.head_dim
     q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
     qk_norm, post_norms = _ARCH_EXTRAS[shape.arch]
+    biased = shape.arch in _BIASED
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (v, h))]
     for i in range(shape.n_layers):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q, h)),
                 (p + "attn_k.weight", (kv, h)), (p + "attn_v.weight", (kv, h))]
+        if biased:
+            out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)),
+                    (p + "attn_v.bias", (kv,)), (p + "attn_sinks.weight", (shape.n_heads,))]
         if qk_norm:
             out += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
         out.append((p + "attn_output.weight", (h, q)))
+        if biased:
+            out.append((p + "attn_output.bias", (h,)))
         if post_norms:
             out.append((p + "post_attention_norm.weight", (h,)))
+        if shape.n_experts:
+            out += _expert_tensors(shape, p)
+            continue
         out += [(p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (f, h)),
                 (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
         if post_norms:
@@ -231,6 +296,23 @@ def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("output_norm.weight", (h,)))
     if not shape.tied:
         out.append(("output.weight", (v, h)))
+    return out
+
+
+def _expert_tensors(shape: Shape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A routed layer's FFN: its pre-norm, the router, the experts' [E, out, in] stacks
+    (and gpt-oss's biases)."""
+    h, e, f = shape.hidden, shape.n_experts, shape.expert_ffn
+    biased = shape.arch in _BIASED
+    out = [(p + ("post_attention_norm" if biased else "ffn_norm") + ".weight", (h,)),
+           (p + "ffn_gate_inp.weight", (e, h))]
+    if biased:
+        out.append((p + "ffn_gate_inp.bias", (e,)))
+    out += [(p + "ffn_gate_exps.weight", (e, f, h)), (p + "ffn_up_exps.weight", (e, f, h)),
+            (p + "ffn_down_exps.weight", (e, h, f))]
+    if biased:
+        out += [(p + "ffn_gate_exps.bias", (e, f)), (p + "ffn_up_exps.bias", (e, f)),
+                (p + "ffn_down_exps.bias", (e, h))]
     return out
 
 
@@ -284,11 +366,19 @@ _FILLS: dict[GGMLType, _Fill] = {
 }
 
 
+# MXFP4: a code's value is 2^(e - 128) times one of ggml's kvalues_mxfp4 (its E8M0 "half"
+# scale); the RMS of those 16 values for uniform codes
+_MXFP4_CENTRE = 128
+_MXFP4_UNIT_RMS = (2 * sum(v * v for v in (0, 1, 2, 3, 4, 6, 8, 12)) / 16) ** 0.5
+
+
 def _random_chunks(rng: np.random.Generator, shape: tuple[int, ...], t: GGMLType,
                    name: str) -> Iterator[np.ndarray]:
     """The raw bytes of a random tensor, a few MB of rows at a time."""
-    if len(shape) == 1:  # norm weights, around 1 (GGUF stores Gemma's as 1 + w too)
-        yield (1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+    if len(shape) == 1:  # norm weights around 1 (GGUF stores Gemma's as 1 + w too); biases
+        # and sinks around 0
+        centre = 1.0 if name.endswith("norm.weight") else 0.0
+        yield (centre + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
         return
     rows, cols = shape[0], shape[-1]
     for d in shape[1:-1]:
@@ -303,11 +393,15 @@ def _random_chunks(rng: np.random.Generator, shape: tuple[int, ...], t: GGMLType
             dtype = np.float32 if t == GGMLType.F32 else np.float16
             yield (sigma * rng.standard_normal((n, cols), dtype=np.float32)).astype(dtype)
             continue
+        buf = np.frombuffer(bytearray(rng.bytes(n * row_bytes)), dtype=np.uint8)
+        blocks = buf.reshape(-1, block_bytes)
+        if t == GGMLType.MXFP4:  # one E8M0 exponent byte, then 32 4-bit codes
+            blocks[:, 0] = _MXFP4_CENTRE + round(np.log2(sigma / _MXFP4_UNIT_RMS))
+            yield buf
+            continue
         fill = _FILLS.get(t)
         if fill is None:
             raise ValueError(f"tensor {name!r}: synth cannot write type {t.name}")
-        buf = np.frombuffer(bytearray(rng.bytes(n * row_bytes)), dtype=np.uint8)
-        blocks = buf.reshape(-1, block_bytes)
         d = sigma / fill.unit_rms
         for offset, times in fill.fields:
             blocks[:, offset:offset + 2] = np.frombuffer(np.float16(d * times).tobytes(),
@@ -369,6 +463,14 @@ def model_metadata(shape: Shape, quant: str) -> dict[str, Any]:
     }
     if shape.sliding_window:
         md[f"{a}.attention.sliding_window"] = shape.sliding_window
+    if shape.n_experts:
+        md[f"{a}.expert_count"] = shape.n_experts
+        md[f"{a}.expert_used_count"] = shape.n_experts_used
+        md[f"{a}.expert_feed_forward_length"] = shape.expert_ffn
+    if shape.yarn[0]:
+        md[f"{a}.rope.scaling.type"] = "yarn"
+        md[f"{a}.rope.scaling.factor"] = float(shape.yarn[0])
+        md[f"{a}.rope.scaling.original_context_length"] = shape.yarn[1]
     md["general.file_type"] = file_type(quant).ftype
     md["general.quantization_version"] = 2
     return md
@@ -396,7 +498,8 @@ def write_synth(path: str | Path, shape: Shape | str, quant: str,
     types: dict[str, GGMLType] = {}
     tensors = []
     for index, (name, dims) in enumerate(synth_tensors(shape)):
-        t = tensor_type(name, dims, quant, n_layers=shape.n_layers, tied=shape.tied)
+        t = tensor_type(name, dims, quant, n_layers=shape.n_layers, tied=shape.tied,
+                        n_experts=shape.n_experts)
         types[name] = t
 
         def chunks(dims: tuple[int, ...] = dims, t: GGMLType = t, name: str = name,
@@ -428,10 +531,13 @@ def type_histogram(types: Mapping[str, GGMLType]) -> str:
 
 
 def main(shapes: list[str], quants: list[str], out_dir: Path,
-         tokenizer: Path | None, seed: int, force: bool) -> list[Path]:
-    """``ember bench synth``: write each shape at each file type into ``out_dir`` as
-    ``{shape}-{quant}.gguf``, skipping files already there unless ``force``."""
-    todo = [(shape_named(s), file_type(q).name) for s in shapes for q in quants]
+         tokenizer: Path | None, seed: int, force: bool, layers: int | None = None
+         ) -> list[Path]:
+    """``ember bench synth``: write each shape (cut to ``layers`` if given) at each file
+    type into ``out_dir`` as ``{shape}-{quant}.gguf`` (``{shape}-{layers}l-...``),
+    skipping files already there unless ``force``."""
+    todo = [(shape_named(s).with_layers(layers), file_type(q).name)
+            for s in shapes for q in quants]
     out_dir.mkdir(parents=True, exist_ok=True)
     source = GGUFFile(tokenizer) if tokenizer is not None else None
     paths = []

@@ -82,8 +82,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.threads or physical_cores())
-        self.loaded = served_model(config, loaded or load_model(
-            config.model, config.weights, MoEOptions(config.moe_stream, config.moe_cache_bytes)))
+        moe = MoEOptions(config.moe_stream, config.moe_cache_bytes, config.moe_pilot,
+                         config.moe_expert_top_p)
+        self.loaded = served_model(config, loaded or load_model(config.model, config.weights,
+                                                                moe))
         cfg = self.loaded.config
         if cfg.recurrent:
             config = self.config = _for_recurrent(config)

@@ -7,8 +7,10 @@
 // pairs) -> K/V into the paged pool -> attention over the pool in place
 // (paged_attention.h) -> output projection -> residual -> RMSNorm -> gate/up ->
 // SiLU(gate) * up -> down -> residual, for every token of the step: the llama block
-// and Qwen 2/3's. The PyTorch model (ember/models/decoder.py) runs the same recipe op
-// by op with f32 weights and is the oracle this path is tested against.
+// and Qwen 2/3's. Where a layer's FFN is routed experts (Qwen3-MoE, gpt-oss), the
+// gate/up/down part is routed_experts.h's instead; gpt-oss's attention adds an output
+// bias and per-head sinks. The PyTorch model (ember/models/decoder.py) runs the same
+// recipe op by op with f32 weights and is the oracle this path is tested against.
 //
 // Every stage computes each token on its own, with code that does not depend on how
 // many tokens there are or where they come from: RMSNorm and the activation
@@ -17,62 +19,7 @@
 // token (see paged_attention.h). So a token's output is bitwise independent of the
 // batch, of prefill chunking and of whether its prefix came from the cache.
 
-inline void rms_norm_row(const float* x, const float* w, int64_t K, double eps, float* y) {
-  double ss = 0.0;
-  for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(x[k]) * x[k];
-  const float scale = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
-  for (int64_t k = 0; k < K; ++k) y[k] = x[k] * scale * w[k];
-}
-
-void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t K, double eps,
-                   float* y) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * K, w, K, eps, y + r * K);
-  });
-}
-
-// out[F] = silu(gate) * up = gate / (1 + e^-gate) * up
-inline void silu_mul_row(const float* gate, const float* up, int64_t F, float* out) {
-  int64_t i = 0;
-#if defined(EMBER_AVX2)
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= F; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(out + i,
-                     _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
-  }
-#endif
-  for (; i < F; ++i) out[i] = gate[i] / (1.0f + exp_scalar(-gate[i])) * up[i];
-}
-
-// out[F] = gelu_tanh(gate) * up, GELU's tanh approximation (torch's formula), with
-// tanh(u) = 1 - 2 / (1 + e^2u) over 8 lanes
-inline void gelu_mul_row(const float* gate, const float* up, int64_t F, float* out) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  int64_t i = 0;
-#if defined(EMBER_AVX2)
-  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-  const __m256 two = _mm256_set1_ps(2.0f), kv = _mm256_set1_ps(k);
-  const __m256 cubic = _mm256_set1_ps(0.044715f);
-  for (; i + 8 <= F; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 g3 = _mm256_mul_ps(cubic, _mm256_mul_ps(g, _mm256_mul_ps(g, g)));
-    const __m256 u = _mm256_mul_ps(kv, _mm256_add_ps(g, g3));
-    const __m256 e = exp8(_mm256_add_ps(u, u));
-    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g),
-                                                          _mm256_add_ps(one, t)),
-                                            _mm256_loadu_ps(up + i)));
-  }
-#endif
-  for (; i < F; ++i) {
-    const float g = gate[i];
-    out[i] = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
-  }
-}
-
-enum Stage { kNorms, kProjections, kRopeStore, kAttention, kActivation, kStages };
+enum Stage { kNorms, kProjections, kRopeStore, kAttention, kActivation, kExperts, kStages };
 
 // Adds the time since the previous lap to a stage's total (does nothing without totals).
 class Clock {
@@ -93,8 +40,11 @@ class Clock {
 
 struct LayerWeights {
   at::Tensor attn_norm, ffn_norm;
-  PackedLinear qkv, o, gate_up, down;
+  PackedLinear qkv, o;
+  std::optional<PackedLinear> gate_up, down;  // the dense FFN (none: routed experts)
+  std::shared_ptr<RoutedExperts> experts;  // the routed FFN (null: dense)
   at::Tensor qkv_bias, q_norm, k_norm;  // undefined where the family has none
+  at::Tensor o_bias, sinks;  // gpt-oss's attention output bias [hidden], sinks [heads]
   at::Tensor post_attn_norm, post_ffn_norm;  // Gemma's norms of each sublayer's output
   int64_t window = 0;  // sliding-window span; 0: attends to everything
   int64_t rope = 0;  // which of forward's RoPE tables (Gemma: local or global base)
@@ -104,9 +54,10 @@ class DecoderStack {
  public:
   DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                int64_t rope_dim, int64_t ffn, double eps, bool neox = false,
-               bool gelu = false, double attn_scale = 0.0)
+               const std::string& activation = "silu", double attn_scale = 0.0)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        rope_dim_(rope_dim), ffn_(ffn), eps_(eps), neox_(neox), gelu_(gelu),
+        rope_dim_(rope_dim), ffn_(ffn), eps_(eps), neox_(neox),
+        act_(activation_named(activation)),
         scale_(attn_scale > 0 ? static_cast<float>(attn_scale)
                               : 1.0f / std::sqrt(static_cast<float>(head_dim))) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && ffn > 0 &&
@@ -140,20 +91,52 @@ class DecoderStack {
     temp_floor_ = floor;
   }
 
+  // A layer; gate_up and down absent: its FFN is routed experts (set_experts next).
   void add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-                 const PackedLinear& qkv, const PackedLinear& o, const PackedLinear& gate_up,
-                 const PackedLinear& down) {
+                 const PackedLinear& qkv, const PackedLinear& o,
+                 const std::optional<PackedLinear>& gate_up,
+                 const std::optional<PackedLinear>& down) {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    TORCH_CHECK(gate_up.has_value() == down.has_value(),
+                "DecoderStack: a dense FFN needs both gate_up and down");
+    if (!layers_.empty()) check_ffn(layers_.back());
     TORCH_CHECK(pre_norms_ ? attn_norm.numel() == hidden_ && ffn_norm.numel() == hidden_
                            : attn_norm.numel() == 0 && ffn_norm.numel() == 0,
                 "DecoderStack: pre-norm weights must have hidden elements (none without "
                 "pre-norms)");
     LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
-                   linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_),
-                   linear(gate_up, hidden_, 2 * ffn_), linear(down, ffn_, hidden_),
-                   {}, {}, {}, {}, {}, 0, 0};
+                   linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_)};
+    if (gate_up.has_value()) {
+      L.gate_up = linear(*gate_up, hidden_, 2 * ffn_);
+      L.down = linear(*down, ffn_, hidden_);
+    }
     layers_.push_back(std::move(L));
   }
+
+  // The last added layer's routed experts (it was added without a dense FFN).
+  void set_experts(const std::shared_ptr<RoutedExperts>& experts) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    TORCH_CHECK(experts && !layers_.back().gate_up.has_value() &&
+                    experts->hidden() == hidden_,
+                "DecoderStack: routed experts go to a layer without a dense FFN, with the "
+                "stack's hidden size");
+    layers_.back().experts = experts;
+  }
+
+  // The last added layer's attention output bias [hidden] and sinks [heads] (gpt-oss;
+  // empty tensors: none).
+  void set_attention_extras(const at::Tensor& o_bias, const at::Tensor& sinks) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
+    const at::Tensor b = norm_weight(o_bias), k = norm_weight(sinks);
+    TORCH_CHECK((!b.defined() || b.numel() == hidden_) && (!k.defined() || k.numel() == heads_),
+                "DecoderStack: the output bias needs hidden elements, the sinks one per head");
+    layers_.back().o_bias = b;
+    layers_.back().sinks = k;
+  }
+
+  // Predict each routed layer's experts from the state after the previous layer's
+  // attention, handing the guess to the next layer's provider (--moe-stream's pilot).
+  void set_pilot(bool on) { pilot_ = on; }
 
   // The last added layer's Q/K/V biases [q_dim + 2 kv_dim] (Qwen 2).
   void set_qkv_bias(const at::Tensor& bias) {
@@ -221,6 +204,7 @@ class DecoderStack {
     }
     const LoRAStep lora(loras, token_lora.value_or(at::Tensor()), T);
     for (const LayerWeights& L : layers_) {
+      check_ffn(L);
       TORCH_CHECK(L.rope < static_cast<int64_t>(ropes.size()),
                   "DecoderStack: a layer uses RoPE table ", L.rope, " of ", ropes.size());
     }
@@ -258,10 +242,14 @@ class DecoderStack {
       clock.lap(kRopeStore);
       attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
              rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window,
-             softcap_);
+             softcap_, L.sinks.defined() ? L.sinks.data_ptr<float>() : nullptr);
       clock.lap(kAttention);
       L.o.matmul_into(attp, T, yp);
       if (!lora.empty()) lora.apply(i, kOutput, attp, q_dim, yp, hidden_);
+      if (L.o_bias.defined()) {
+        const float* b = L.o_bias.data_ptr<float>();
+        for (int64_t t = 0; t < T; ++t) add_rows(yp + t * hidden_, b, hidden_);
+      }
       clock.lap(kProjections);
       if (L.post_attn_norm.defined()) {
         rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
@@ -273,23 +261,14 @@ class DecoderStack {
         ffn_in = hp;
       }
       clock.lap(kNorms);
-      L.gate_up.matmul_into(ffn_in, T, gup);
-      if (!lora.empty()) lora.apply(i, kGateUp, ffn_in, hidden_, gup, 2 * ffn_);
-      clock.lap(kProjections);
-      at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* g = gup + t * 2 * ffn_;
-          if (gelu_) {
-            gelu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
-          } else {
-            silu_mul_row(g, g + ffn_, ffn_, hp + t * ffn_);
-          }
-        }
-      });
-      clock.lap(kActivation);
-      L.down.matmul_into(hp, T, yp);
-      if (!lora.empty()) lora.apply(i, kDown, hp, ffn_, yp, hidden_);
-      clock.lap(kProjections);
+      if (L.experts) {
+        // the pilot reads the stream before the FFN, as this layer's router does
+        const std::vector<int64_t> guess = pilot_guess(i, xp, T);
+        L.experts->forward(ffn_in, T, yp, guess);
+        clock.lap(kExperts);
+      } else {
+        dense_ffn(L, i, ffn_in, T, gup, hp, yp, lora, clock);
+      }
       if (L.post_ffn_norm.defined()) {
         rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
       }
@@ -297,6 +276,16 @@ class DecoderStack {
       clock.lap(kNorms);
     }
     if (profiling_) ++stage_calls_;
+  }
+
+  // The experts the pilot guesses for layer i + 1 from x [T, hidden] (the stream after
+  // layer i's attention): none unless the pilot is on and that layer is streamed.
+  std::vector<int64_t> pilot_guess(int64_t i, const float* x, int64_t T) const {
+    if (!pilot_ || i + 1 >= num_layers()) return {};
+    const LayerWeights& next = layers_[i + 1];
+    if (!next.experts || !next.experts->streamed()) return {};
+    return next.experts->predict(x, T, pre_norms_ ? next.ffn_norm.data_ptr<float>() : nullptr,
+                                 eps_);
   }
 
   // Per-stage wall time summed over forward calls while profiling is on (a timer
@@ -309,7 +298,7 @@ class DecoderStack {
 
   std::map<std::string, double> stage_seconds() const {
     static const char* names[] = {"norms_and_residuals", "projections", "rope_and_kv_write",
-                                  "attention", "activation"};
+                                  "attention", "activation", "routed_experts"};
     std::map<std::string, double> out;
     for (int s = 0; s < kStages; ++s) out[names[s]] = stage_ns_[s] * 1e-9;
     out["calls"] = static_cast<double>(stage_calls_);
@@ -431,6 +420,29 @@ class DecoderStack {
     });
   }
 
+  // y [T, hidden] = the dense FFN of ffn_in (gu, act: scratch [T, 2 ffn], [T, ffn]).
+  void dense_ffn(const LayerWeights& L, int64_t i, const float* ffn_in, int64_t T, float* gu,
+                 float* act, float* y, const LoRAStep& lora, Clock& clock) const {
+    L.gate_up->matmul_into(ffn_in, T, gu);
+    if (!lora.empty()) lora.apply(i, kGateUp, ffn_in, hidden_, gu, 2 * ffn_);
+    clock.lap(kProjections);
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        gated_unit_row(act_, gu + t * 2 * ffn_, ffn_, act + t * ffn_);
+      }
+    });
+    clock.lap(kActivation);
+    L.down->matmul_into(act, T, y);
+    if (!lora.empty()) lora.apply(i, kDown, act, ffn_, y, hidden_);
+    clock.lap(kProjections);
+  }
+
+  // a layer added without a dense FFN must have been given experts before the next
+  static void check_ffn(const LayerWeights& L) {
+    TORCH_CHECK(L.gate_up.has_value() || L.experts, "DecoderStack: a layer has neither a "
+                "dense FFN nor routed experts");
+  }
+
   static void add_rows(float* x, const float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
@@ -444,13 +456,15 @@ class DecoderStack {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
   double eps_;
-  bool neox_, gelu_;
+  bool neox_;
+  Activation act_;
   float scale_;
   bool pre_norms_ = true, qk_norm_full_ = false;
   float residual_scale_ = 1.0f, softcap_ = 0.0f;
   double temp_scale_ = 0.0;
   int64_t temp_floor_ = 0;
   std::vector<LayerWeights> layers_;
+  bool pilot_ = false;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};
   mutable int64_t stage_calls_ = 0;

@@ -61,6 +61,10 @@ class PackedLinear {
   int64_t out_features() const { return n_; }
   int64_t nbytes() const { return nbytes_; }
   std::vector<int64_t> types() const { return types_; }
+  const std::vector<SegView>& views() const { return views_; }
+  // which quantizations of the activations its segments read (per 32, per 256)
+  bool needs_legacy_activations() const { return legacy_; }
+  bool needs_kquant_activations() const { return kquant_; }
   std::vector<Segment> segments() const {
     std::vector<Segment> out;
     for (size_t i = 0; i < views_.size(); ++i) {

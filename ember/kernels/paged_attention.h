@@ -423,10 +423,13 @@ inline void head_values(float* const* acc, const float* r, const float* const* w
 // first block read is entered at the window's start).
 // softcap > 0: each score s becomes softcap * tanh(s / softcap) before the softmax
 // (Gemma 2's soft-capped attention).
+// sinks (null: none): per head a logit that joins the softmax's denominator and weighs
+// no value (gpt-oss).
 template <KVType KT>
 void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
                   const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-                  const int64_t* pos, float scale, int64_t window, float softcap) {
+                  const int64_t* pos, float scale, int64_t window, float softcap,
+                  const float* sinks) {
   using Elem = KVElem<KT>;
   const int64_t D = kv.d, W = kv.row, bs = kv.bs, G = H / kv.hkv, row_stride = kv.hkv * W;
   const int64_t padded = (bs + 7) / 8 * 8;
@@ -512,7 +515,10 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
       }
       for (int64_t i = 0; i < heads_per_task; ++i) {
         float* o = out + (t * H + h0 + i) * D;
-        const float inv = 1.0f / sum[i];
+        // a sink joins the softmax's denominator only (gpt-oss): the head may attend to
+        // nothing
+        const float sink = sinks != nullptr ? exp_scalar(sinks[h0 + i] - mx[i]) : 0.0f;
+        const float inv = 1.0f / (sum[i] + sink);
         for (int64_t c = 0; c < D; ++c) o[c] = acc[i * D + c] * inv;
       }
     }
@@ -521,23 +527,24 @@ void attend_typed(const float* q, int64_t q_stride, float* out, int64_t T, int64
 
 void attend(const float* q, int64_t q_stride, float* out, int64_t T, int64_t H,
             const PoolLayer& kv, const int64_t* tables, int64_t NB, const int64_t* rows,
-            const int64_t* pos, float scale, int64_t window = 0, float softcap = 0.0f) {
+            const int64_t* pos, float scale, int64_t window = 0, float softcap = 0.0f,
+            const float* sinks = nullptr) {
   switch (kv.type) {
     case KVType::F32:
       attend_typed<KVType::F32>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                window, softcap);
+                                window, softcap, sinks);
       break;
     case KVType::F16:
       attend_typed<KVType::F16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                window, softcap);
+                                window, softcap, sinks);
       break;
     case KVType::BF16:
       attend_typed<KVType::BF16>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                 window, softcap);
+                                 window, softcap, sinks);
       break;
     case KVType::Q8_0:
       attend_typed<KVType::Q8_0>(q, q_stride, out, T, H, kv, tables, NB, rows, pos, scale,
-                                 window, softcap);
+                                 window, softcap, sinks);
       break;
   }
 }

@@ -8,7 +8,9 @@
 //   packed_linear.h   a layer's packed weight (huge pages, packing, PackedLinear)
 //   activations.h     the activations' quantization as tensors (for the tests)
 //   paged_attention.h attention over the pool in place
+//   row_ops.h         per-row float operations: RMSNorm, gated units, f32 dots
 //   lora_delta.h      low-rank adapter deltas per token, inside the stack
+//   routed_experts.h  a mixture-of-experts layer: routing, experts grouped in one pass
 //   fused_decoder.h   a whole decoder stack in one call per step
 //
 // Threads: at::parallel_for (follows torch.set_num_threads). SIMD: chosen at compile
@@ -16,7 +18,9 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <array>
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -97,7 +102,9 @@ std::string simd() {
 }
 
 #include "paged_attention.h"
+#include "row_ops.h"
 #include "lora_delta.h"
+#include "routed_experts.h"
 #include "fused_decoder.h"
 
 }  // namespace
@@ -221,14 +228,57 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            "(layer, fused projection 0-3: qkv, o, gate_up, down, first column, A [r, in], "
            "B transposed [r, columns], scaled)")
       .def_property_readonly("num_layers", &LoRAWeights::layers);
+  pybind11::class_<RoutedExperts, std::shared_ptr<RoutedExperts>>(mod, "RoutedExperts")
+      .def(pybind11::init<const at::Tensor&, int64_t, int64_t, const std::string&>(),
+           "router [experts, hidden] float32, top_k, expert ffn size, activation",
+           pybind11::arg("router"), pybind11::arg("top_k"), pybind11::arg("ffn"),
+           pybind11::arg("activation") = "silu")
+      .def_property_readonly("num_experts", &RoutedExperts::num_experts)
+      .def_property_readonly("top_k", &RoutedExperts::top_k)
+      .def("set_biases", &RoutedExperts::set_biases,
+           "router [E], gate_up [E, 2 ffn] and down [E, hidden] biases (gpt-oss)")
+      .def("set_shared", &RoutedExperts::set_shared,
+           "a shared expert: gate_up, down PackedLinears and its sigmoid gate [hidden]")
+      .def("set_top_p", &RoutedExperts::set_top_p,
+           "keep a token's experts up to this cumulative router weight (lossy below 1)")
+      .def("set_expert", &RoutedExperts::set_expert, "(id, gate_up, down PackedLinears)")
+      .def("drop_expert", &RoutedExperts::drop_expert, "empty an expert's slot")
+      .def("has_expert", &RoutedExperts::has_expert)
+      .def("set_provider", &RoutedExperts::set_provider,
+           "provider(needed ids, pilot's guess for the next layer) -> how many of needed "
+           "(a prefix) it put in their slots; None: every expert is resident")
+      .def("take_usage", &RoutedExperts::take_usage,
+           "[2, E] int64: tokens routed to and lookups of each expert since the last call")
+      .def("route", [](const RoutedExperts& r, const at::Tensor& h_in) {
+             const at::Tensor h = h_in.contiguous();
+             TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 &&
+                             h.size(1) == r.hidden(), "route: h must be float32 [T, hidden]");
+             const Routing out = r.route(h.data_ptr<float>(), h.size(0));
+             const auto opts = at::TensorOptions();
+             at::Tensor ids = at::empty({h.size(0), out.k}, opts.dtype(at::kInt));
+             at::Tensor w = at::empty({h.size(0), out.k}, opts.dtype(at::kFloat));
+             std::copy(out.choice.begin(), out.choice.end(), ids.data_ptr<int32_t>());
+             std::copy(out.weight.begin(), out.weight.end(), w.data_ptr<float>());
+             return std::make_tuple(ids, w);
+           }, "each token's experts (rank order, -1: dropped by top_p) and weights, of h [T, "
+              "hidden]")
+      .def("forward", [](RoutedExperts& r, const at::Tensor& h_in) {
+             const at::Tensor h = h_in.contiguous();
+             TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 &&
+                             h.size(1) == r.hidden(), "forward: h must be float32 [T, hidden]");
+             at::Tensor y = at::empty_like(h);
+             r.forward(h.data_ptr<float>(), h.size(0), y.data_ptr<float>(), {});
+             return y;
+           }, "the layer's experts of normed h [T, hidden]", release());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
-                          bool, double>(),
-           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps, neox, gelu, attn_scale",
+                          const std::string&, double>(),
+           "hidden, heads, kv_heads, head_dim, rope_dim, ffn, eps, neox, activation (silu, "
+           "gelu_tanh or swiglu_oai), attn_scale",
            pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
            pybind11::arg("head_dim"), pybind11::arg("rope_dim"), pybind11::arg("ffn"),
-           pybind11::arg("eps"), pybind11::arg("neox") = false, pybind11::arg("gelu") = false,
-           pybind11::arg("attn_scale") = 0.0)
+           pybind11::arg("eps"), pybind11::arg("neox") = false,
+           pybind11::arg("activation") = "silu", pybind11::arg("attn_scale") = 0.0)
       .def("set_block_options", &DecoderStack::set_block_options,
            "(pre_norms, qk_norm_full, residual_scale, attn_softcap) for every block")
       .def("set_attn_temperature", &DecoderStack::set_attn_temperature,
@@ -238,7 +288,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("set_attention", &DecoderStack::set_attention,
            "the last layer's sliding window (0: none) and RoPE table index")
       .def("add_layer", &DecoderStack::add_layer,
-           "attn_norm, ffn_norm, then the qkv, o, gate_up and down PackedLinears")
+           "attn_norm, ffn_norm, then the qkv, o, gate_up and down PackedLinears (gate_up and "
+           "down None: routed experts, given by set_experts)")
+      .def("set_experts", &DecoderStack::set_experts, "the last layer's RoutedExperts")
+      .def("set_attention_extras", &DecoderStack::set_attention_extras,
+           "the last layer's attention output bias [hidden] and sinks [heads] (empty: none)")
+      .def("set_pilot", &DecoderStack::set_pilot,
+           "guess each streamed layer's experts one layer ahead, for its provider")
       .def("set_qkv_bias", &DecoderStack::set_qkv_bias, "the last layer's Q/K/V biases")
       .def("set_qk_norm", &DecoderStack::set_qk_norm,
            "the last layer's per-head q and k RMSNorm weights")

@@ -17,6 +17,7 @@ in the pool it is given.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,15 @@ from ember.models.layers.rope import (
     rope_key,
     rope_keys,
 )
-from ember.models.linear import Embedding, Linear, QuantLinear, WeightFormat, load_dense
+from ember.models.linear import (
+    PACKED_TYPES,
+    Embedding,
+    Linear,
+    QuantLinear,
+    WeightArena,
+    WeightFormat,
+    load_dense,
+)
 from ember.models.moe import (
     ExpertBiases,
     ExpertStore,
@@ -49,6 +58,7 @@ from ember.models.moe import (
     SharedExpert,
     StreamedExperts,
     expert_slices,
+    native_experts,
 )
 
 log = logging.getLogger(__name__)
@@ -80,42 +90,56 @@ class DecoderLayer:
 
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
-    option of the shared block (llama, Qwen 2/3, Gemma 3) — not routed experts, sinks,
-    an output bias or OpenAI's SwiGLU (gpt-oss's, whose layers are MoE anyway), nor
-    recurrent layers or gated attention outputs (Qwen 3.5)."""
-    return not (cfg.n_experts or cfg.attn_sinks or cfg.attn_out_bias or cfg.recurrent
-                or cfg.attn_output_gate or cfg.activation not in ("silu", "gelu_tanh"))
+    option of the shared block (llama, Qwen 2/3, Gemma 3), routed experts (Qwen3-MoE,
+    gpt-oss with its sinks, output bias and OpenAI's SwiGLU) — not recurrent layers or
+    gated attention outputs (Qwen 3.5)."""
+    return not (cfg.recurrent or cfg.attn_output_gate
+                or cfg.activation not in ("silu", "gelu_tanh", "swiglu_oai"))
 
 
 def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
     """The layers as one native ``DecoderStack`` (ember/kernels/fused_decoder.h) when
-    the stack implements the configuration, every projection is a packed quantized
-    matrix and the kernel is built; else None. ``ext``: the compiled extension to
-    build it with (default: this machine's)."""
+    the stack implements the configuration, every projection (every expert too) is a
+    packed quantized matrix and the kernel is built; else None. ``ext``: the compiled
+    extension to build it with (default: this machine's)."""
     if not layers or not native_stack_supports(cfg):
         return None
-    linears = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
-    if not all(
-            isinstance(p, QuantLinear) for ps in linears for p in ps):
+    linears = [[layer.qkv, layer.o] + ([] if layer.moe else [layer.gate_up, layer.down])
+               for layer in layers]
+    if not all(isinstance(p, QuantLinear) for ps in linears for p in ps) or not all(
+            layer.moe.store.packed for layer in layers if layer.moe is not None):
         return None
     ext = ext or kernels.quant_matmul()
     if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
         return None
+    # a stack of routed layers only: its dense FFN scratch is the experts' width
+    ffn = cfg.expert_ffn_size if cfg.n_experts else cfg.ffn_size
     stack = ext.DecoderStack(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.rope_dim, cfg.ffn_size, cfg.norm_eps, cfg.rope_neox,
-                             cfg.activation == "gelu_tanh", cfg.softmax_scale)
+                             cfg.rope_dim, ffn, cfg.norm_eps, cfg.rope_neox,
+                             cfg.activation, cfg.softmax_scale)
     stack.set_block_options(cfg.pre_norms, cfg.qk_norm_full, cfg.residual_scale,
                             cfg.attn_softcap)
     if cfg.attn_temperature_scale:
         stack.set_attn_temperature(cfg.attn_temperature_scale, cfg.attn_temperature_floor)
     ropes = rope_keys(cfg)
     none = torch.empty(0)
+    pilot = False
     for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
         # the stack's own handles on the packed bytes (shared, not copied): ``ext`` may
         # be another build of the kernels than the one that packed them
+        packed = [ext.PackedLinear(p.in_features, p.packed.segments) for p in parts]
         stack.add_layer(none if layer.attn_norm is None else layer.attn_norm,
                         none if layer.ffn_norm is None else layer.ffn_norm,
-                        *(ext.PackedLinear(p.in_features, p.packed.segments) for p in parts))
+                        *(packed if layer.moe is None else [*packed, None, None]))
+        if layer.moe is not None:
+            routed = native_experts(ext, layer.moe, cfg.expert_ffn_size, cfg.activation)
+            if routed is None:
+                return None
+            stack.set_experts(routed)
+            pilot = pilot or (layer.moe.store.streamed and layer.moe.store.pilot)
+        if layer.o_bias is not None or layer.sinks is not None:
+            stack.set_attention_extras(none if layer.o_bias is None else layer.o_bias,
+                                       none if layer.sinks is None else layer.sinks)
         kind = cfg.layer_attention(i)
         stack.set_attention(kind.window or 0, ropes.index(rope_key(kind)))
         if layer.post_attn_norm is not None and layer.post_ffn_norm is not None:
@@ -124,6 +148,7 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
             stack.set_qkv_bias(layer.qkv_bias)
         if layer.q_norm is not None and layer.k_norm is not None:
             stack.set_qk_norm(layer.q_norm, layer.k_norm)
+    stack.set_pilot(pilot)
     return stack
 
 
@@ -146,10 +171,11 @@ def _optional(gguf: GGUFFile, name: str, wanted: bool) -> torch.Tensor | None:
 
 
 def load_ffn(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
-             experts: ExpertStore | None = None
+             experts: ExpertStore | None = None, moe_top_p: float = 1.0
              ) -> tuple[Linear | None, Linear | None, MoEFeedForward | None]:
     """Layer ``i``'s feed-forward part: ``(gate_up, down, None)``, or ``(None, None,
-    moe)`` routed over ``experts`` in a mixture-of-experts model."""
+    moe)`` routed over ``experts`` in a mixture-of-experts model (``moe_top_p`` < 1:
+    each token's experts cut at that cumulative weight, lossy)."""
     p = f"blk.{i}."
     if experts is None:
         gate_up = fmt.linear(gguf, _names(gguf, p, "ffn_gate_up"))
@@ -172,18 +198,18 @@ def load_ffn(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
             load_dense(gguf, p + "ffn_gate_inp_shexp.weight").reshape(-1))
     return None, None, MoEFeedForward(load_dense(gguf, p + "ffn_gate_inp.weight"), experts,
                                       i, cfg.n_experts_used, GLUS[cfg.activation], biases,
-                                      shared)
+                                      shared, moe_top_p)
 
 
 def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
-               experts: ExpertStore | None = None) -> DecoderLayer:
+               experts: ExpertStore | None = None, moe_top_p: float = 1.0) -> DecoderLayer:
     """Layer ``i``'s weights, with the optional tensors the configuration asks for
     (its FFN routed over ``experts`` in a mixture-of-experts model)."""
     p = f"blk.{i}."
     bias = None
     if cfg.qkv_bias:
         bias = torch.cat([load_dense(gguf, p + f"attn_{x}.bias") for x in "qkv"])
-    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts)
+    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts, moe_top_p)
     return DecoderLayer(
         attn_norm=_optional(gguf, p + "attn_norm.weight", cfg.pre_norms),
         qkv=fmt.linear(gguf, _names(gguf, p, "attn_qkv")),
@@ -206,9 +232,15 @@ def expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions) -> ExpertStore:
     slices = [expert_slices(gguf, i) for i in range(cfg.n_layers)]
     if moe.stream:
+        packed = fmt.name == "q4" and all(
+            t.ggml_type in PACKED_TYPES for s in slices for t in (s.gate, s.up, s.down))
         return StreamedExperts(gguf.path, slices, fmt.linear_from_raw, moe.cache_bytes,
-                               identity=gguf.identity)
-    return ResidentExperts(gguf, slices, fmt.linear_from_raw)
+                               identity=gguf.identity, packed=packed, pilot=moe.pilot)
+    build = fmt.linear_from_raw
+    if fmt.name == "q4":  # resident experts are streamed every step like any weight: huge pages
+        arena = WeightArena.for_tensors(t for s in slices for t in (s.gate, s.up, s.down))
+        build = functools.partial(fmt.linear_from_raw, alloc=arena)
+    return ResidentExperts(gguf, slices, build)
 
 
 class DecoderModel:
@@ -246,10 +278,11 @@ class DecoderModel:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions | None = None) -> DecoderModel:
-        experts = expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
+        moe = moe or MoEOptions()
+        experts = expert_store(gguf, cfg, fmt, moe) if cfg.n_experts else None
         layers = []
         for i in range(cfg.n_layers):
-            layers.append(load_layer(gguf, cfg, fmt, i, experts))
+            layers.append(load_layer(gguf, cfg, fmt, i, experts, moe.top_p))
             # the layer is in its own tensors now: its file pages need not stay resident
             # (loading then never holds the whole file and every packed copy at once)
             gguf.release_pages()
@@ -263,10 +296,9 @@ class DecoderModel:
                     freq_factors, norm_for(fmt.name), experts)
         if fmt.name == "q4" and not model.batch_invariant:
             log.warning("%s: not every projection and the output head have a packed "
-                        "layout here (tensors of other types stay dense f32; routed "
-                        "experts run op by op), so q4 runs (partly) op by op and a "
-                        "request's logits may differ slightly with the batch (tokens "
-                        "only at near-ties)",
+                        "layout here (tensors of other types stay dense f32), so q4 runs "
+                        "(partly) op by op and a request's logits may differ slightly with "
+                        "the batch (tokens only at near-ties)",
                         gguf.path.name)
         return model
 
@@ -324,7 +356,11 @@ class DecoderModel:
         x = self.embed(tokens)
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
-        x = self.decode_layers(x, batch, kv)
+        try:
+            x = self.decode_layers(x, batch, kv)
+        finally:
+            if self.experts is not None:
+                self.experts.end_step()
         rows = x[batch.row_ends if logits_index is None else logits_index]
         logits = self.output(self.norm(rows, self.output_norm, c.norm_eps))
         if c.logit_scale != 1.0:

@@ -7,9 +7,9 @@ One walk over a :class:`~ember.models.decoder.DecoderModel` gives both:
   output head, and the embedding table where it is resident on its own (a dense
   table; a table tied to a packed head shares the head's bytes; a quantized table
   read row by row from the file mapping holds none). The engine logs it at startup.
-- :func:`step_weight_bytes`: what a decode step reads in full — the same without the
-  embedding (a step looks up one row per token) and without routed experts (a step
-  reads only the ones it routes to). ``ember bench compare`` sets it against
+- :func:`step_weight_bytes`: what a one-token decode step reads — the same without the
+  embedding (a step looks up one row per token), and of the routed experts only the
+  ``k`` each layer routes the token to. ``ember bench compare`` sets it against
   llama.cpp's bytes per step and the memory bandwidth.
 """
 
@@ -23,11 +23,13 @@ import torch
 
 
 def _parts(model: Any) -> dict[str, int]:
-    """Bytes by part: ``step`` (read in full every step), ``embedding``, ``experts``."""
+    """Bytes by part: ``step`` (read in full every step), ``embedding``, ``experts`` (all
+    built), ``routed`` (the experts one token reads: k per layer)."""
     from ember.models.linear import linear_nbytes
     from ember.models.moe import MoEFeedForward
 
     step = model.output_norm.nbytes + linear_nbytes(model.output)
+    routed = 0
     for layer in model.layers:  # every kind of layer: its tensors, linears and router
         for part in dataclasses.fields(layer):
             value = getattr(layer, part.name)
@@ -35,6 +37,7 @@ def _parts(model: Any) -> dict[str, int]:
                 step += value.nbytes
             elif isinstance(value, MoEFeedForward):
                 step += value.router.nbytes
+                routed += value.top_k * value.store.expert_nbytes(value.layer)
                 if value.shared is not None:
                     step += value.shared.gate.nbytes + sum(
                         linear_nbytes(x) for x in (value.shared.gate_up, value.shared.down))
@@ -46,18 +49,21 @@ def _parts(model: Any) -> dict[str, int]:
               and table.untyped_storage().data_ptr() == head.untyped_storage().data_ptr())
     embedding = table.nbytes if isinstance(table, torch.Tensor) and not shared else 0
     experts = model.experts.cached_bytes if model.experts is not None else 0
-    return {"step": step, "embedding": embedding, "experts": experts}
+    return {"step": step, "embedding": embedding, "experts": experts, "routed": routed}
 
 
 def weight_bytes(model: Any) -> int:
     """Bytes the model's weights hold in memory (see the module doc)."""
-    return sum(_parts(model).values())
+    parts = _parts(model)
+    return parts["step"] + parts["embedding"] + parts["experts"]
 
 
 def step_weight_bytes(model: Any) -> int:
-    """Weight bytes a decode step reads in full: every layer's linears and norm vectors,
-    the final norm and the output head (not the embedding table, not routed experts)."""
-    return _parts(model)["step"]
+    """Weight bytes a one-token decode step reads: every layer's linears and norm
+    vectors, the k experts it routes to in each routed layer, the final norm and the
+    output head (not the embedding table)."""
+    parts = _parts(model)
+    return parts["step"] + parts["routed"]
 
 
 def process_rss() -> int | None:

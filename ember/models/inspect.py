@@ -100,15 +100,16 @@ def _native(config: ModelConfig | None, tensors: dict[str, Any]) -> dict[str, An
         return {"fused_stack": False, "why": "the architecture is refused"}
     if not native_stack_supports(config):
         what = ("recurrent (linear attention) layers" if config.recurrent else
-                "routed experts")
+                "gated attention outputs")
         return {"fused_stack": False, "why": f"{what} run op by op"}
     dense = sorted(t for t, e in tensors.items()
                    if e["runs"] != "packed, native kernels" and t != "F32")
     if dense:
         return {"fused_stack": False, "why": f"{', '.join(dense)} tensors have no packed "
                 "layout (F32/F16/BF16 and these run op by op)"}
+    routed = " (routed experts too, grouped per expert)" if config.n_experts else ""
     return {"fused_stack": True, "why": "every block option of the family and every "
-            "matrix type runs in one native call per step (with --weights q4)"}
+            f"matrix type runs in one native call per step{routed} (with --weights q4)"}
 
 
 def _text(tokenizer: Tokenizer, token: int | None) -> str | None:

@@ -15,7 +15,7 @@ tensor type dense f32.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 from typing import Protocol
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ember import kernels
 from ember.errors import UnsupportedModelError
-from ember.models.gguf import GGMLType, GGUFFile
+from ember.models.gguf import GGMLType, GGUFFile, TensorInfo
 from ember.models.quant import block_view, dequantize
 
 
@@ -103,8 +103,11 @@ class WeightFormat(Protocol):
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear: ...
 
-    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
-        """The same, from raw GGUF bytes already in hand (e.g. an expert read from disk)."""
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str],
+                        alloc: Callable[[int], torch.Tensor] | None = None) -> Linear:
+        """The same, from raw GGUF bytes already in hand (e.g. an expert read from disk);
+        ``alloc(nbytes)``: where packed bytes go (a :class:`WeightArena`; default: tensors
+        of their own, for weights that come and go)."""
         ...
 
     def embedding(self, gguf: GGUFFile, name: str, tied: bool = False) -> Embedding:
@@ -126,7 +129,8 @@ class DenseFormat:
         parts = [load_dense(gguf, n).to(self.dtype) for n in names]
         return DenseLinear(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
 
-    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str],
+                        alloc: Callable[[int], torch.Tensor] | None = None) -> Linear:
         dense = [dequantize(raw, t, shape, name=n).to(self.dtype)
                  for (raw, t, shape), n in zip(parts, names, strict=True)]
         return DenseLinear(dense[0] if len(dense) == 1 else torch.cat(dense, dim=0))
@@ -323,6 +327,18 @@ class WeightArena:
         self._buf = _kernels().huge_empty(capacity)
         self._used = 0
 
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[TensorInfo]) -> WeightArena:
+        """Room for every packable matrix (or stack of experts' matrices, [E, out, in])
+        among ``tensors``: their bytes, plus at most 63 per 16 rows and 63 per matrix
+        that packing and alignment add."""
+        total = 0
+        for t in tensors:
+            if t.ggml_type in PACKED_TYPES and len(t.shape) in (2, 3):
+                count = t.shape[0] if len(t.shape) == 3 else 1
+                total += t.nbytes + count * (-(-t.shape[-2] // 16) + 1) * cls.ALIGN
+        return cls(total)
+
     def __call__(self, nbytes: int) -> torch.Tensor:
         at = -(-self._used // self.ALIGN) * self.ALIGN
         if at + nbytes > self._buf.numel():
@@ -345,20 +361,20 @@ class QuantFormat:
         """A format whose weights from ``gguf`` share one huge-page arena: room for every
         packable tensor's bytes (packing adds at most 63 bytes per 16 rows, and 63 per
         matrix for alignment)."""
-        matrices = [t for t in gguf.tensors.values()
-                    if t.ggml_type in PACKED_TYPES and len(t.shape) == 2]
-        padding = sum((-(-t.shape[0] // 16) + 1) * 64 for t in matrices)
-        return QuantFormat(WeightArena(sum(t.nbytes for t in matrices) + padding))
+        return QuantFormat(WeightArena.for_tensors(
+            t for t in gguf.tensors.values() if len(t.shape) == 2))
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [(gguf.tensor_bytes(n), gguf.tensor(n).ggml_type, gguf.tensor(n).shape)
                  for n in names]
         return self._linear(parts, names, gguf.release_view, self._arena)
 
-    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str]) -> Linear:
-        # raw parts come from elsewhere (experts read from disk may come and go): never
-        # from the arena, whose bytes are only given back with the whole model
-        return self._linear(parts, names, None, None)
+    def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str],
+                        alloc: Callable[[int], torch.Tensor] | None = None) -> Linear:
+        # raw parts come from elsewhere (experts read from disk may come and go): not from
+        # the model's arena, whose bytes are only given back with the whole model, unless
+        # the caller gives one (resident experts: WeightArena.for_tensors)
+        return self._linear(parts, names, None, alloc)
 
     @staticmethod
     def _linear(parts: Sequence[RawPart], names: Sequence[str],

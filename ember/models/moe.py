@@ -8,6 +8,17 @@ once, on every token routed to it. GGUF stores a layer's experts as three 3-D
 tensors ``ffn_{gate,up,down}_exps`` ([E, out, in]); expert ``e`` is one contiguous
 slice of each.
 
+Two ways to run a layer: :class:`MoEFeedForward` here, op by op in PyTorch (the f32
+oracle), and, where every expert is packed (``--weights q4``), the fused native stack's
+routed experts (``ember/kernels/routed_experts.h``): routing, grouping and all active
+experts' products in native code, one parallel pass per projection. A store fills the
+native layer's slots (:meth:`ExpertStore.attach`) and drains its usage counts after
+each step (:meth:`ExpertStore.end_step`).
+
+``--moe-expert-top-p F`` (< 1) keeps each token's highest-weighted experts only up to
+cumulative weight F and renormalises them: fewer experts read per token, and a
+*different* answer. It is the one knowingly lossy knob here; F = 1 is exact.
+
 Where experts come from is a store's business, and the arithmetic does not depend on
 it (streamed == resident, bitwise):
 
@@ -23,6 +34,11 @@ it (streamed == resident, bitwise):
   recorded on its first read and checked on every later one, and a short read is an
   error: a changed, truncated or corrupt file fails the step with an error naming
   the expert, never a wrong answer.
+- The pilot (``--moe-pilot``, on with ``--moe-stream`` in the native stack): after a
+  layer's attention, the next layer's router is applied to the stream and the experts
+  it picks are read by the pilot's own I/O thread while this layer computes. A guess
+  only decides what is read early, never what is computed; its recall (the share of
+  the experts a layer needed that were guessed) is counted.
 
 The usage histogram (tokens routed to each expert) and the checksums are saved
 beside the model (``MODEL.gguf.experts.json``, written to a temporary file, fsynced
@@ -43,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -52,7 +68,7 @@ import torch.nn.functional as F
 from ember.errors import EmberError
 from ember.models.gguf import GGUFFile, TensorInfo, file_identity
 from ember.models.layers.mlp import GLU
-from ember.models.linear import Linear, linear_nbytes
+from ember.models.linear import Linear, QuantLinear, linear_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +76,7 @@ HISTOGRAM_SUFFIX = ".experts.json"
 PINNED_SHARE = 0.5  # of the cache budget, for the hottest experts of earlier runs
 IO_THREADS = 2
 READ_AHEAD = IO_THREADS + 1  # misses read (and built) ahead of the one being computed
+PILOT_READS = 16  # at most this many guessed experts read ahead per layer
 SAVE_EVERY = 256  # steps between histogram saves (and at close)
 
 BuildExpert = Callable[[list[tuple[np.ndarray, int, tuple[int, ...]]], list[str]], Linear]
@@ -67,10 +84,16 @@ BuildExpert = Callable[[list[tuple[np.ndarray, int, tuple[int, ...]]], list[str]
 
 @dataclass(frozen=True)
 class MoEOptions:
-    """How a mixture-of-experts model keeps its experts (``--moe-stream``)."""
+    """How a mixture-of-experts model keeps and routes its experts."""
 
     stream: bool = False  # page experts from the file instead of loading them all
     cache_bytes: int = 1024**3  # the streamed store's budget (pinned + LRU)
+    pilot: bool = True  # streamed: read the next layer's guessed experts ahead
+    top_p: float = 1.0  # < 1: each token's experts up to this cumulative weight (lossy)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"moe top_p must be in (0, 1], got {self.top_p}")
 
 
 class ExpertReadError(EmberError):
@@ -124,37 +147,107 @@ def build_expert(build: BuildExpert, slices: ExpertSlices, e: int,
 class MoEStats:
     pinned_hits: int = 0
     lru_hits: int = 0
-    misses: int = 0
+    misses: int = 0  # read from the file (by the pilot ahead of time, or when needed)
     bytes_read: int = 0
     read_seconds: float = 0.0
     tokens_routed: int = 0
+    pilot_needed: int = 0  # experts needed by layers the pilot had guessed for
+    pilot_guessed: int = 0  # of those, guessed
+    pilot_reads: int = 0  # experts the pilot read ahead
+    pilot_used: int = 0  # of those, needed when their layer came
 
     @property
     def hit_rate(self) -> float:
         looked_up = self.pinned_hits + self.lru_hits + self.misses
         return (self.pinned_hits + self.lru_hits) / looked_up if looked_up else 1.0
 
-    def as_dict(self) -> dict[str, float]:
+    @property
+    def pilot_recall(self) -> float | None:
+        """Share of the experts layers needed that the pilot had guessed (None: no guess)."""
+        return self.pilot_guessed / self.pilot_needed if self.pilot_needed else None
+
+    def as_dict(self) -> dict[str, float | None]:
         return {"pinned_hits": self.pinned_hits, "lru_hits": self.lru_hits,
                 "misses": self.misses, "bytes_read": self.bytes_read,
                 "read_seconds": round(self.read_seconds, 6), "hit_rate": self.hit_rate,
-                "tokens_routed": self.tokens_routed}
+                "tokens_routed": self.tokens_routed, "pilot_recall": self.pilot_recall,
+                "pilot_reads": self.pilot_reads, "pilot_used": self.pilot_used}
+
+
+# The native kernels' handle on a layer's experts (ember/kernels/routed_experts.h's
+# RoutedExperts), and how a QuantLinear becomes the PackedLinear of that build.
+NativeExperts = Any
+Wrap = Callable[[Linear], Any]
 
 
 class ExpertStore(Protocol):
     stats: MoEStats
+    layers: list[ExpertSlices]  # where each layer's experts lie in the file
     streamed: bool
+    packed: bool  # every expert is packed for the native kernels (q4): attach works
     cached_bytes: int  # resident bytes of built experts
 
     def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]: ...
 
     def record(self, layer: int, counts: dict[int, int]) -> None: ...
 
+    def expert_nbytes(self, layer: int) -> int:
+        """Bytes one built expert of ``layer`` holds (and a step reads)."""
+        ...
+
+    def attach(self, layer: int, native: NativeExperts, wrap: Wrap) -> None:
+        """Let a native stack's layer compute with this store's experts: fill its slots
+        (resident), or fill what is cached and provide the rest on demand (streamed)."""
+        ...
+
     def begin_step(self) -> None: ...
+
+    def end_step(self) -> None:
+        """After a step: the native layers' usage counts into the histogram and stats."""
+        ...
 
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class _Attached:
+    """The native layers computing with a store's experts (several stacks may, e.g. two
+    builds of the kernels in the tests), per model layer."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers: list[list[tuple[NativeExperts, Wrap]]] = [[] for _ in range(n_layers)]
+
+    def add(self, layer: int, native: NativeExperts, wrap: Wrap) -> None:
+        self.layers[layer].append((native, wrap))
+
+    def set(self, layer: int, e: int, expert: Expert) -> None:
+        for native, wrap in self.layers[layer]:
+            native.set_expert(e, wrap(expert.gate_up), wrap(expert.down))
+
+    def drop(self, layer: int, e: int) -> None:
+        for native, _ in self.layers[layer]:
+            native.drop_expert(e)
+
+    def drain(self, record: Callable[[int, dict[int, int]], None]) -> int:
+        """Each layer's routed-token counts since the last drain, to ``record`` (in layer
+        order); returns the expert lookups counted."""
+        lookups = 0
+        for layer, natives in enumerate(self.layers):
+            counts: dict[int, int] = {}
+            for native, _ in natives:
+                usage = native.take_usage()
+                for e in usage[0].nonzero().flatten().tolist():
+                    counts[e] = counts.get(e, 0) + int(usage[0, e])
+                lookups += int(usage[1].sum())
+            if natives:
+                record(layer, counts)
+        return lookups
+
+    def clear(self) -> None:
+        for natives in self.layers:
+            for native, _ in natives:
+                native.set_provider(None)
 
 
 class ResidentExperts:
@@ -165,6 +258,7 @@ class ResidentExperts:
     def __init__(self, gguf: GGUFFile, layers: Sequence[ExpertSlices], build: BuildExpert
                  ) -> None:
         _return_large_frees_to_the_os()  # building leaves large transient copies behind
+        self.layers = list(layers)
         self.experts: list[list[Expert]] = []
         for slices in layers:
             built = []
@@ -175,6 +269,9 @@ class ResidentExperts:
             gguf.release_pages()
         self.stats = MoEStats()
         self.cached_bytes = sum(x.nbytes for layer in self.experts for x in layer)
+        self.packed = all(isinstance(x.gate_up, QuantLinear) and isinstance(x.down, QuantLinear)
+                          for layer in self.experts for x in layer)
+        self._attached = _Attached(len(self.experts))
 
     def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]:
         self.stats.pinned_hits += len(ids)
@@ -183,8 +280,19 @@ class ResidentExperts:
     def record(self, layer: int, counts: dict[int, int]) -> None:
         self.stats.tokens_routed += sum(counts.values())
 
+    def expert_nbytes(self, layer: int) -> int:
+        return self.experts[layer][0].nbytes
+
+    def attach(self, layer: int, native: NativeExperts, wrap: Wrap) -> None:
+        self._attached.add(layer, native, wrap)
+        for e, expert in enumerate(self.experts[layer]):
+            self._attached.set(layer, e, expert)
+
     def begin_step(self) -> None:
         pass
+
+    def end_step(self) -> None:
+        self.stats.pinned_hits += self._attached.drain(self.record)
 
     def flush(self) -> None:
         pass
@@ -205,11 +313,14 @@ class StreamedExperts:
     streamed = True
 
     def __init__(self, path: Path, layers: Sequence[ExpertSlices], build: BuildExpert,
-                 cache_bytes: int, identity: tuple[int, ...] | None = None) -> None:
+                 cache_bytes: int, identity: tuple[int, ...] | None = None,
+                 packed: bool = False, pilot: bool = True) -> None:
         """``identity``: the parsed file's (:func:`~ember.models.gguf.file_identity`); the
-        slices' offsets are that file's, so reading another is refused."""
+        slices' offsets are that file's, so reading another is refused. ``packed``:
+        ``build`` makes packed experts (q4), so native stacks may ``attach``; ``pilot``:
+        read the experts a native stack guesses for the next layer ahead."""
         self.path, self.layers, self.build = Path(path), list(layers), build
-        self.cache_bytes = cache_bytes
+        self.cache_bytes, self.packed, self.pilot = cache_bytes, packed, pilot
         self.stats = MoEStats()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._identity = file_identity(os.fstat(self._fd))
@@ -220,6 +331,8 @@ class StreamedExperts:
         self._buffers = threading.local()  # each I/O thread's read buffers, reused
         _return_large_frees_to_the_os()
         self._hinter = ThreadPoolExecutor(1, thread_name_prefix="ember-moe-hint")
+        # the pilot's reads have a thread of their own: a wrong guess never delays a miss
+        self._pilot_io = ThreadPoolExecutor(1, thread_name_prefix="ember-moe-pilot")
         self._lock = threading.Lock()
         self._sidecar = Path(str(self.path) + HISTOGRAM_SUFFIX)
         self.histogram, self._crc = self._load_sidecar()
@@ -230,6 +343,13 @@ class StreamedExperts:
         pinned = sum(x.nbytes for x in self.pinned.values())
         self._layer_budget = max(0, cache_bytes - pinned) // max(1, len(self.layers))
         self._caches = [_LayerCache() for _ in self.layers]
+        # the native stacks' side (attach): reads in flight (by the pilot?), the pilot's
+        # guesses by layer, experts in slots only for the chunk being computed
+        self._attached = _Attached(len(self.layers))
+        self._reads: dict[tuple[int, int], tuple[Future[Expert], bool]] = {}
+        self._guesses: dict[int, set[int]] = {}
+        self._transient: list[tuple[int, int]] = []
+        self._current_layer = -1
 
     # ------------------------------------------------------------ sidecar file
     def _load_sidecar(self) -> tuple[list[list[int]], dict[tuple[int, int], int]]:
@@ -388,19 +508,124 @@ class StreamedExperts:
                 continue
             expert = pending.pop(e).result()
             read_ahead()
-            self._admit(cache, e, expert, keep)
+            self._admit(layer, e, expert, keep)
             yield e, expert
 
-    def _admit(self, cache: _LayerCache, e: int, expert: Expert, keep: set[int]) -> None:
+    def _admit(self, layer: int, e: int, expert: Expert, keep: set[int]) -> bool:
         """Cache ``expert`` if the layer's share allows, evicting least recently used
-        experts this step does not need; else it serves this step only."""
+        experts this step does not need (and emptying their native slots); else it
+        serves this step only (False)."""
+        cache = self._caches[layer]
         while cache.nbytes + expert.nbytes > self._layer_budget:
             victim = next((v for v in cache.lru if v not in keep), None)
             if victim is None:
-                return
+                return False
             cache.nbytes -= cache.lru.pop(victim).nbytes
+            self._attached.drop(layer, victim)
         cache.lru[e] = expert
         cache.nbytes += expert.nbytes
+        self._attached.set(layer, e, expert)
+        return True
+
+    def expert_nbytes(self, layer: int) -> int:
+        """A built expert's bytes where one of the layer is built, else its file bytes
+        (what a packed expert holds, to 63 bytes per 16 rows)."""
+        built = next(iter(self._caches[layer].lru.values()), None) or next(
+            (x for (at, _), x in self.pinned.items() if at == layer), None)
+        return built.nbytes if built is not None else self.layers[layer].expert_bytes
+
+    # ------------------------------------------------------------ native stacks
+    def attach(self, layer: int, native: NativeExperts, wrap: Wrap) -> None:
+        self._attached.add(layer, native, wrap)
+        held = [(e, x) for (at, e), x in self.pinned.items() if at == layer]
+        for e, expert in [*held, *self._caches[layer].lru.items()]:
+            native.set_expert(e, wrap(expert.gate_up), wrap(expert.down))
+        native.set_provider(lambda needed, guess, layer=layer: self._provide(layer, needed, guess))
+
+    def _provide(self, layer: int, needed: list[int], guess: list[int]) -> int:
+        """A native layer needs experts ``needed`` (ascending): put a prefix of them in
+        its slots and say how many. Cached ones cost nothing; misses are read by the I/O
+        threads, ``READ_AHEAD`` at a time; those the layer's cache cannot keep fill the
+        slots only until the next call, at most ``READ_AHEAD`` of them at once, so a
+        prefill routing to every expert never holds the whole layer. ``guess``: the
+        pilot's experts for the next layer, read ahead on its own thread."""
+        self._drop_transient()
+        if layer != self._current_layer:  # the layer's first chunk
+            self._current_layer = layer
+            self._last_used[layer] = list(needed)
+            self._score_guess(layer, needed)
+        if guess and self.pilot and layer + 1 < len(self.layers):
+            self._guess(layer + 1, guess)
+        cache, keep = self._caches[layer], set(needed)
+        misses = [e for e in needed if (layer, e) not in self.pinned and e not in cache.lru]
+        for e in misses[:READ_AHEAD]:
+            self._read_async(layer, e)
+        ahead, done, held = READ_AHEAD, 0, 0
+        for e in needed:
+            done += 1
+            if (layer, e) in self.pinned:
+                self.stats.pinned_hits += 1
+                continue
+            if e in cache.lru:
+                cache.lru.move_to_end(e)
+                self.stats.lru_hits += 1
+                continue
+            self.stats.misses += 1
+            future, by_pilot = self._reads.pop((layer, e))
+            self.stats.pilot_used += by_pilot
+            expert = future.result()
+            if ahead < len(misses):
+                self._read_async(layer, misses[ahead])
+                ahead += 1
+            if not self._admit(layer, e, expert, keep):
+                self._attached.set(layer, e, expert)
+                self._transient.append((layer, e))
+                held += 1
+                if held >= READ_AHEAD:
+                    break
+        return done
+
+    def _read_async(self, layer: int, e: int) -> None:
+        if (layer, e) not in self._reads:
+            self._reads[(layer, e)] = (self._io.submit(self._read, layer, e), False)
+
+    def _guess(self, layer: int, ids: list[int]) -> None:
+        """The pilot's guess for ``layer`` (most likely first): read what is not cached."""
+        self._guesses[layer] = set(ids)
+        cache = self._caches[layer]
+        for e in ids[:PILOT_READS]:
+            if (layer, e) in self.pinned or e in cache.lru or (layer, e) in self._reads:
+                continue
+            self._reads[(layer, e)] = (self._pilot_io.submit(self._read, layer, e), True)
+            self.stats.pilot_reads += 1
+
+    def _score_guess(self, layer: int, needed: list[int]) -> None:
+        """Count the guess for ``layer`` against what it needs; drop wrong guesses' reads."""
+        guess = self._guesses.pop(layer, None)
+        if guess is None:
+            return
+        want = set(needed)
+        self.stats.pilot_needed += len(want)
+        self.stats.pilot_guessed += len(want & guess)
+        for e in guess - want:
+            read = self._reads.pop((layer, e), None)
+            if read is not None:
+                read[0].cancel()
+
+    def _drop_transient(self) -> None:
+        for layer, e in self._transient:
+            if e not in self._caches[layer].lru:
+                self._attached.drop(layer, e)
+        self._transient.clear()
+
+    def end_step(self) -> None:
+        self._attached.drain(self.record)
+        self._drop_transient()
+        for future, _ in self._reads.values():  # guesses for layers never reached
+            future.cancel()
+        self._reads.clear()
+        self._guesses.clear()
+        self._current_layer = -1
 
     def record(self, layer: int, counts: dict[int, int]) -> None:
         with self._lock:
@@ -426,9 +651,11 @@ class StreamedExperts:
         """Save, stop the threads, close the file (the store is unusable after)."""
         if self._fd < 0:
             return
+        self._attached.clear()  # the providers hold this store
         self.save()
         self._hinter.shutdown(wait=True)  # before the fd number can be reused
         self._io.shutdown(wait=True)
+        self._pilot_io.shutdown(wait=True)
         os.close(self._fd)
         self._fd = -1
 
@@ -477,18 +704,31 @@ class MoEFeedForward:
 
     def __init__(self, router: torch.Tensor, store: ExpertStore, layer: int, top_k: int,
                  glu: GLU, biases: ExpertBiases | None = None,
-                 shared: SharedExpert | None = None) -> None:
+                 shared: SharedExpert | None = None, top_p: float = 1.0) -> None:
         self.router = router  # [E, hidden] float32: routing stays exact in every format
         self.store, self.layer, self.top_k, self.glu = store, layer, top_k, glu
-        self.biases, self.shared = biases, shared
+        self.biases, self.shared, self.top_p = biases, shared, top_p
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, k] (by weight, descending; -1: cut by top_p) and
+        their weights [T, k] (summing to one)."""
         b = self.biases
         probs = torch.softmax(F.linear(h, self.router, None if b is None else b.router), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.top_p < 1:  # lossy: each token's experts up to cumulative weight top_p
+            keep = weights.cumsum(dim=-1) - weights < self.top_p
+            weights = weights * keep
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            chosen = chosen.masked_fill(~keep, -1)
+        return chosen, weights
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        b = self.biases
+        chosen, weights = self.route(h)
         used, counts = chosen.unique(return_counts=True)
-        ids = used.tolist()
+        counts = counts[used >= 0]
+        ids = used[used >= 0].tolist()
         self.store.record(self.layer, dict(zip(ids, counts.tolist(), strict=True)))
         out = torch.zeros_like(h)
         # ascending expert id (unique() sorts): a token's sum has a fixed order
@@ -506,6 +746,29 @@ class MoEFeedForward:
             y = s.down(self.glu(*s.gate_up(h).chunk(2, dim=-1)))
             out = out + torch.sigmoid(h @ s.gate)[:, None] * y
         return out
+
+
+def native_experts(ext: Any, moe: MoEFeedForward, ffn: int, activation: str
+                   ) -> NativeExperts | None:
+    """``moe`` as the native stack's routed-experts layer of build ``ext``, computing with
+    its store's experts; None where they are not all packed (or the shared expert is not)."""
+    def wrap(linear: Linear) -> Any:
+        return ext.PackedLinear(linear.in_features, linear.packed.segments)  # shares bytes
+
+    shared = moe.shared
+    if not moe.store.packed or (shared is not None and not (
+            isinstance(shared.gate_up, QuantLinear) and isinstance(shared.down, QuantLinear))):
+        return None
+    native = ext.RoutedExperts(moe.router.contiguous(), moe.top_k, ffn, activation)
+    if moe.biases is not None:
+        b = moe.biases
+        native.set_biases(b.router.contiguous(), b.gate_up.contiguous(), b.down.contiguous())
+    if shared is not None:
+        native.set_shared(wrap(shared.gate_up), wrap(shared.down), shared.gate.contiguous())
+    if moe.top_p < 1:
+        native.set_top_p(moe.top_p)
+    moe.store.attach(moe.layer, native, wrap)
+    return native
 
 
 def expert_slices(gguf: GGUFFile, layer: int) -> ExpertSlices:

@@ -105,7 +105,8 @@ class DeltaNetLayer:
 
 
 def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
-                         experts: ExpertStore | None = None) -> DeltaNetLayer:
+                         experts: ExpertStore | None = None,
+                         moe_top_p: float = 1.0) -> DeltaNetLayer:
     p = f"blk.{i}."
     shape = cfg.delta_net
     assert shape is not None
@@ -114,7 +115,7 @@ def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i:
         raise UnsupportedModelError(f"{gguf.path.name}: {p}ssm_conv1d.weight is "
                                     f"{tuple(conv.shape)}, expected "
                                     f"({shape.channels}, {shape.conv})")
-    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts)
+    gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts, moe_top_p)
     return DeltaNetLayer(
         attn_norm=load_dense(gguf, p + "attn_norm.weight"),
         qkv=fmt.linear(gguf, [p + "attn_qkv.weight"]),
@@ -165,11 +166,12 @@ class Qwen35Model(DecoderModel):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions | None = None) -> DecoderModel:
-        experts = expert_store(gguf, cfg, fmt, moe or MoEOptions()) if cfg.n_experts else None
+        moe = moe or MoEOptions()
+        experts = expert_store(gguf, cfg, fmt, moe) if cfg.n_experts else None
         layers: list[Any] = []
         for i in range(cfg.n_layers):
             load = load_delta_net_layer if cfg.recurrent_layers[i] else load_layer
-            layers.append(load(gguf, cfg, fmt, i, experts))
+            layers.append(load(gguf, cfg, fmt, i, experts, moe.top_p))
             gguf.release_pages()
         embed = fmt.embedding(gguf, "token_embd.weight", tied=cfg.tied_embeddings)
         tied = embed.tied_linear() if cfg.tied_embeddings else None
