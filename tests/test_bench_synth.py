@@ -3,13 +3,17 @@ random-weight models that load, run and tokenize like the real ones.
 
 Oracles: the writer is read back by ember's reader and by gguf-py's ``GGUFReader``;
 the type policy is checked against expectations worked out here from llama.cpp's
-rules (src/llama-quant.cpp) as literal layer sets, and against the real Gemma 3 270M
-Q4_K_M file that llama-quantize wrote; the models against SmolLM2's tokenizer.
+rules (src/llama-quant.cpp) as literal layer sets, against the real Gemma 3 270M
+Q4_K_M file that llama-quantize wrote, and (with ``EMBER_LLAMA_BENCH`` naming the
+directory of llama.cpp's binaries) against llama-quantize itself on mixtures of
+experts; the models against SmolLM2's tokenizer.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -43,6 +47,16 @@ TINY_FAMILIES = {
     "qwen3-36-layers": Shape("deep", "qwen3", hidden=256, n_layers=36, n_heads=4,
                              n_kv_heads=2, head_dim=64, ffn=256, vocab=SMOL_VOCAB,
                              tied=True, rope_base=1e6, context=2048, norm_eps=1e-6),
+    # mixtures of experts: exactly 8 experts (llama.cpp's rules for Mixtral-like models)
+    # and gpt-oss's block (biases, sinks, alternating windows, YaRN)
+    "qwen3moe": Shape("tiny-qwen3moe", "qwen3moe", hidden=256, n_layers=8, n_heads=4,
+                      n_kv_heads=2, head_dim=64, ffn=512, vocab=SMOL_VOCAB, tied=False,
+                      rope_base=1e6, context=2048, norm_eps=1e-6, n_experts=8,
+                      n_experts_used=2, expert_ffn=256),
+    "gpt-oss": Shape("tiny-gpt-oss", "gpt-oss", hidden=256, n_layers=4, n_heads=4,
+                     n_kv_heads=2, head_dim=64, ffn=256, vocab=SMOL_VOCAB, tied=False,
+                     rope_base=150000.0, context=4096, norm_eps=1e-5, sliding_window=128,
+                     n_experts=4, n_experts_used=2, expert_ffn=256, yarn=(32.0, 4096)),
 }
 
 
@@ -175,17 +189,20 @@ def test_writer_names_a_value_it_cannot_type(tmp_path: Path, value: object) -> N
 # ------------------------------------------------------------------ the type policy
 # use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2, worked out by hand:
 MORE_BITS = {
+    6: {2, 5},
     16: {0, 1, 4, 7, 10, 13, 14, 15},
     26: {0, 1, 2, 5, 8, 11, 14, 17, 20, 22, 23, 24, 25},
     28: {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27},
     32: {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31},
     36: {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35},
+    48: {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45,
+         46, 47},
 }
 
 
 def _types(shape: Shape, quant: str) -> dict[str, str]:
     return {name: tensor_type(name, dims, quant, n_layers=shape.n_layers,
-                              tied=shape.tied).name
+                              tied=shape.tied, n_experts=shape.n_experts).name
             for name, dims in synth_tensors(shape)}
 
 
@@ -212,6 +229,75 @@ def test_k_m_mixtures_give_attn_v_and_ffn_down_six_bits_where_llama_cpp_does(
         assert types["token_embd.weight"] == base
     assert {v for n, v in types.items() if n.endswith("norm.weight")} == {"F32"}
     assert ("output.weight" in types) == (not shape.tied)
+
+
+@pytest.mark.parametrize("layers", [None, 6])
+def test_qwen3moe_q4_k_m_gives_expert_downs_six_bits_where_llama_cpp_does(layers) -> None:
+    """Qwen3-30B-A3B (128 experts): the experts' [E, out, in] stacks follow the dense
+    rules by layer; the router stays F32; with --layers the rules see the cut depth."""
+    shape = SHAPES["qwen3moe-30b-a3b"].with_layers(layers)
+    types, n = _types(shape, "Q4_K_M"), shape.n_layers
+    more = MORE_BITS[n]
+    for suffix in ("attn_v.weight", "ffn_down_exps.weight"):
+        assert _layers(types, suffix, "Q6_K") == more, suffix
+        assert _layers(types, suffix, "Q4_K") == set(range(n)) - more, suffix
+    for suffix in ("attn_q.weight", "attn_k.weight", "attn_output.weight",
+                   "ffn_gate_exps.weight", "ffn_up_exps.weight"):
+        assert _layers(types, suffix, "Q4_K") == set(range(n)), suffix
+    assert _layers(types, "ffn_gate_inp.weight", "F32") == set(range(n))
+    assert (types["output.weight"], types["token_embd.weight"]) == ("Q6_K", "Q4_K")
+    dims = dict(synth_tensors(shape))
+    assert dims["blk.0.ffn_down_exps.weight"] == (128, 2048, 768)
+    assert dims["blk.0.ffn_gate_exps.weight"] == (128, 768, 2048)
+
+
+def test_gpt_oss_ships_mxfp4_experts_and_q8_0_elsewhere() -> None:
+    types = _types(SHAPES["gpt-oss-20b"], "MXFP4_MOE")
+    for name, t in types.items():
+        want = ("MXFP4" if name.endswith("_exps.weight") else
+                "F32" if name.endswith(("norm.weight", ".bias", "attn_sinks.weight",
+                                        "ffn_gate_inp.weight")) else "Q8_0")
+        assert t == want, name
+    assert dict(synth_tensors(SHAPES["gpt-oss-20b"]))["blk.0.attn_sinks.weight"] == (64,)
+
+
+def test_exactly_eight_experts_raise_attention_as_llama_cpp_does() -> None:
+    types = _types(TINY_FAMILIES["qwen3moe"], "Q4_K_M")
+    assert _layers(types, "attn_v.weight", "Q8_0") == set(range(8))
+    assert _layers(types, "attn_k.weight", "Q8_0") == set(range(8))
+    assert _layers(types, "attn_output.weight", "Q5_K") == set(range(8))
+
+
+def test_a_cut_shape_is_named_for_its_layers() -> None:
+    cut = SHAPES["qwen3moe-30b-a3b"].with_layers(6)
+    assert (cut.name, cut.n_layers, cut.n_experts) == ("qwen3moe-30b-a3b-6l", 6, 128)
+    assert SHAPES["llama-1b"].with_layers(None) is SHAPES["llama-1b"]
+    with pytest.raises(ValueError, match="at least 1"):
+        SHAPES["llama-1b"].with_layers(0)
+    with pytest.raises(ValueError, match="need experts"):
+        Shape("x", "qwen3moe", hidden=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
+              ffn=256, vocab=SMOL_VOCAB, tied=True, rope_base=1e6, context=64,
+              norm_eps=1e-6)
+
+
+@pytest.mark.skipif(not os.environ.get("EMBER_LLAMA_BENCH"),
+                    reason="set EMBER_LLAMA_BENCH to the directory of llama.cpp's binaries "
+                           "(llama-quantize) to run this")
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
+def test_moe_policy_reproduces_what_llama_quantize_writes(
+        tmp_path: Path, smollm2_file: GGUFFile, family: str) -> None:
+    """llama-quantize requantizes a Q8_0 synth file to each file type: every tensor's
+    type is the one tensor_type gives."""
+    shape = TINY_FAMILIES[family]
+    bins = Path(os.environ["EMBER_LLAMA_BENCH"])
+    src = _write(tmp_path / "src.gguf", shape, "Q8_0", smollm2_file)
+    for quant in ("Q4_K_M", "Q5_K_M", "Q4_0", "MXFP4_MOE"):
+        dst = tmp_path / f"{quant}.gguf"
+        subprocess.run([str(bins / "llama-quantize"), "--allow-requantize", str(src), str(dst),
+                        quant], check=True, capture_output=True,
+                       env={**os.environ, "LD_LIBRARY_PATH": str(bins)})
+        theirs = {n: i.type_name for n, i in GGUFFile(dst).tensors.items()}
+        assert theirs == _types(shape, quant), quant
 
 
 def test_llama_1b_q4_k_m_histogram() -> None:
@@ -313,9 +399,15 @@ def test_families_load_and_generate(tmp_path: Path, smollm2_file: GGUFFile,
     cfg = model_config(GGUFFile(path))
     assert (cfg.architecture, cfg.n_layers, cfg.vocab_size, cfg.tied_embeddings) == (
         shape.arch, shape.n_layers, shape.vocab, shape.tied)
-    assert cfg.qk_norm
+    assert cfg.qk_norm == (shape.arch != "gpt-oss")
     if shape.arch == "gemma3":
         assert [a.window for a in cfg.layers] == [8] * 5 + [None]
+    if shape.n_experts:
+        assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn_size) == (
+            shape.n_experts, shape.n_experts_used, shape.expert_ffn)
+    if shape.arch == "gpt-oss":
+        assert [a.window for a in cfg.layers] == [128, None] * 2
+        assert cfg.attn_sinks and cfg.expert_biases and cfg.rope_yarn is not None
     _assert_runs(path)
 
 
@@ -411,3 +503,16 @@ def test_a_layer_at_llama_1b_width_runs_packed_as_it_does_in_float(
     agree = (q4.argmax(-1) == f32.argmax(-1)).float().mean()
     assert agree > 0.9, float(agree)
     assert torch.isfinite(q4).all()
+
+
+def test_mxfp4_experts_dequantize_to_the_intended_spread(tmp_path: Path,
+                                                         smollm2_file: GGUFFile) -> None:
+    """MXFP4's scale is a power of two (E8M0): the spread lands within a factor of √2."""
+    path = _write(tmp_path / "oss.gguf", TINY_FAMILIES["gpt-oss"], "MXFP4_MOE", smollm2_file)
+    f = GGUFFile(path)
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"):
+        info = f.tensor(name)
+        assert info.type_name == "MXFP4"
+        w = dequantize(f.tensor_bytes(name), info.ggml_type, info.shape).numpy()
+        ratio = w.std() * math.sqrt(info.shape[-1])
+        assert 0.7 < ratio < 1.42, (name, ratio)
