@@ -457,3 +457,87 @@ def test_load_model_names_an_unsupported_tensor_type(tmp_path: Path, smollm2_fil
     with pytest.raises(UnsupportedModelError, match="IQ2_XXS") as exc:
         load_model(str(path))
     assert ".weight" in str(exc.value)  # the tensor is named
+
+
+# ------------------------------------------------------------------ split models
+@pytest.fixture(scope="module")
+def split_and_whole(tmp_path_factory: pytest.TempPathFactory, smollm2_file: GGUFFile
+                    ) -> tuple[Path, Path]:
+    """The tiny Qwen3-MoE twice from one seed: whole, and split into parts of 12 tensors
+    by gguf-py's writer (llama.cpp's own, as its converter's --split-max-tensors)."""
+    from ember.bench.moe_model import write_moe_gguf
+
+    root = tmp_path_factory.mktemp("split")
+    options = dict(n_layers=3, n_experts=8, n_used=2, hidden=64, expert_ffn=128, seed=4)
+    whole = write_moe_gguf(root / "whole.gguf", smollm2_file, **options)
+    (root / "parts").mkdir()
+    first = write_moe_gguf(root / "parts" / "moe.gguf", smollm2_file, split_max_tensors=12,
+                           **options)
+    return whole, first
+
+
+def test_a_split_model_reads_as_its_whole_file(split_and_whole) -> None:
+    whole, first = split_and_whole
+    a, b = GGUFFile(whole), GGUFFile(first)
+    assert first.name == "moe-00001-of-00004.gguf" and len(b.parts) == 4
+    assert {t.part for t in b.tensors.values()} == {0, 1, 2, 3}
+    assert {k: v for k, v in b.metadata.items() if not k.startswith("split.")}.keys() == \
+        a.metadata.keys()
+    assert a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        assert np.array_equal(a.tensor_bytes(name), b.tensor_bytes(name)), name
+
+
+@pytest.mark.parametrize("weights, stream", [("f32", False), ("q4", False), ("q4", True)])
+def test_a_split_model_computes_what_its_whole_file_does(split_and_whole, weights: str,
+                                                         stream: bool) -> None:
+    """Resident, and with experts streamed from whichever part holds them."""
+    import torch
+
+    from ember.models.loader import load_model
+    from ember.models.moe import MoEOptions
+
+    whole, first = split_and_whole
+    ids = list(range(5, 300, 5))
+    want = load_model(str(whole), weights).model.score(ids)
+    split = load_model(str(first), weights, MoEOptions(stream=stream, cache_bytes=1))
+    assert torch.equal(split.model.score(ids), want)
+    if stream:
+        parts = {info.part for s in split.model.experts.layers
+                 for info in (s.gate, s.up, s.down)}
+        assert len(parts) > 1  # experts read from more than one file
+        split.model.experts.close()
+
+
+def test_a_split_models_missing_part_or_later_part_is_refused_by_name(
+        split_and_whole, tmp_path: Path) -> None:
+    import shutil
+
+    _, first = split_and_whole
+    copy = tmp_path / "parts"
+    shutil.copytree(first.parent, copy)
+    with pytest.raises(GGUFError, match="name its first part, moe-00001-of-00004.gguf"):
+        GGUFFile(copy / "moe-00002-of-00004.gguf")
+    (copy / "moe-00003-of-00004.gguf").unlink()
+    with pytest.raises(GGUFError, match=r"part 3 of 4 \(moe-00003-of-00004.gguf\) is missing"):
+        GGUFFile(copy / "moe-00001-of-00004.gguf")
+    shutil.copy(copy / "moe-00004-of-00004.gguf", copy / "moe-00003-of-00004.gguf")
+    with pytest.raises(GGUFError, match="not part 3 of 4"):
+        GGUFFile(copy / "moe-00001-of-00004.gguf")
+
+
+def test_a_split_models_fingerprint_covers_every_part(split_and_whole, tmp_path: Path) -> None:
+    import shutil
+
+    from ember.models.loader import load_model
+
+    _, first = split_and_whole
+    copy = tmp_path / "parts"
+    shutil.copytree(first.parent, copy)
+    loaded = load_model(str(copy / first.name), "f32")
+    before = loaded.fingerprint()
+    last = copy / "moe-00004-of-00004.gguf"
+    data = bytearray(last.read_bytes())
+    data[-10] ^= 0xFF  # a weight of the last part, not the first file's bytes
+    last.write_bytes(bytes(data))
+    assert loaded.fingerprint() != before

@@ -32,6 +32,7 @@ def write_moe_gguf(
     seed: int = 0,
     expert_type: str = "Q8_0",
     branch_scale: float = 1.0,
+    split_max_tensors: int = 0,
 ) -> Path:
     """A Qwen3-MoE model: Qwen3 attention, every FFN a router over ``n_experts``
     SwiGLU experts stored as 3-D [E, out, in] tensors (``expert_type``).
@@ -39,13 +40,15 @@ def write_moe_gguf(
     ``branch_scale`` multiplies what attention and the experts add to the residual
     stream (their output projections): small, a layer's router reads nearly the state
     the previous layer read, a model whose next-layer routing is predictable from the
-    current state (the pilot's tests); large, it is not."""
+    current state (the pilot's tests); large, it is not. ``split_max_tensors``: write a
+    split model, parts of at most that many tensors, by gguf-py's writer (llama.cpp's
+    own, as ``convert_hf_to_gguf.py --split-max-tensors``); returns its first part."""
     import gguf
 
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer_source.metadata["tokenizer.ggml.tokens"])
     qtype = gguf.GGMLQuantizationType[expert_type]
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
     w.add_block_count(n_layers)
     w.add_context_length(2048)
     w.add_embedding_length(hidden)
@@ -99,6 +102,10 @@ def write_moe_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        parts = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+        assert len(parts) == 1, parts
+        return parts[0]
     return path
 
 

@@ -234,8 +234,8 @@ def expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
     if moe.stream:
         packed = fmt.name == "q4" and all(
             t.ggml_type in PACKED_TYPES for s in slices for t in (s.gate, s.up, s.down))
-        return StreamedExperts(gguf.path, slices, fmt.linear_from_raw, moe.cache_bytes,
-                               identity=gguf.identity, packed=packed, pilot=moe.pilot)
+        return StreamedExperts(gguf.parts, slices, fmt.linear_from_raw, moe.cache_bytes,
+                               packed=packed, pilot=moe.pilot)
     build = fmt.linear_from_raw
     if fmt.name == "q4":  # resident experts are streamed every step like any weight: huge pages
         arena = WeightArena.for_tensors(t for s in slices for t in (s.gate, s.up, s.down))

@@ -9,6 +9,13 @@ Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor coun
 u64 metadata count, the metadata key/values, the tensor infos (name, dims, type,
 offset), padding to ``general.alignment``, then the tensor data.
 
+Split models (``llama-gguf-split``: ``NAME-00001-of-0000N.gguf``, as large models ship)
+are opened by naming their first part, as llama.cpp does: its ``split.count`` says how
+many parts there are, each part is a GGUF of its own holding some of the tensors (the
+first also every metadata key), and the parts lie beside it under the same name with
+their own numbers. ``GGUFFile`` reads them as one file: a tensor's ``part`` says whose
+bytes it is.
+
 ``write_gguf`` writes that layout (v3) for generated models: it takes the tensor
 directory up front and each tensor's bytes as chunks when its turn comes, so a
 multi-gigabyte file is never held in memory. It writes what ``GGUFFile`` reads (and
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,8 +160,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     ggml_type: int
-    offset: int  # absolute offset of the first byte in the file
+    offset: int  # absolute offset of the first byte in its part's file
     nbytes: int
+    part: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
     @property
     def n_elements(self) -> int:
@@ -249,47 +258,129 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"
+
+
+def split_part_path(first: Path, no: int, count: int) -> Path:
+    """Where part ``no`` (0-based) of a split model whose first part is ``first`` lies:
+    llama.cpp's ``PREFIX-%05d-of-%05d.gguf``, numbered from 1."""
+    m = SPLIT_NAME.match(first.name)
+    if m is None:
+        raise GGUFError(f"{first}: a split model's first part is named "
+                        f"NAME-00001-of-{count:05d}.gguf")
+    return first.with_name(f"{m['prefix']}-{no + 1:05d}-of-{count:05d}.gguf")
+
+
+def model_files(path: Path) -> list[Path]:
+    """Every file of the model whose (first) file is ``path``: a split model's parts by
+    their names (the ones present), else ``path`` alone."""
+    m = SPLIT_NAME.match(path.name)
+    if m is None or int(m["no"]) != 1:
+        return [path]
+    count = int(m["count"])
+    parts = [split_part_path(path, i, count) for i in range(count)]
+    return [p for p in parts if p.is_file()]
+
+
+class _Part:
+    """One mapped file of a (possibly split) model."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise GGUFError(f"model file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self.identity = file_identity(os.fstat(f.fileno()))
+        except (OSError, ValueError) as e:  # ValueError: empty file cannot be mapped
+            raise GGUFError(f"{path}: cannot map file ({e})") from None
+        first = np.frombuffer(self.mmap, dtype=np.uint8, count=1)
+        self.base = first.ctypes.data  # the mapping's address (release_view)
+        del first  # a live export would keep close() from unmapping
+
+    def close(self) -> None:
+        try:
+            self.mmap.close()
+        except BufferError:  # arrays from tensor_bytes still reference it
+            pass
+
+
 class GGUFFile:
     """An open GGUF file: ``metadata`` (dict), ``tensors`` (name → TensorInfo), raw bytes.
 
-    The file stays memory-mapped for the object's lifetime; ``tensor_bytes`` returns
-    zero-copy views into it.
+    The file (every part of a split model) stays memory-mapped for the object's
+    lifetime; ``tensor_bytes`` returns zero-copy views into it. ``path`` is the file
+    named (a split model's first part); ``parts`` every file's path and identity.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise GGUFError(f"model file not found: {self.path}")
-        try:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                self.identity = file_identity(os.fstat(f.fileno()))
-        except (OSError, ValueError) as e:  # ValueError: empty file cannot be mapped
-            raise GGUFError(f"{self.path}: cannot map file ({e})") from None
-        first = np.frombuffer(self._mmap, dtype=np.uint8, count=1)
-        self._base = first.ctypes.data  # the mapping's address (release_view)
-        del first  # a live export would keep close() from unmapping
+        self._parts = [_Part(self.path)]
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
-            self._parse()
+            self._parse(0, self.metadata)
+            self._open_other_parts()
         except BaseException:
-            self._mmap.close()
+            self.close()
             raise
 
-    def _parse(self) -> None:
-        cur = _Cursor(self._mmap, self.path)
-        if self._mmap[:4] != GGUF_MAGIC:
-            raise GGUFError(f"{self.path}: not a GGUF file (bad magic {bytes(self._mmap[:4])!r})")
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """The first part's (:func:`file_identity`); ``parts`` has every part's."""
+        return self._parts[0].identity
+
+    @property
+    def parts(self) -> list[tuple[Path, tuple[int, ...]]]:
+        """(path, identity) of each file of the model, in part order."""
+        return [(p.path, p.identity) for p in self._parts]
+
+    def _open_other_parts(self) -> None:
+        """A split model's parts after the first, each checked to be its part of this
+        model; every tensor the first part announces must be found once."""
+        count = int(self.metadata.get(SPLIT_COUNT, 1))
+        no = int(self.metadata.get(SPLIT_NO, 0))
+        if count <= 1:
+            return
+        if no != 0:
+            first = split_part_path(self.path, 0, count)
+            raise GGUFError(f"{self.path} is part {no + 1} of {count} of a split model: "
+                            f"name its first part, {first.name}")
+        for i in range(1, count):
+            part = split_part_path(self.path, i, count)
+            if not part.is_file():
+                raise GGUFError(f"{self.path.name}: split model part {i + 1} of {count} "
+                                f"({part.name}) is missing")
+            self._parts.append(_Part(part))
+            own: dict[str, Any] = {}
+            self._parse(i, own)
+            if int(own.get(SPLIT_COUNT, 0)) != count or int(own.get(SPLIT_NO, -1)) != i:
+                raise GGUFError(f"{part}: not part {i + 1} of {count} of {self.path.name} "
+                                f"(its split.no / split.count say {own.get(SPLIT_NO)} / "
+                                f"{own.get(SPLIT_COUNT)})")
+        expected = int(self.metadata.get(SPLIT_TENSORS, len(self.tensors)))
+        if expected != len(self.tensors):
+            raise GGUFError(f"{self.path.name}: the split model announces {expected} "
+                            f"tensors, its {count} parts hold {len(self.tensors)}")
+
+    def _parse(self, part: int, metadata: dict[str, Any]) -> None:
+        mm, path = self._parts[part].mmap, self._parts[part].path
+        cur = _Cursor(mm, path)
+        if mm[:4] != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (bad magic {bytes(mm[:4])!r})")
         cur.pos = 4
-        self.version = cur.scalar("<I")
-        if self.version not in (2, 3):
-            raise GGUFError(f"{self.path}: unsupported GGUF version {self.version}")
+        version = cur.scalar("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: unsupported GGUF version {version}")
+        if part == 0:
+            self.version = version
         n_tensors = cur.scalar("<Q")
         n_kv = cur.scalar("<Q")
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar("<I"))
+            metadata[key] = cur.value(cur.scalar("<I"))
 
         infos = []
         for _ in range(n_tensors):
@@ -302,11 +393,13 @@ class GGUFFile:
             rel_offset = cur.scalar("<Q")
             infos.append((name, ne, ggml_type, rel_offset))
 
-        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        alignment = metadata.get("general.alignment",
+                                 self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
-            raise GGUFError(f"{self.path}: invalid general.alignment {alignment!r}")
+            raise GGUFError(f"{path}: invalid general.alignment {alignment!r}")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
-        self.data_offset = data_start
+        if part == 0:
+            self.data_offset = data_start
         for name, ne, ggml_type, rel_offset in infos:
             shape = tuple(int(d) for d in reversed(ne))
             n_el = 1
@@ -315,14 +408,16 @@ class GGUFFile:
             try:
                 nbytes = _tensor_nbytes(name, n_el, int(ne[0]) if ne else 1, ggml_type)
             except GGUFError as e:
-                raise GGUFError(f"{self.path}: {e}") from None
+                raise GGUFError(f"{path}: {e}") from None
             offset = data_start + rel_offset
-            if offset + nbytes > len(self._mmap):
+            if offset + nbytes > len(mm):
                 raise GGUFError(
-                    f"{self.path}: truncated file: tensor {name!r} ends at byte "
-                    f"{offset + nbytes}, file has {len(self._mmap)}"
+                    f"{path}: truncated file: tensor {name!r} ends at byte "
+                    f"{offset + nbytes}, file has {len(mm)}"
                 )
-            self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, nbytes)
+            if name in self.tensors:
+                raise GGUFError(f"{path}: tensor {name!r} appears twice in the model")
+            self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, nbytes, part)
 
     # ------------------------------------------------------------------ access
     def release_pages(self) -> None:
@@ -332,8 +427,9 @@ class GGUFFile:
         from the file later (embedding rows) fault back in from the page cache. Without
         this every page read while loading stays counted in the process's RSS.
         """
-        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            self._mmap.madvise(mmap.MADV_DONTNEED)
+        for part in self._parts:
+            if hasattr(part.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                part.mmap.madvise(mmap.MADV_DONTNEED)
 
     def release_view(self, view: np.ndarray) -> None:
         """Drop the whole pages under ``view`` (an array from ``tensor_bytes``/``span``)
@@ -341,14 +437,16 @@ class GGUFFile:
         weight packed). Arrays that do not lie in this file's mapping are ignored."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = view.ctypes.data - self._base
-        end = start + view.nbytes
-        if start < 0 or end > len(self._mmap):
+        for part in self._parts:
+            start = view.ctypes.data - part.base
+            end = start + view.nbytes
+            if start < 0 or end > len(part.mmap):
+                continue
+            page = mmap.PAGESIZE
+            first, last = -(-start // page) * page, end // page * page
+            if last > first:
+                part.mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
             return
-        page = mmap.PAGESIZE
-        first, last = -(-start // page) * page, end // page * page
-        if last > first:
-            self._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def drop_array_metadata(self) -> None:
         """Forget list-valued metadata (vocabulary, scores, merges) once the tokenizer
@@ -360,11 +458,13 @@ class GGUFFile:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The tensor's raw bytes as a read-only uint8 array (a view of the mapping)."""
         info = self.tensor(name)
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return self.span(info.offset, info.nbytes, info.part)
 
-    def span(self, offset: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` raw bytes at absolute ``offset`` (a read-only view of the mapping)."""
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+    def span(self, offset: int, nbytes: int, part: int = 0) -> np.ndarray:
+        """``nbytes`` raw bytes at ``offset`` of file ``part`` (a read-only view of the
+        mapping)."""
+        return np.frombuffer(self._parts[part].mmap, dtype=np.uint8, count=nbytes,
+                             offset=offset)
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -387,10 +487,8 @@ class GGUFFile:
     def close(self) -> None:
         """Unmap the file, or, while arrays from ``tensor_bytes`` still reference it,
         leave the mapping to be released when the last of them is garbage-collected."""
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
+        for part in self._parts:
+            part.close()
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ from ember.errors import ChatTemplateError
 from ember.models.architectures import ARCHITECTURES, model_config
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
-from ember.models.gguf import GGUFFile
+from ember.models.gguf import GGUFFile, model_files
 from ember.models.linear import resolve_weights, weight_format
 from ember.models.moe import MoEOptions
 from ember.models.registry import MODELS, ensure_model, sha256_of
@@ -60,12 +61,16 @@ class LoadedModel:
         """Identity of the numbers this model computes: file checksum + weight format.
 
         Part of every prefix-cache salt, so a cache can never be reused across models
-        or formats. Registered files use the registry checksum (verified at pull).
+        or formats. Registered files use the registry checksum (verified at pull); a
+        split model's checksum covers every part.
         """
         for spec in MODELS.values():
             if spec.filename == self.path.name and self.path.stat().st_size == spec.size:
                 return f"{spec.sha256}:{self.weights}"
-        return f"{sha256_of(self.path)}:{self.weights}"
+        files = model_files(self.path)
+        digest = sha256_of(self.path) if len(files) == 1 else hashlib.sha256(
+            "".join(sha256_of(f) for f in files).encode()).hexdigest()
+        return f"{digest}:{self.weights}"
 
 
 def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:

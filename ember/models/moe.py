@@ -113,7 +113,8 @@ class ExpertSlices:
         return self.gate.shape[0]
 
     def spans(self, e: int) -> list[tuple[TensorInfo, int, int]]:
-        """(tensor, file offset, bytes) of expert ``e`` in gate, up and down."""
+        """(tensor, offset in its part's file, bytes) of expert ``e`` in gate, up and
+        down."""
         out = []
         for info in (self.gate, self.up, self.down):
             size = info.nbytes // info.shape[0]
@@ -263,7 +264,7 @@ class ResidentExperts:
         for slices in layers:
             built = []
             for e in range(slices.count):
-                raws = [gguf.span(off, size) for _, off, size in slices.spans(e)]
+                raws = [gguf.span(off, size, info.part) for info, off, size in slices.spans(e)]
                 built.append(build_expert(build, slices, e, raws))
             self.experts.append(built)
             gguf.release_pages()
@@ -312,21 +313,31 @@ class StreamedExperts:
 
     streamed = True
 
-    def __init__(self, path: Path, layers: Sequence[ExpertSlices], build: BuildExpert,
-                 cache_bytes: int, identity: tuple[int, ...] | None = None,
+    def __init__(self, parts: Sequence[tuple[Path, tuple[int, ...] | None]],
+                 layers: Sequence[ExpertSlices], build: BuildExpert, cache_bytes: int,
                  packed: bool = False, pilot: bool = True) -> None:
-        """``identity``: the parsed file's (:func:`~ember.models.gguf.file_identity`); the
-        slices' offsets are that file's, so reading another is refused. ``packed``:
-        ``build`` makes packed experts (q4), so native stacks may ``attach``; ``pilot``:
-        read the experts a native stack guesses for the next layer ahead."""
-        self.path, self.layers, self.build = Path(path), list(layers), build
+        """``parts``: the model's files (a split model's in part order; GGUFFile.parts),
+        each with the identity it was parsed with (:func:`~ember.models.gguf.
+        file_identity`; None: not checked): the slices' offsets are those files', so
+        reading another is refused. ``packed``: ``build`` makes packed experts (q4), so
+        native stacks may ``attach``; ``pilot``: read the experts a native stack guesses
+        for the next layer ahead."""
+        self.path, self.layers, self.build = Path(parts[0][0]), list(layers), build
         self.cache_bytes, self.packed, self.pilot = cache_bytes, packed, pilot
         self.stats = MoEStats()
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self._identity = file_identity(os.fstat(self._fd))
-        if identity is not None and tuple(identity) != self._identity:
-            os.close(self._fd)
-            raise ExpertReadError(f"{self.path} was replaced or changed after it was parsed")
+        self._paths, self._fds, self._identities = [], [], []
+        for path, identity in parts:
+            fd = os.open(path, os.O_RDONLY)
+            self._fds.append(fd)
+            self._paths.append(Path(path))
+            self._identities.append(file_identity(os.fstat(fd)))
+            if identity is not None and tuple(identity) != self._identities[-1]:
+                for opened in self._fds:
+                    os.close(opened)
+                raise ExpertReadError(f"{path} was replaced or changed after it was parsed")
+        # the sidecar's record of which files it counts: one file as before, or every part
+        self._file_key = (list(self._identities[0]) if len(parts) == 1
+                          else [list(i) for i in self._identities])
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ember-moe-io")
         self._buffers = threading.local()  # each I/O thread's read buffers, reused
         _return_large_frees_to_the_os()
@@ -360,7 +371,7 @@ class StreamedExperts:
             return empty, {}
         if not isinstance(data, dict) or not isinstance(data.get("histogram"), list):
             return empty, {}
-        if data.get("file") != list(self._identity) or [
+        if data.get("file") != self._file_key or [
                 len(h) if isinstance(h, list) else -1 for h in data["histogram"]
         ] != [s.count for s in self.layers]:
             log.info("%s: for another version of the model; starting afresh", self._sidecar)
@@ -376,7 +387,7 @@ class StreamedExperts:
     def save(self) -> None:
         """Write the histogram and checksums: temp file, fsync, rename."""
         with self._lock:
-            data = {"file": list(self._identity), "histogram": self.histogram,
+            data = {"file": self._file_key, "histogram": self.histogram,
                     "crc32": {f"{layer}:{e}": v for (layer, e), v in self._crc.items()}}
         tmp = None
         try:  # a unique temp name: two processes sharing the model never write one file
@@ -417,10 +428,10 @@ class StreamedExperts:
         raws, crc = [], 0
         for i, (info, offset, size) in enumerate(slices.spans(e)):
             buf = self._buffer(i, size)  # store-owned and reused: the built expert copies
-            got = os.preadv(self._fd, [memoryview(buf)], offset)
+            got = os.preadv(self._fds[info.part], [memoryview(buf)], offset)
             if got != size:
-                raise ExpertReadError(f"{self.path}: short read of expert {e} of layer "
-                                      f"{layer} ({info.name}: {got} of {size} bytes)")
+                raise ExpertReadError(f"{self._paths[info.part]}: short read of expert {e} "
+                                      f"of layer {layer} ({info.name}: {got} of {size} bytes)")
             crc = zlib.crc32(buf, crc)
             raws.append(buf)
         self._check_unchanged(layer, e)  # not written to while we read it
@@ -435,12 +446,13 @@ class StreamedExperts:
         return build_expert(self.build, slices, e, raws)
 
     def _check_unchanged(self, layer: int, e: int) -> None:
-        """The file is still the one loaded: same device, inode, size and mtime. (GGUF
-        has no checksums: an expert's first read can only be trusted this way; later
-        reads are also checked against the CRC32 of the first.)"""
-        if file_identity(os.fstat(self._fd)) != self._identity:
-            raise ExpertReadError(f"{self.path}: the file changed since it was loaded "
-                                  f"(reading expert {e} of layer {layer})")
+        """The files the expert lies in are still the ones loaded: same device, inode,
+        size and mtime. (GGUF has no checksums: an expert's first read can only be
+        trusted this way; later reads are also checked against the CRC32 of the first.)"""
+        for part in {info.part for info, _, _ in self.layers[layer].spans(e)}:
+            if file_identity(os.fstat(self._fds[part])) != self._identities[part]:
+                raise ExpertReadError(f"{self._paths[part]}: the file changed since it was "
+                                      f"loaded (reading expert {e} of layer {layer})")
 
     def _buffer(self, i: int, size: int) -> np.ndarray:
         """This thread's ``i``-th read buffer, at least ``size`` bytes (a view of it)."""
@@ -451,12 +463,12 @@ class StreamedExperts:
             buffers[i] = np.empty(size, np.uint8)
         return buffers[i][:size]
 
-    def _hint(self, spans: list[tuple[int, int]]) -> None:
+    def _hint(self, spans: list[tuple[int, int, int]]) -> None:
         if not hasattr(os, "posix_fadvise"):
             return
-        for offset, size in spans:
+        for part, offset, size in spans:
             try:
-                os.posix_fadvise(self._fd, offset, size, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._fds[part], offset, size, os.POSIX_FADV_WILLNEED)
             except OSError:
                 return
 
@@ -467,7 +479,8 @@ class StreamedExperts:
             cache = self._caches[layer].lru
             for e in used:
                 if (layer, e) not in self.pinned and e not in cache:
-                    spans += [(off, size) for _, off, size in self.layers[layer].spans(e)]
+                    spans += [(info.part, off, size)
+                              for info, off, size in self.layers[layer].spans(e)]
         if spans:
             self._hinter.submit(self._hint, spans)
 
@@ -649,15 +662,16 @@ class StreamedExperts:
 
     def close(self) -> None:
         """Save, stop the threads, close the file (the store is unusable after)."""
-        if self._fd < 0:
+        if not self._fds:
             return
         self._attached.clear()  # the providers hold this store
         self.save()
         self._hinter.shutdown(wait=True)  # before the fd number can be reused
         self._io.shutdown(wait=True)
         self._pilot_io.shutdown(wait=True)
-        os.close(self._fd)
-        self._fd = -1
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
 
 
 def _return_large_frees_to_the_os() -> None:
