@@ -46,6 +46,9 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
+    # Mixtral: the llama block, every FFN routed (softmax over the chosen top 2 of 4)
+    "mixtral": Family("MixtralConfig", {"head_dim": 16, "num_local_experts": 4,
+                                        "num_experts_per_tok": 2}, moe=True),
     # fused qkv and gate|up tensors, NEOX RoPE over 3/4 of each head
     "phi3": Family("Phi3Config", {"partial_rotary_factor": 0.75, "tie_word_embeddings": False}),
     # Phi-3.5 / 4-mini's LongRoPE: per-frequency factors (the short set below the
