@@ -318,14 +318,29 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="also run llama.cpp's server (this binary) with the same adapters")
     b.add_argument("--out", type=Path, default=Path("bench-results/lora.json"))
     b.set_defaults(func=cmd_bench_lora)
-    b = bench.add_parser("moe", help="MoE experts resident vs streamed at cache budgets")
+    b = bench.add_parser("moe", help="MoE experts resident vs streamed: at cache budgets, "
+                                     "or bigger than RAM under a memory limit vs llama.cpp")
     b.add_argument("--model", "-m", default=None,
-                   help="a qwen3moe GGUF (default: a random-weight one written once)")
+                   help="a mixture-of-experts GGUF (a split one by its first part); "
+                        "'trained': ember's own trained MoE, whose routing follows its "
+                        "text (trained once, ~15 min); default: a random-weight one")
     b.add_argument("--weights", default="auto")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--budgets", default="100,50,25,10",
                    help="comma-separated cache budgets, percent of all experts' bytes")
     b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    b.add_argument("--memory-limit", type=byte_size, default=None, metavar="BYTES",
+                   help="bigger than RAM: run every engine in a memory cgroup of this "
+                        "size, page cache included (needs root or a delegated cgroup)")
+    b.add_argument("--cache-bytes", type=byte_size, default=None, metavar="BYTES",
+                   help="with --memory-limit: ember's --moe-cache-bytes (default: half "
+                        "the limit)")
+    b.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="with --memory-limit: also run llama.cpp's llama-bench (this "
+                        "binary, or its directory) under the same limit")
+    b.add_argument("--no-resident", action="store_true",
+                   help="with --memory-limit: skip the resident run (outside the limit) "
+                        "that streamed tokens are checked against")
     b.add_argument("--out", type=Path, default=Path("bench-results/moe.json"))
     b.set_defaults(func=cmd_bench_moe)
     b = bench.add_parser("synth", help="random-weight GGUFs with real models' shapes "
@@ -450,7 +465,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, weights=args.weights, threads=args.threads,
         allow_drift=args.allow_drift, moe_stream=args.moe_stream,
         moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
-        moe_expert_top_p=args.moe_expert_top_p,
+        moe_expert_top_p=args.moe_expert_top_p, moe_pinned_share=args.moe_pinned_share,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         max_prefill_step_seconds=args.max_prefill_step_seconds,
@@ -619,9 +634,18 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
 def cmd_bench_moe(args: argparse.Namespace) -> int:
     from ember.bench.moe import main as bench_main
 
+    if args.tokens < 2:
+        raise ValueError("--tokens must be at least 2")
+    if args.memory_limit is not None:
+        from ember.bench.moe import main_limit
+
+        main_limit(args.model, args.weights, args.threads, args.memory_limit,
+                   args.cache_bytes or args.memory_limit // 2, args.tokens, args.llama_bench,
+                   not args.no_resident, args.out)
+        return 0
     budgets = _int_list(args.budgets, "--budgets")
-    if any(not 0 < b <= 100 for b in budgets) or args.tokens < 2:
-        raise ValueError("--budgets must be percentages in (0, 100] and --tokens at least 2")
+    if any(not 0 < b <= 100 for b in budgets):
+        raise ValueError("--budgets must be percentages in (0, 100]")
     bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out)
     return 0
 
@@ -739,6 +763,10 @@ def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--moe-pilot", action=argparse.BooleanOptionalAction, default=True,
                    help="with --moe-stream: guess each layer's experts one layer ahead and "
                         "read them early (never changes the output)")
+    s.add_argument("--moe-pinned-share", type=float, default=0.0, metavar="F",
+                   help="with --moe-stream: this share of the cache holds the experts "
+                        "earlier runs used most, never evicted (default 0: they start the "
+                        "LRU instead, which measured better)")
     s.add_argument("--moe-expert-top-p", type=float, default=1.0, metavar="F",
                    help="LOSSY: each token keeps its experts only up to cumulative router "
                         "weight F (< 1 reads fewer experts and changes the output; 1: exact)")
@@ -781,7 +809,8 @@ def _llm(args: argparse.Namespace):
     llm = LLM(args.model, weights=args.weights, threads=args.threads, allow_drift=args.allow_drift,
               speculation=args.speculation, moe_stream=args.moe_stream,
               moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
-              moe_expert_top_p=args.moe_expert_top_p, kv_dtype=args.kv_dtype)
+              moe_expert_top_p=args.moe_expert_top_p,
+              moe_pinned_share=args.moe_pinned_share, kv_dtype=args.kv_dtype)
     if args.verbose:
         print(f"[loaded {llm.engine.loaded.name} ({llm.engine.loaded.weights}) in "
               f"{llm.engine.loaded.load_seconds:.2f}s]", file=sys.stderr)

@@ -106,6 +106,7 @@ class EngineConfig:
     moe_cache_bytes: int = 1024**3  # the streamed experts' cache (pinned + per-layer LRU)
     moe_pilot: bool = True  # streamed: read the experts guessed for the next layer ahead
     moe_expert_top_p: float = 1.0  # < 1: each token's experts up to this weight (LOSSY)
+    moe_pinned_share: float = 0.0  # of moe_cache_bytes, the hottest experts, never evicted
 
     def limits_for(self, tenant: str | None) -> TenantLimits:
         """The limits of ``tenant``: its own entry, else the one for every tenant."""
@@ -127,6 +128,10 @@ class EngineConfig:
                 0 < self.moe_expert_top_p <= 1):
             raise InvalidConfig(f"moe_expert_top_p must be in (0, 1], got "
                                 f"{self.moe_expert_top_p!r}")
+        if not isinstance(self.moe_pinned_share, int | float) or not (
+                0 <= self.moe_pinned_share <= 1):
+            raise InvalidConfig(f"moe_pinned_share must be in [0, 1], got "
+                                f"{self.moe_pinned_share!r}")
         for tenant, limits in self.tenant_limits.items():
             if not isinstance(limits, TenantLimits):
                 raise InvalidConfig(f"tenant_limits[{tenant!r}] must be a TenantLimits, "

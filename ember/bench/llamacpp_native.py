@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,8 @@ class ProcessRun:
 
 
 def run_with_peak_rss(argv: list[str], env: dict[str, str] | None = None,
-                      timeout: float = 1800, poll_s: float = POLL_S) -> ProcessRun:
+                      timeout: float = 1800, poll_s: float = POLL_S,
+                      preexec_fn: Callable[[], None] | None = None) -> ProcessRun:
     """Run ``argv`` to completion, polling its VmHWM every ``poll_s`` (module docstring).
 
     One thread does both the polling and the reaping (``wait4`` with WNOHANG), so the
@@ -107,7 +109,7 @@ def run_with_peak_rss(argv: list[str], env: dict[str, str] | None = None,
     with tempfile.TemporaryFile("w+b") as out, tempfile.TemporaryFile("w+b") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env=env)
+                                env=env, preexec_fn=preexec_fn)
         peak: int | None = None
         deadline = start + timeout
         pid = 0

@@ -1,20 +1,26 @@
 """``ember bench moe``: a mixture-of-experts model resident vs streamed from disk.
 
-For the model (``--model``, a qwen3moe GGUF; default: a random-weight one of ~430 MB
-of experts written once into ``$EMBER_HOME/bench/``), each configuration runs in a
-fresh child process, so its peak RSS is its own:
+Two runs of the same command, each configuration in a fresh child process so its peak
+RSS is its own, the model's pages dropped from the page cache before each
+(``posix_fadvise(DONTNEED)`` on every part), so expert reads come from the device:
 
-- resident: every expert built at load;
-- streamed at ``--budgets`` (percent of all experts' built bytes), twice: ``cold``
-  (no usage histogram: nothing pinned) and ``pinned`` (the histogram the cold run
-  saved pins the hottest experts at start).
-
-Before every run the model file's pages are dropped from the page cache with
-``posix_fadvise(DONTNEED)``, so expert reads (and a resident load) come from the
-device, not from memory left by the previous run. Each child greedily decodes
-``--tokens`` tokens for each of a few prompts, one stream at a time, and reports
-decode tok/s, the expert lookups (pinned / LRU hits, misses), bytes read, hit rate
-and its peak RSS, checked against dense weights + budget + 300 MB.
+- Cache budgets (default): resident, then streamed at ``--budgets`` (percent of all
+  experts' built bytes), twice each: ``cold`` (no usage histogram: nothing pinned) and
+  ``pinned`` (the histogram the cold run saved pins the hottest experts at start).
+  Each child greedily decodes ``--tokens`` tokens for each of a few prompts, one stream
+  at a time, and reports decode tok/s, the expert lookups (pinned / LRU hits, misses),
+  bytes read, hit rate, the pilot's recall and its peak RSS, checked against dense
+  weights + budget + 300 MB. ``--model trained`` runs ember's own trained MoE
+  (:mod:`ember.bench.moe_train`), whose routing follows its text: the pilot's recall and
+  what a learned pinned set buys are measured there, not on random routing.
+- Bigger than RAM (``--memory-limit``): every run inside a memory cgroup of that size,
+  page cache included (:mod:`ember.bench.cgroup`): ember ``--moe-stream`` with
+  ``--cache-bytes``, cold (prompt A), then with the pinned set it learned (prompt A
+  again, then prompt B), against llama.cpp's llama-bench (``--llama-bench``: mmap, the
+  OS pages it; ``--repack 0``, as repacking copies the weights into anonymous memory)
+  on the same file and limit, 1 stream, ``--tokens`` tokens. ember's streamed tokens
+  are checked against a resident run outside the limit (bitwise), when the machine
+  holds the model (``--no-resident`` skips it).
 
 Random weights route roughly uniformly, so an LRU's hit rate is about its share of
 the experts; real models' routing is skewed, which pinning exploits more.
@@ -29,6 +35,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +67,26 @@ def ensure_bench_model(path: Path) -> Path:
     return path
 
 
+def resolve_bench_model(model: str | None) -> Path:
+    """``--model``: a path, ``trained`` (ember's trained MoE), or None (random weights)."""
+    if model == "trained":
+        from ember.bench.moe_train import ensure_trained_moe
+
+        return ensure_trained_moe()
+    return Path(model) if model else ensure_bench_model(bench_model_path())
+
+
 def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drop every part of the model's pages from the page cache."""
+    from ember.models.gguf import model_files
+
+    for part in model_files(Path(path)):
+        fd = os.open(part, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -82,26 +102,30 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=spec["model"], weights=spec["weights"],
                                     threads=spec["threads"], num_kv_blocks=64,
                                     speculation="off", moe_stream=spec["stream"],
-                                    moe_cache_bytes=spec["cache_bytes"] or 1))
+                                    moe_cache_bytes=spec["cache_bytes"] or 1,
+                                    moe_pilot=spec.get("pilot", True)))
     load = time.perf_counter() - start
     loaded = engine.loaded
-    tokens, seconds = 0, 0.0
-    for text in PROMPTS:
+    tokens, seconds, prefill, outputs = 0, 0.0, 0.0, []
+    for text in spec.get("prompts", PROMPTS):
         req = engine.add_request(loaded.encode_prompt(text),
                                  SamplingParams(temperature=0, max_tokens=spec["tokens"],
                                                 ignore_eos=True))
-        engine.step()  # prefill and the first token
         t0 = time.perf_counter()
+        engine.step()  # prefill and the first token
+        t1 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
-        seconds += time.perf_counter() - t0
+        prefill += t1 - t0
+        seconds += time.perf_counter() - t1
         tokens += len(req.output_ids) - 1
+        outputs.append(list(req.output_ids))
     engine.close()  # saves the histogram
     experts = loaded.model.experts
     store_bytes = experts.cached_bytes
-    return {"load_s": round(load, 3), "decode_tok_s": round(tokens / seconds, 2),
-            **engine.moe_metrics(), "cached_bytes": store_bytes,
-            "peak_rss": peak_rss()}
+    return {"load_s": round(load, 3), "prefill_s": round(prefill, 3),
+            "decode_tok_s": round(tokens / seconds, 2), **engine.moe_metrics(),
+            "cached_bytes": store_bytes, "peak_rss": peak_rss(), "outputs": outputs}
 
 
 def peak_rss() -> int:
@@ -115,11 +139,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
+def _run_child(spec: dict[str, Any], preexec_fn: Callable[[], None] | None = None
+               ) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "ember.bench.moe", json.dumps(spec)],
-                         capture_output=True, text=True, check=False)
+                         capture_output=True, text=True, check=False, preexec_fn=preexec_fn)
     if out.returncode:
-        raise RuntimeError(f"bench child failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"bench child exited with {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -133,13 +158,29 @@ def _sizes(model: str, weights: str) -> tuple[int, int]:
     return m.experts.cached_bytes, weight_bytes(m) - m.experts.cached_bytes
 
 
+def _machine() -> dict[str, str]:
+    return {"cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+def _recall(r: dict[str, Any]) -> str:
+    return "-" if r.get("pilot_recall") is None else f"{r['pilot_recall']:.1%}"
+
+
 def main(model: str | None, weights: str, threads: int | None, budgets: list[int],
          tokens: int, out: Path) -> dict[str, Any]:
+    """The cache-budget sweep (module doc)."""
     from ember.models.linear import resolve_weights
     from ember.models.loader import physical_cores
     from ember.models.moe import HISTOGRAM_SUFFIX
 
-    path = Path(model) if model else ensure_bench_model(bench_model_path())
+    path = resolve_bench_model(model)
     weights = resolve_weights(weights)
     threads = threads or physical_cores()
     expert_bytes, dense_bytes = _sizes(str(path), weights)
@@ -149,7 +190,7 @@ def main(model: str | None, weights: str, threads: int | None, budgets: list[int
           f"{dense_bytes / 1e6:.0f} MB ({weights}), {threads} threads, {tokens} tokens x "
           f"{len(PROMPTS)} prompts, page cache dropped before each run")
     print(f"{'config':<18}{'tok/s':>8}{'hit rate':>10}{'pinned':>8}{'lru':>7}{'miss':>7}"
-          f"{'read MB':>9}{'RSS MB':>8}{'bound MB':>9}")
+          f"{'read MB':>9}{'pilot':>8}{'RSS MB':>8}{'bound MB':>9}")
     rows = []
     configs = [("resident", False, None, False)]
     for pct in budgets:
@@ -166,14 +207,116 @@ def main(model: str | None, weights: str, threads: int | None, budgets: list[int
         rows.append(row)
         print(f"{name:<18}{r['decode_tok_s']:>8.1f}{r['hit_rate']:>10.1%}"
               f"{r['pinned_hits']:>8}{r['lru_hits']:>7}{r['misses']:>7}"
-              f"{r['bytes_read'] / 1e6:>9.1f}{r['peak_rss'] / 1e6:>8.0f}{bound / 1e6:>9.0f}")
-    result = {"machine": {"cpu": platform.processor() or platform.machine(),
-                          "python": platform.python_version()},
-              "expert_bytes": expert_bytes, "dense_bytes": dense_bytes, **base, "runs": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+              f"{r['bytes_read'] / 1e6:>9.1f}{_recall(r):>8}{r['peak_rss'] / 1e6:>8.0f}"
+              f"{bound / 1e6:>9.0f}")
+    same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
+    print(f"streamed tokens == resident tokens: {same}")
+    result = {"machine": _machine(), "expert_bytes": expert_bytes, "dense_bytes": dense_bytes,
+              **base, "streamed_equals_resident": same, "runs": rows}
+    _write(out, result)
     return result
+
+
+def main_limit(model: str, weights: str, threads: int | None, limit: int, cache_bytes: int,
+               tokens: int, llama_bench: str | None, resident: bool, out: Path
+               ) -> dict[str, Any]:
+    """Bigger than RAM: ember streamed and llama.cpp under one memory cgroup (module doc)."""
+    from ember.bench.cgroup import MemoryCgroup
+    from ember.models.gguf import model_files
+    from ember.models.linear import resolve_weights
+    from ember.models.loader import physical_cores
+    from ember.models.moe import HISTOGRAM_SUFFIX
+
+    path = resolve_bench_model(model)
+    files = model_files(path)
+    size = sum(f.stat().st_size for f in files)
+    weights = resolve_weights(weights)
+    threads = threads or physical_cores()
+    sidecar = Path(str(path) + HISTOGRAM_SUFFIX)
+    base = {"model": str(path), "weights": weights, "threads": threads, "tokens": tokens}
+    print(f"{path.name}: {size / 1e9:.2f} GB in {len(files)} file(s), memory limit "
+          f"{limit / 1e9:.2f} GB (model = {size / limit:.2f}x the limit, page cache "
+          f"included), ember expert cache {cache_bytes / 1e9:.2f} GB, {threads} threads, "
+          f"{tokens} tokens, 1 stream, page cache dropped before each run")
+    rows: list[dict[str, Any]] = []
+
+    def report(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if "error" in row:
+            print(f"{row['config']:<28}{row['error']}")
+            return
+        peak = row.get("cgroup_peak")
+        print(f"{row['config']:<28}{row['decode_tok_s']:>8.2f} tok/s  load "
+              f"{row.get('load_s', 0):>6.1f} s  RSS {row['peak_rss'] / 1e9:>5.2f} GB  cgroup "
+              f"peak {'-' if peak is None else f'{peak / 1e9:.2f} GB':>8}  hit "
+              f"{row.get('hit_rate', 0):>6.1%}  pilot {_recall(row):>6}")
+
+    def ember_run(name: str, prompt: str, limited: bool, stream: bool) -> dict[str, Any]:
+        drop_page_cache(path)
+        spec = {**base, "stream": stream, "cache_bytes": cache_bytes, "prompts": [prompt]}
+        if not limited:
+            return {"config": name, **_run_child(spec)}
+        with MemoryCgroup(limit) as cg:
+            try:
+                r = _run_child(spec, cg.join)
+            except RuntimeError as e:
+                return {"config": name, "error": str(e).splitlines()[0],
+                        "oom_kills": cg.oom_kills()}
+            return {"config": name, **r, "cgroup_peak": cg.peak(), "oom_kills": cg.oom_kills()}
+
+    prompts = {"A": PROMPTS[0], "B": PROMPTS[1]}
+    want = {}
+    if resident:
+        for key, prompt in prompts.items():
+            r = ember_run(f"ember resident, {key} (no limit)", prompt, False, False)
+            want[key] = r.get("outputs")
+            report(r)
+    sidecar.unlink(missing_ok=True)
+    for name, key in (("ember streamed, cold, A", "A"), ("ember streamed, pinned, A", "A"),
+                      ("ember streamed, pinned, B", "B")):
+        r = ember_run(name, prompts[key], True, True)
+        if want.get(key) is not None and "outputs" in r:
+            r["equals_resident"] = r["outputs"] == want[key]
+        report(r)
+    if llama_bench:
+        report(_llama_limited(llama_bench, path, threads, tokens, limit))
+    ember = [r for r in rows if r["config"].startswith("ember streamed") and "error" not in r]
+    llama = next((r for r in rows if r["config"].startswith("llama.cpp")
+                  and "error" not in r), None)
+    if ember and llama:
+        for r in ember:
+            r["vs_llama_cpp"] = round(r["decode_tok_s"] / llama["decode_tok_s"], 2)
+            print(f"{r['config']}: {r['vs_llama_cpp']:.2f}x llama.cpp's decode")
+    checked = [r["equals_resident"] for r in ember if "equals_resident" in r]
+    if checked:
+        print(f"streamed tokens == resident tokens: {all(checked)} ({len(checked)} runs)")
+    result = {"machine": _machine(), "model_bytes": size, "files": [str(f) for f in files],
+              "memory_limit": limit, "cache_bytes": cache_bytes, **base, "runs": rows}
+    _write(out, result)
+    return result
+
+
+def _llama_limited(llama_bench: str, path: Path, threads: int, tokens: int, limit: int
+                   ) -> dict[str, Any]:
+    """llama-bench's decode of ``tokens`` tokens (mmap, no repack) in a cgroup of ``limit``."""
+    from ember.bench.cgroup import MemoryCgroup
+    from ember.bench.llamacpp_native import locate, parse_bench_json, run_with_peak_rss
+
+    bins = locate(llama_bench)
+    argv = [str(bins.bench), "-m", str(path), "-t", str(threads), "-p", "0", "-n",
+            str(tokens), "-r", "1", "-o", "json", "--repack", "0", "-lm", "mmap"]
+    drop_page_cache(path)
+    name = "llama.cpp llama-bench (mmap)"
+    with MemoryCgroup(limit) as cg:
+        proc = run_with_peak_rss(argv, env=bins.env, preexec_fn=cg.join)
+        if proc.returncode != 0:
+            return {"config": name, "argv": argv, "oom_kills": cg.oom_kills(),
+                    "error": f"exited with {proc.returncode} (oom kills: {cg.oom_kills()})"}
+        decode = parse_bench_json(proc.stdout)["decode"]
+        return {"config": name, "argv": argv, "decode_tok_s": round(
+                    decode["tokens"] / decode["seconds"], 2), "wall_s": round(proc.wall_s, 1),
+                "peak_rss": proc.peak_rss_bytes or 0, "cgroup_peak": cg.peak(),
+                "oom_kills": cg.oom_kills()}
 
 
 if __name__ == "__main__":

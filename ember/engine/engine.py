@@ -83,7 +83,7 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.threads or physical_cores())
         moe = MoEOptions(config.moe_stream, config.moe_cache_bytes, config.moe_pilot,
-                         config.moe_expert_top_p)
+                         config.moe_expert_top_p, config.moe_pinned_share)
         self.loaded = served_model(config, loaded or load_model(config.model, config.weights,
                                                                 moe))
         cfg = self.loaded.config

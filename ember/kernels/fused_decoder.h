@@ -134,9 +134,7 @@ class DecoderStack {
     layers_.back().sinks = k;
   }
 
-  // Predict each routed layer's experts from the state after the previous layer's
-  // attention, handing the guess to the next layer's provider (--moe-stream's pilot).
-  void set_pilot(bool on) { pilot_ = on; }
+
 
   // The last added layer's Q/K/V biases [q_dim + 2 kv_dim] (Qwen 2).
   void set_qkv_bias(const at::Tensor& bias) {
@@ -262,9 +260,8 @@ class DecoderStack {
       }
       clock.lap(kNorms);
       if (L.experts) {
-        // the pilot reads the stream before the FFN, as this layer's router does
-        const std::vector<int64_t> guess = pilot_guess(i, xp, T);
-        L.experts->forward(ffn_in, T, yp, guess);
+        hint_next(i, xp, T);
+        L.experts->forward(ffn_in, T, yp);
         clock.lap(kExperts);
       } else {
         dense_ffn(L, i, ffn_in, T, gup, hp, yp, lora, clock);
@@ -273,19 +270,25 @@ class DecoderStack {
         rms_norm_rows(yp, L.post_ffn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
       }
       add_scaled_rows(xp, yp, T * hidden_);
+      if (L.experts) hint_next(i, xp, T);
       clock.lap(kNorms);
     }
     if (profiling_) ++stage_calls_;
   }
 
-  // The experts the pilot guesses for layer i + 1 from x [T, hidden] (the stream after
-  // layer i's attention): none unless the pilot is on and that layer is streamed.
-  std::vector<int64_t> pilot_guess(int64_t i, const float* x, int64_t T) const {
-    if (!pilot_ || i + 1 >= num_layers()) return {};
+  // Where layer i + 1 has a pilot (--moe-stream): guess its experts from x [T, hidden],
+  // a state of the stream before it (its router and pre-norm on x) and tell the pilot.
+  // forward guesses twice per routed layer i: from the stream after i's attention (the
+  // state i's own router reads: the reads then overlap i's experts and i + 1's
+  // attention) and after i's experts (the state i + 1's attention reads: closer, with
+  // only that attention to overlap). Measured on ember's trained MoE (6 layers, 2 of 16
+  // experts), the guesses alone recall 74% and 88% of what the next layer needs.
+  void hint_next(int64_t i, const float* x, int64_t T) const {
+    if (i + 1 >= num_layers()) return;
     const LayerWeights& next = layers_[i + 1];
-    if (!next.experts || !next.experts->streamed()) return {};
-    return next.experts->predict(x, T, pre_norms_ ? next.ffn_norm.data_ptr<float>() : nullptr,
-                                 eps_);
+    if (!next.experts || !next.experts->piloted()) return;
+    next.experts->hint(next.experts->predict(
+        x, T, pre_norms_ ? next.ffn_norm.data_ptr<float>() : nullptr, eps_));
   }
 
   // Per-stage wall time summed over forward calls while profiling is on (a timer
@@ -464,7 +467,6 @@ class DecoderStack {
   double temp_scale_ = 0.0;
   int64_t temp_floor_ = 0;
   std::vector<LayerWeights> layers_;
-  bool pilot_ = false;
   bool profiling_ = false;
   mutable std::array<int64_t, kStages> stage_ns_{};
   mutable int64_t stage_calls_ = 0;

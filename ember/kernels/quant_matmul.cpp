@@ -245,8 +245,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("drop_expert", &RoutedExperts::drop_expert, "empty an expert's slot")
       .def("has_expert", &RoutedExperts::has_expert)
       .def("set_provider", &RoutedExperts::set_provider,
-           "provider(needed ids, pilot's guess for the next layer) -> how many of needed "
-           "(a prefix) it put in their slots; None: every expert is resident")
+           "provider(needed ids) -> how many of them (a prefix) it put in their slots; "
+           "None: every expert is resident")
+      .def("set_pilot", &RoutedExperts::set_pilot,
+           "pilot(ids): experts the stack guesses this layer will need (None: no guesses)")
       .def("take_usage", &RoutedExperts::take_usage,
            "[2, E] int64: tokens routed to and lookups of each expert since the last call")
       .def("route", [](const RoutedExperts& r, const at::Tensor& h_in) {
@@ -267,7 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
              TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 &&
                              h.size(1) == r.hidden(), "forward: h must be float32 [T, hidden]");
              at::Tensor y = at::empty_like(h);
-             r.forward(h.data_ptr<float>(), h.size(0), y.data_ptr<float>(), {});
+             r.forward(h.data_ptr<float>(), h.size(0), y.data_ptr<float>());
              return y;
            }, "the layer's experts of normed h [T, hidden]", release());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
@@ -293,8 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("set_experts", &DecoderStack::set_experts, "the last layer's RoutedExperts")
       .def("set_attention_extras", &DecoderStack::set_attention_extras,
            "the last layer's attention output bias [hidden] and sinks [heads] (empty: none)")
-      .def("set_pilot", &DecoderStack::set_pilot,
-           "guess each streamed layer's experts one layer ahead, for its provider")
+
       .def("set_qkv_bias", &DecoderStack::set_qkv_bias, "the last layer's Q/K/V biases")
       .def("set_qk_norm", &DecoderStack::set_qk_norm,
            "the last layer's per-head q and k RMSNorm weights")

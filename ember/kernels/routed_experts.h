@@ -28,9 +28,9 @@
 // A streamed one (--moe-stream) sets a provider, called before each chunk of a layer's
 // experts is computed with the ids still needed; it fills the slots of a prefix of them
 // (at least one) and says how many, so a prefill that routes to every expert of a layer
-// never needs them all in memory at once. With the pilot on, the provider also gets the
-// experts predicted for the next layer (its router applied to this layer's state after
-// attention) to read ahead while this layer computes.
+// never needs them all in memory at once. A pilot, where one is set, is told the experts
+// the stack guesses this layer will need (predict: its router on an earlier state of the
+// stream, fused_decoder.h says which), to read them while earlier layers compute.
 
 // One kind of product for several matrices at once, each over its own activation rows:
 // jobs[j] is y_j[M_j, N_j] = x_j @ W_j^T, x_j already quantized (a.b32 / a.b256 point
@@ -137,7 +137,8 @@ struct Routing {
 
 class RoutedExperts {
  public:
-  using Provider = std::function<int64_t(const std::vector<int64_t>&, const std::vector<int64_t>&)>;
+  using Provider = std::function<int64_t(const std::vector<int64_t>&)>;
+  using Pilot = std::function<void(const std::vector<int64_t>&)>;
 
   // router [E, hidden] f32; top_k experts per token; each expert's FFN is `ffn` wide.
   RoutedExperts(const at::Tensor& router, int64_t top_k, int64_t ffn, const std::string& act)
@@ -205,7 +206,13 @@ class RoutedExperts {
   }
 
   void set_provider(std::optional<Provider> provider) { provider_ = std::move(provider); }
-  bool streamed() const { return provider_.has_value(); }
+  void set_pilot(std::optional<Pilot> pilot) { pilot_ = std::move(pilot); }
+  bool piloted() const { return pilot_.has_value(); }
+
+  // Tell the pilot (if any) that these experts will likely be needed.
+  void hint(const std::vector<int64_t>& ids) const {
+    if (pilot_.has_value() && !ids.empty()) (*pilot_)(ids);
+  }
 
   // Tokens routed to each expert and the steps that looked it up, since the last call
   // (then reset): [2, E] int64.
@@ -297,8 +304,7 @@ class RoutedExperts {
   }
 
   // y [T, hidden] = the layer's routed (and shared) experts of h [T, hidden] (normed).
-  // `predicted`: the pilot's guess for the next layer, handed to the provider.
-  void forward(const float* h, int64_t T, float* y, const std::vector<int64_t>& predicted) {
+  void forward(const float* h, int64_t T, float* y) {
     const Routing r = route(h, T);
     // (token, rank) pairs sorted by expert then token: pos[t * k + j] is the pair's row
     std::vector<int64_t> count(experts_, 0);
@@ -335,7 +341,7 @@ class RoutedExperts {
       for (size_t i = a; i < b && !missing; ++i) missing = !slots_[active[i]].has_value();
       if (provider_.has_value()) {
         const std::vector<int64_t> need(active.begin() + a, active.end());
-        const int64_t n = (*provider_)(need, a == 0 ? predicted : std::vector<int64_t>());
+        const int64_t n = (*provider_)(need);
         TORCH_CHECK(n >= 1 && n <= static_cast<int64_t>(need.size()),
                     "RoutedExperts: the provider made ", n, " of ", need.size(),
                     " experts available");
@@ -480,5 +486,6 @@ class RoutedExperts {
   std::vector<std::optional<ExpertWeights>> slots_;
   std::optional<ExpertWeights> shared_;
   std::optional<Provider> provider_;
+  std::optional<Pilot> pilot_;
   std::vector<int64_t> tokens_, lookups_;
 };

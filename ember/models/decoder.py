@@ -123,7 +123,6 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
         stack.set_attn_temperature(cfg.attn_temperature_scale, cfg.attn_temperature_floor)
     ropes = rope_keys(cfg)
     none = torch.empty(0)
-    pilot = False
     for i, (layer, parts) in enumerate(zip(layers, linears, strict=True)):
         # the stack's own handles on the packed bytes (shared, not copied): ``ext`` may
         # be another build of the kernels than the one that packed them
@@ -136,7 +135,6 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
             if routed is None:
                 return None
             stack.set_experts(routed)
-            pilot = pilot or (layer.moe.store.streamed and layer.moe.store.pilot)
         if layer.o_bias is not None or layer.sinks is not None:
             stack.set_attention_extras(none if layer.o_bias is None else layer.o_bias,
                                        none if layer.sinks is None else layer.sinks)
@@ -148,7 +146,6 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
             stack.set_qkv_bias(layer.qkv_bias)
         if layer.q_norm is not None and layer.k_norm is not None:
             stack.set_qk_norm(layer.q_norm, layer.k_norm)
-    stack.set_pilot(pilot)
     return stack
 
 
@@ -235,7 +232,7 @@ def expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
         packed = fmt.name == "q4" and all(
             t.ggml_type in PACKED_TYPES for s in slices for t in (s.gate, s.up, s.down))
         return StreamedExperts(gguf.parts, slices, fmt.linear_from_raw, moe.cache_bytes,
-                               packed=packed, pilot=moe.pilot)
+                               packed=packed, pilot=moe.pilot, pinned_share=moe.pinned_share)
     build = fmt.linear_from_raw
     if fmt.name == "q4":  # resident experts are streamed every step like any weight: huge pages
         arena = WeightArena.for_tensors(t for s in slices for t in (s.gate, s.up, s.down))
