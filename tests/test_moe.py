@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -208,21 +209,8 @@ def test_a_layer_routed_to_every_expert_is_computed_in_chunks(model_copy: Path,
                                                               monkeypatch) -> None:
     """Native, streamed with no cache: a prefill that routes to all of a layer's experts
     holds at most a chunk of them (READ_AHEAD) plus the reads in flight, not the layer."""
-    import gc
-    import weakref
-
-    from ember.models import moe
-
     require_kernels()
-    built: list[weakref.ref] = []
-    build = moe.build_expert
-
-    def tracked(*args):
-        expert = build(*args)
-        built.append(weakref.ref(expert))
-        return expert
-
-    monkeypatch.setattr(moe, "build_expert", tracked)
+    alive = count_built_experts(monkeypatch)
     loaded = load_model(str(model_copy), "q4", MoEOptions(stream=True, cache_bytes=1,
                                                           pilot=False))
     store = loaded.model.experts
@@ -232,8 +220,7 @@ def test_a_layer_routed_to_every_expert_is_computed_in_chunks(model_copy: Path,
         nonlocal most
         done = provide(layer, needed)
         calls.append((layer, len(needed), done))
-        gc.collect()
-        most = max(most, sum(r() is not None for r in built))
+        most = max(most, alive())
         return done
 
     monkeypatch.setattr(store, "_provide", counting)
@@ -527,6 +514,20 @@ def test_a_layer_routed_to_every_expert_holds_only_a_read_ahead_window(
         model_copy: Path, monkeypatch) -> None:
     """Prefill can route to all of a layer's experts: those the cache cannot keep live
     only while computed (plus the read-ahead), not all at once."""
+    alive = count_built_experts(monkeypatch)
+    loaded = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=1))
+    store = loaded.model.experts
+    most = 0
+    for _e, expert in store.experts_for(0, list(range(N_EXPERTS))):
+        most = max(most, alive())
+        assert expert is not None
+    assert N_EXPERTS > READ_AHEAD + 1 and 1 <= most <= READ_AHEAD + 1
+    store.close()
+
+
+def count_built_experts(monkeypatch) -> Callable[[], int]:
+    """From now on, a count of the experts built and still alive (garbage collected
+    first)."""
     import gc
     import weakref
 
@@ -541,12 +542,9 @@ def test_a_layer_routed_to_every_expert_holds_only_a_read_ahead_window(
         return expert
 
     monkeypatch.setattr(moe, "build_expert", tracked)
-    loaded = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=1))
-    store = loaded.model.experts
-    most = 0
-    for _e, expert in store.experts_for(0, list(range(N_EXPERTS))):
+
+    def alive() -> int:
         gc.collect()
-        most = max(most, sum(r() is not None for r in built))
-        assert expert is not None
-    assert N_EXPERTS > moe.READ_AHEAD + 1 and 1 <= most <= moe.READ_AHEAD + 1
-    store.close()
+        return sum(r() is not None for r in built)
+
+    return alive
