@@ -316,6 +316,25 @@ inline void put_codes8(const uint8_t* c, int r, uint8_t* cb) {
   for (int t = 0; t < 8; ++t) std::memcpy(cb + SUBV * t + 4 * r, c + 4 * t, 4);
 }
 
+// Q4_K's 128 code bytes (qs) as put_codes4 lays out each sub-block, straight from the
+// nibbles: sub-block 2c + h is nibble h of bytes 32 c .. 32 c + 31, and a packed byte
+// pairs elements k and k + 16 of its sub-block. What gguf_codes + put_codes4 give, at a
+// fraction of their byte-by-byte work: streamed experts are packed as they arrive.
+inline void put_q4k_codes(const uint8_t* qs, int r, uint8_t* cb) {
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t* a = qs + 32 * c;
+    uint8_t lo[16], hi[16];
+    for (int k = 0; k < 16; ++k) {
+      lo[k] = static_cast<uint8_t>((a[k] & 0x0F) | (a[16 + k] << 4));
+      hi[k] = static_cast<uint8_t>((a[k] >> 4) | (a[16 + k] & 0xF0));
+    }
+    for (int u = 0; u < 4; ++u) {
+      std::memcpy(cb + 256 * (2 * c) + SUBV * u + 4 * r, lo + 4 * u, 4);
+      std::memcpy(cb + 256 * (2 * c + 1) + SUBV * u + 4 * r, hi + 4 * u, 4);
+    }
+  }
+}
+
 // One group from the GGUF rows at src[r] (nullptr: a padding row, left zero). The
 // group's bytes at dst must be zeroed.
 void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
@@ -329,8 +348,15 @@ void pack_group(const Geom& g, const uint8_t* const* src, uint8_t* dst) {
     for (int r = 0; r < RG; ++r) {
       if (src[r] == nullptr) continue;
       const uint8_t* blk = src[r] + b * g.gguf_block;
-      gguf_codes(g.type, blk, codes);
-      for (int64_t j = 0; j < nsub; ++j) {
+      // Q4_K (most of a Q4_K_M file) straight from its nibbles, 5-7x faster; the rest
+      // through every code's byte (a Q6_K path written like Q4_K's took 2x the time)
+      const bool direct = g.type == kQ4_K;
+      if (direct) {
+        put_q4k_codes(blk + 16, r, cb);
+      } else {
+        gguf_codes(g.type, blk, codes);
+      }
+      for (int64_t j = 0; j < nsub && !direct; ++j) {
         const uint8_t* c = codes + QK * j;
         if (g.type == kQ8_0) {
           put_codes8(c, r, cb);
