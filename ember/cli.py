@@ -338,6 +338,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="with --memory-limit: also run llama.cpp's llama-bench (this "
                         "binary, or its directory) under the same limit")
+    b.add_argument("--pilot", action="store_true",
+                   help="streamed runs use the pilot (--moe-pilot): its recall is "
+                        "reported")
     b.add_argument("--no-resident", action="store_true",
                    help="with --memory-limit: skip the resident run (outside the limit) "
                         "that streamed tokens are checked against")
@@ -641,12 +644,13 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
 
         main_limit(args.model, args.weights, args.threads, args.memory_limit,
                    args.cache_bytes or args.memory_limit // 2, args.tokens, args.llama_bench,
-                   not args.no_resident, args.out)
+                   not args.no_resident, args.out, args.pilot)
         return 0
     budgets = _int_list(args.budgets, "--budgets")
     if any(not 0 < b <= 100 for b in budgets):
         raise ValueError("--budgets must be percentages in (0, 100]")
-    bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out)
+    bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out,
+               args.pilot)
     return 0
 
 
@@ -760,9 +764,10 @@ def _model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--moe-cache-bytes", type=byte_size, default=1024**3,
                    help="the streamed experts' cache: pinned hot set + per-layer LRU "
                         "(bytes; K, M, G suffixes: powers of 1024)")
-    s.add_argument("--moe-pilot", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--moe-pilot", action=argparse.BooleanOptionalAction, default=False,
                    help="with --moe-stream: guess each layer's experts one layer ahead and "
-                        "read them early (never changes the output)")
+                        "read them early (never changes the output; off by default: on 2 "
+                        "cores its reads slowed decode, docs/models.md)")
     s.add_argument("--moe-pinned-share", type=float, default=0.0, metavar="F",
                    help="with --moe-stream: this share of the cache holds the experts "
                         "earlier runs used most, never evicted (default 0: they start the "

@@ -248,7 +248,8 @@ def test_the_pilot_guesses_what_the_next_layer_needs_where_the_stream_tells(
     path = write_moe_gguf(tmp_path / "pilot.gguf", smollm2_file, n_layers=4, n_experts=16,
                           n_used=2, hidden=64, expert_ffn=64, seed=5, branch_scale=1e-3)
     engine = LLMEngine(EngineConfig(model=str(path), weights="q4", num_kv_blocks=64,
-                                    moe_stream=True, moe_cache_bytes=1, speculation="off"))
+                                    moe_stream=True, moe_cache_bytes=1, moe_pilot=True,
+                                    speculation="off"))
     store = engine.loaded.model.experts
     engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=48,
                                                   ignore_eos=True))  # tokens vary

@@ -7,6 +7,7 @@ only step that reaches the package index) is replaced by a function returning th
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -361,3 +362,20 @@ def test_registry_entries_are_well_formed() -> None:
             assert "==" in part.requirement  # pinned: the checksum covers one release
             assert part.member.startswith(part.module + "/")
     assert registry.DEFAULT_MODEL in registry.MODELS
+
+
+def test_a_remembered_checksum_survives_the_process_and_a_download_check_does_not(
+        home: Path, tmp_path: Path) -> None:
+    """Fingerprints (remember=True) are kept per file version under $EMBER_HOME, so a
+    restart does not read the model again; verifying a download always reads it."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 4096)
+    first = registry.sha256_of(path, remember=True)
+    st = path.stat()
+    path.write_bytes(b"b" * 4096)  # same size, then the same times: the same "version"
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    registry._sha256_of.cache_clear()  # noqa: SLF001 - a new process
+    assert registry.sha256_of(path, remember=True) == first == hashlib.sha256(
+        b"a" * 4096).hexdigest()
+    assert registry.sha256_of(path) == hashlib.sha256(b"b" * 4096).hexdigest()
+    assert list((home / "sha256").iterdir())

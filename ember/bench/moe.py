@@ -103,7 +103,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                                     threads=spec["threads"], num_kv_blocks=64,
                                     speculation="off", moe_stream=spec["stream"],
                                     moe_cache_bytes=spec["cache_bytes"] or 1,
-                                    moe_pilot=spec.get("pilot", True)))
+                                    moe_pilot=spec["pilot"]))
     load = time.perf_counter() - start
     loaded = engine.loaded
     tokens, seconds, prefill, outputs = 0, 0.0, 0.0, []
@@ -174,7 +174,7 @@ def _recall(r: dict[str, Any]) -> str:
 
 
 def main(model: str | None, weights: str, threads: int | None, budgets: list[int],
-         tokens: int, out: Path) -> dict[str, Any]:
+         tokens: int, out: Path, pilot: bool = False) -> dict[str, Any]:
     """The cache-budget sweep (module doc)."""
     from ember.models.linear import resolve_weights
     from ember.models.loader import physical_cores
@@ -185,7 +185,8 @@ def main(model: str | None, weights: str, threads: int | None, budgets: list[int
     threads = threads or physical_cores()
     expert_bytes, dense_bytes = _sizes(str(path), weights)
     sidecar = Path(str(path) + HISTOGRAM_SUFFIX)
-    base = {"model": str(path), "weights": weights, "threads": threads, "tokens": tokens}
+    base = {"model": str(path), "weights": weights, "threads": threads, "tokens": tokens,
+            "pilot": pilot}
     print(f"{path.name}: experts {expert_bytes / 1e6:.0f} MB, dense weights "
           f"{dense_bytes / 1e6:.0f} MB ({weights}), {threads} threads, {tokens} tokens x "
           f"{len(PROMPTS)} prompts, page cache dropped before each run")
@@ -218,8 +219,8 @@ def main(model: str | None, weights: str, threads: int | None, budgets: list[int
 
 
 def main_limit(model: str, weights: str, threads: int | None, limit: int, cache_bytes: int,
-               tokens: int, llama_bench: str | None, resident: bool, out: Path
-               ) -> dict[str, Any]:
+               tokens: int, llama_bench: str | None, resident: bool, out: Path,
+               pilot: bool = False) -> dict[str, Any]:
     """Bigger than RAM: ember streamed and llama.cpp under one memory cgroup (module doc)."""
     from ember.bench.cgroup import MemoryCgroup
     from ember.models.gguf import model_files
@@ -233,7 +234,8 @@ def main_limit(model: str, weights: str, threads: int | None, limit: int, cache_
     weights = resolve_weights(weights)
     threads = threads or physical_cores()
     sidecar = Path(str(path) + HISTOGRAM_SUFFIX)
-    base = {"model": str(path), "weights": weights, "threads": threads, "tokens": tokens}
+    base = {"model": str(path), "weights": weights, "threads": threads, "tokens": tokens,
+            "pilot": pilot}
     print(f"{path.name}: {size / 1e9:.2f} GB in {len(files)} file(s), memory limit "
           f"{limit / 1e9:.2f} GB (model = {size / limit:.2f}x the limit, page cache "
           f"included), ember expert cache {cache_bytes / 1e9:.2f} GB, {threads} threads, "

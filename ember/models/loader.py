@@ -68,8 +68,8 @@ class LoadedModel:
             if spec.filename == self.path.name and self.path.stat().st_size == spec.size:
                 return f"{spec.sha256}:{self.weights}"
         files = model_files(self.path)
-        digest = sha256_of(self.path) if len(files) == 1 else hashlib.sha256(
-            "".join(sha256_of(f) for f in files).encode()).hexdigest()
+        digest = sha256_of(self.path, remember=True) if len(files) == 1 else hashlib.sha256(
+            "".join(sha256_of(f, remember=True) for f in files).encode()).hexdigest()
         return f"{digest}:{self.weights}"
 
 

@@ -34,12 +34,12 @@ it (streamed == resident, bitwise):
   recorded on its first read and checked on every later one, and a short read is an
   error: a changed, truncated or corrupt file fails the step with an error naming
   the expert, never a wrong answer.
-- The pilot (``--moe-pilot``, on with ``--moe-stream`` in the native stack): twice per
-  layer (after its attention, and after its experts) the next layer's router is applied
-  to the stream, and the experts it picks are read by the pilot's own I/O thread while
-  this layer and the next one's attention compute. A guess only decides what is read
-  early, never what is computed; its recall (the share of the experts a layer needed
-  that were guessed) is counted.
+- The pilot (``--moe-pilot``, with ``--moe-stream`` in the native stack; off by
+  default, see ``PILOT``): twice per layer (after its attention, and after its experts)
+  the next layer's router is applied to the stream, and the experts it picks are read
+  by the pilot's own I/O thread while this layer and the next one's attention compute.
+  A guess only decides what is read early, never what is computed; its recall (the
+  share of the experts a layer needed that were guessed) is counted.
 
 The usage histogram (tokens routed to each expert) and the checksums are saved
 beside the model (``MODEL.gguf.experts.json``, written to a temporary file, fsynced
@@ -84,6 +84,13 @@ PINNED_SHARE = 0.0
 IO_THREADS = 2
 READ_AHEAD = IO_THREADS + 1  # misses read (and built) ahead of the one being computed
 PILOT_READS = 16  # at most this many guessed experts read ahead per layer
+# Why the pilot is off unless asked for: its guesses recall 88.9% of what a layer needs on
+# ember's trained MoE, but reading them costs the same CPU as a miss (pread, CRC, packing)
+# and every guess takes the GIL; on 2 cores that CPU is the decode's own. Measured with
+# the Qwen3-30B-A3B shape under an 8 GiB cgroup (32 tokens from a cold cache, the Zen 4
+# VM): 4.1-4.5 tok/s with the pilot, 5.3-6.0 without. Where cores are idle while a
+# layer waits on the disk, it can pay.
+PILOT = False
 SAVE_EVERY = 256  # steps between histogram saves (and at close)
 
 BuildExpert = Callable[[list[tuple[np.ndarray, int, tuple[int, ...]]], list[str]], Linear]
@@ -95,7 +102,7 @@ class MoEOptions:
 
     stream: bool = False  # page experts from the file instead of loading them all
     cache_bytes: int = 1024**3  # the streamed store's budget (pinned + LRU)
-    pilot: bool = True  # streamed: read the next layer's guessed experts ahead
+    pilot: bool = PILOT  # streamed: read the next layer's guessed experts ahead
     top_p: float = 1.0  # < 1: each token's experts up to this cumulative weight (lossy)
     pinned_share: float = PINNED_SHARE  # of cache_bytes, never evicted (see PINNED_SHARE)
 
@@ -326,7 +333,7 @@ class StreamedExperts:
 
     def __init__(self, parts: Sequence[tuple[Path, tuple[int, ...] | None]],
                  layers: Sequence[ExpertSlices], build: BuildExpert, cache_bytes: int,
-                 packed: bool = False, pilot: bool = True,
+                 packed: bool = False, pilot: bool = PILOT,
                  pinned_share: float = PINNED_SHARE) -> None:
         """``parts``: the model's files (a split model's in part order; GGUFFile.parts),
         each with the identity it was parsed with (:func:`~ember.models.gguf.
