@@ -25,7 +25,8 @@ it (streamed == resident, bitwise):
 - :class:`ResidentExperts`: every expert built at load, like any weight.
 - :class:`StreamedExperts` (``--moe-stream``): dense weights stay resident; experts
   are read with ``pread`` into store-owned buffers (not the file mapping, so RSS is
-  dense weights + cache and eviction is ours) and kept in a tiered cache of
+  dense weights + cache and eviction is ours; their file pages are dropped from the
+  page cache once read) and kept in a tiered cache of
   ``--moe-cache-bytes``: a pinned hot set (from the usage histogram of earlier runs)
   and a least-recently-used cache per layer. A layer's misses are read together by a
   pool of I/O threads; at each step's start the experts the previous step used are
@@ -475,6 +476,7 @@ class StreamedExperts:
             crc = zlib.crc32(buf, crc)
             raws.append(buf)
         self._check_unchanged(layer, e)  # not written to while we read it
+        self._forget(slices.spans(e))
         with self._lock:
             known = self._crc.setdefault((layer, e), crc)
             self.stats.bytes_read += sum(r.nbytes for r in raws)
@@ -484,6 +486,20 @@ class StreamedExperts:
                                   f"CRC32 {crc:08x}, recorded {known:08x}: the file is corrupt "
                                   "or was replaced")
         return build_expert(self.build, slices, e, raws)
+
+    def _forget(self, spans: list[tuple[TensorInfo, int, int]]) -> None:
+        """Drop an expert's file pages from the page cache once its bytes are ours: what
+        stays in memory is the store's to choose, and under a memory limit those pages
+        would crowd the cache (measured, the 30B-A3B shape in an 8 GiB cgroup decoded
+        5.5-5.9 tok/s keeping them, 6.7-6.8 dropping them, and the cgroup's peak fell
+        from the limit to 5.8 GB)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for info, offset, size in spans:
+            try:
+                os.posix_fadvise(self._fds[info.part], offset, size, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                return
 
     def _check_unchanged(self, layer: int, e: int) -> None:
         """The files the expert lies in are still the ones loaded: same device, inode,
