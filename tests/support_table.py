@@ -34,6 +34,9 @@ def _families() -> list[str]:
     for name in converted:
         checked[name] = ("transformers and llama.cpp on a converted random model "
                          "(tests/test_converted_families.py)")
+    if "mixtral" in checked:  # llama.cpp writes Mixtral as a llama file with experts
+        checked["llama"] += ("; Mixtral-style experts: transformers and llama.cpp on a "
+                             "converted random model")
     return [f"| `{arch}` | {checked[arch]} |" for arch in ARCHITECTURES]
 
 

@@ -5,8 +5,8 @@ RSS is its own, the model's pages dropped from the page cache before each
 (``posix_fadvise(DONTNEED)`` on every part), so expert reads come from the device:
 
 - Cache budgets (default): resident, then streamed at ``--budgets`` (percent of all
-  experts' built bytes), twice each: ``cold`` (no usage histogram: nothing pinned) and
-  ``pinned`` (the histogram the cold run saved pins the hottest experts at start).
+  experts' built bytes), twice each: ``cold`` (no usage histogram) and ``warm`` (the
+  histogram the cold run saved fills the cache with the hottest experts at start).
   Each child greedily decodes ``--tokens`` tokens for each of a few prompts, one stream
   at a time, and reports decode tok/s, the expert lookups (pinned / LRU hits, misses),
   bytes read, hit rate, the pilot's recall and its peak RSS, checked against dense
@@ -15,8 +15,9 @@ RSS is its own, the model's pages dropped from the page cache before each
   what a learned pinned set buys are measured there, not on random routing.
 - Bigger than RAM (``--memory-limit``): every run inside a memory cgroup of that size,
   page cache included (:mod:`ember.bench.cgroup`): ember ``--moe-stream`` with
-  ``--cache-bytes``, cold (prompt A), then with the pinned set it learned (prompt A
-  again, then prompt B), against llama.cpp's llama-bench (``--llama-bench``: mmap, the
+  ``--cache-bytes``, cold (prompt A), then warm from the histogram it saved (prompt A
+  again, then prompt B), then cold on prompt B (B's own baseline), against llama.cpp's
+  llama-bench (``--llama-bench``: mmap, the
   OS pages it; ``--repack 0``, as repacking copies the weights into anonymous memory)
   on the same file and limit, 1 stream, ``--tokens`` tokens. ember's streamed tokens
   are checked against a resident run outside the limit (bitwise), when the machine
@@ -195,7 +196,7 @@ def main(model: str | None, weights: str, threads: int | None, budgets: list[int
     rows = []
     configs = [("resident", False, None, False)]
     for pct in budgets:
-        configs += [(f"{pct}% cold", True, pct, True), (f"{pct}% pinned", True, pct, False)]
+        configs += [(f"{pct}% cold", True, pct, True), (f"{pct}% warm", True, pct, False)]
     for name, stream, pct, cold in configs:
         if cold:
             sidecar.unlink(missing_ok=True)
@@ -273,9 +274,10 @@ def main_limit(model: str, weights: str, threads: int | None, limit: int, cache_
             r = ember_run(f"ember resident, {key} (no limit)", prompt, False, False)
             want[key] = r.get("outputs")
             report(r)
-    sidecar.unlink(missing_ok=True)
-    for name, key in (("ember streamed, cold, A", "A"), ("ember streamed, pinned, A", "A"),
-                      ("ember streamed, pinned, B", "B")):
+    for name, key in (("ember streamed, cold, A", "A"), ("ember streamed, warm, A", "A"),
+                      ("ember streamed, warm, B", "B"), ("ember streamed, cold, B", "B")):
+        if "cold" in name:
+            sidecar.unlink(missing_ok=True)
         r = ember_run(name, prompts[key], True, True)
         if want.get(key) is not None and "outputs" in r:
             r["equals_resident"] = r["outputs"] == want[key]

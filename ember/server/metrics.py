@@ -233,7 +233,13 @@ def _moe_lines(m: dict[str, Any] | None) -> list[str]:
             ("bytes_read", "counter", "Expert bytes read from the model file."),
             ("tokens_routed", "counter", "Token-to-expert assignments routed."),
             ("hit_rate", "gauge", "Share of expert lookups served from the cache."),
-            ("cached_bytes", "gauge", "Resident bytes of built experts.")):
+            ("cached_bytes", "gauge", "Resident bytes of built experts."),
+            ("pilot_reads", "counter", "Experts the pilot read ahead (--moe-pilot)."),
+            ("pilot_used", "counter", "Of those, experts their layer then needed."),
+            ("pilot_recall", "gauge", "Share of the experts layers needed that the pilot "
+                                      "had guessed.")):
+        if m.get(key) is None:  # no guesses yet: no recall to give
+            continue
         name = f"ember_moe_{key}" + ("_total" if kind == "counter" else "")
         lines += family(name, kind, help, [("", m[key])])
     return lines
