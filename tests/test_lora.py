@@ -328,6 +328,15 @@ def test_a_moe_base_takes_attention_adapters_and_refuses_ffn_targets(
     every = write_random_adapter(cfg, 4, 0, tmp_path / "all.gguf")
     with pytest.raises(LoRAError, match="blk.0.ffn_gate.*routed experts.*attn_output only"):
         load_lora(every, "all", cfg)
+    # q4: the routed experts run in the fused stack, the adapter's deltas inside it
+    q4 = load_model(str(tiny_moe_gguf), "q4").model
+    assert q4.native is not None
+    fused = q4.score(ids, lora=adapter)
+    saved, q4.native = q4.native, None
+    op_by_op = q4.score(ids, lora=adapter)
+    q4.native = saved
+    assert ((fused - op_by_op).norm() / op_by_op.norm()).item() < 0.02
+    assert ((fused - ours).norm() / ours.norm()).item() < 0.05  # q4's rounding of f32
 
 
 LLAMA_PYTHON = os.environ.get("EMBER_LLAMA_PYTHON")
