@@ -448,17 +448,20 @@ class StreamedExperts:
         ones) up to its share: a restart begins where the last runs' routing was, and the
         LRU still follows what this run routes to."""
         for layer, h in enumerate(self.histogram):
-            cache = self._caches[layer]
             hottest = sorted((e for e, count in enumerate(h)
                               if count and (layer, e) not in self.pinned),
                              key=lambda e: h[e], reverse=True)
-            for e in hottest:
-                expert = self._read(layer, e)
-                if cache.nbytes + expert.nbytes > self._layer_budget:
-                    break
+            if not hottest:
+                continue
+            first = self._read(layer, hottest[0])  # a layer's experts are one size
+            fit = min(len(hottest), self._layer_budget // max(1, first.nbytes))
+            rest = [self._io.submit(self._read, layer, e) for e in hottest[1:fit]]
+            built = [first, *(f.result() for f in rest)][:fit]
+            cache = self._caches[layer]
+            # the hottest evicted last
+            for e, expert in reversed(list(zip(hottest[:len(built)], built, strict=True))):
                 cache.lru[e] = expert
                 cache.nbytes += expert.nbytes
-            cache.lru = OrderedDict(reversed(cache.lru.items()))  # the hottest evicted last
         self.stats = MoEStats()
 
     # ------------------------------------------------------------ reading
