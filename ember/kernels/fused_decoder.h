@@ -134,8 +134,6 @@ class DecoderStack {
     layers_.back().sinks = k;
   }
 
-
-
   // The last added layer's Q/K/V biases [q_dim + 2 kv_dim] (Qwen 2).
   void set_qkv_bias(const at::Tensor& bias) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: add a layer first");
@@ -277,6 +275,7 @@ class DecoderStack {
   }
 
   // Where layer i + 1 has a pilot (--moe-stream): guess its experts from x [T, hidden],
+  // (forward asks after routed layers only: every family here routes all its layers)
   // a state of the stream before it (its router and pre-norm on x) and tell the pilot.
   // forward guesses twice per routed layer i: from the stream after i's attention (the
   // state i's own router reads: the reads then overlap i's experts and i + 1's

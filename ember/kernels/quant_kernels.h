@@ -888,47 +888,78 @@ inline int64_t rows_per_pass(int64_t K) {
   return std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(K, 1) / 8 * 8);
 }
 
-// y[M, ldy] (columns of each segment) = x @ W^T with quantized activations a.
-// Threads take contiguous ranges of groups (across segments) holding equal bytes.
-void matmul_segments(const std::vector<SegView>& segs, const Acts& a, int64_t M, int64_t K,
-                     float* y, int64_t ldy) {
-  std::vector<int64_t> first{0};  // global index of each segment's first group
-  int64_t bytes = 0;
-  for (const SegView& s : segs) {
-    first.push_back(first.back() + groups_of(s.rows));
-    bytes += groups_of(s.rows) * s.g.stride;
+// One kind of product for several matrices at once, each over its own activation rows:
+// jobs[j] is y_j[M_j, N_j] = x_j @ W_j^T, x_j already quantized (a.b32 / a.b256 point
+// at its first row). All jobs share K. (One job: a layer's matmul; several: the routed
+// experts of a step, routed_experts.h.)
+struct MatmulJob {
+  const std::vector<SegView>* segs;
+  Acts a;
+  int64_t M;
+  float* y;
+  int64_t ldy;
+};
+
+// Rows of cost a group of weights is worth: below this many activation rows a group's
+// time is mostly its bytes streaming in, above it mostly the rows' arithmetic. A guess,
+// not tuned: the split decides only how evenly the threads finish, never a result.
+constexpr int64_t kRowsPerGroupRead = 4;
+
+// Every job's every row group, split over the threads in contiguous ranges of equal
+// cost (weight bytes x (rows + kRowsPerGroupRead)). A row's result does not depend on
+// the split (see the top of this file), only the time does.
+void matmul_jobs(const std::vector<MatmulJob>& jobs, int64_t K) {
+  struct Span { size_t job, seg; int64_t first, groups, cost; };  // one segment of a job
+  std::vector<Span> spans;
+  int64_t total_groups = 0, total_cost = 0, work = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (jobs[j].M == 0) continue;
+    for (size_t s = 0; s < jobs[j].segs->size(); ++s) {
+      const SegView& v = (*jobs[j].segs)[s];
+      const int64_t groups = groups_of(v.rows);
+      const int64_t cost = v.g.stride * (jobs[j].M + kRowsPerGroupRead);
+      spans.push_back(Span{j, s, total_groups, groups, cost});
+      total_groups += groups;
+      total_cost += groups * cost;
+      work += groups * RG * K * jobs[j].M;
+    }
   }
-  const int64_t total = first.back();
-  if (total == 0 || M == 0) return;
-  // ~32k multiply-adds per thread at least, so a tiny matmul stays on one thread
-  const int64_t work = total * RG * K * M;
+  if (total_groups == 0) return;
   const int64_t nthreads = std::max<int64_t>(
-      1, std::min<int64_t>({at::get_num_threads(), total, work / (int64_t{1} << 15) + 1}));
-  // boundaries[t] .. boundaries[t + 1]: thread t's groups, cut where the bytes so far
-  // reach t / nthreads of all
-  std::vector<int64_t> bounds(nthreads + 1, total);
+      1, std::min<int64_t>({at::get_num_threads(), total_groups, work / (int64_t{1} << 15) + 1}));
+  // bounds[t] .. bounds[t + 1]: thread t's groups (global index over all spans)
+  std::vector<int64_t> bounds(nthreads + 1, total_groups);
   bounds[0] = 0;
   {
     int64_t t = 1, acc = 0;
-    for (size_t si = 0; si < segs.size() && t < nthreads; ++si) {
-      const int64_t stride = segs[si].g.stride;
-      for (int64_t gi = first[si]; gi < first[si + 1] && t < nthreads; ++gi) {
-        acc += stride;
-        while (t < nthreads && acc * nthreads >= bytes * t) bounds[t++] = gi + 1;
+    for (const Span& sp : spans) {
+      for (int64_t g = 0; g < sp.groups && t < nthreads; ++g) {
+        acc += sp.cost;
+        while (t < nthreads && acc * nthreads >= total_cost * t) bounds[t++] = sp.first + g + 1;
       }
     }
   }
   const int64_t pass = rows_per_pass(K);
   at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += pass) {
-        const int64_t m1 = std::min(M, m0 + pass);
-        for (size_t si = 0; si < segs.size(); ++si) {
-          const int64_t g0 = std::max(bounds[t], first[si]) - first[si];
-          const int64_t g1 = std::min(bounds[t + 1], first[si + 1]) - first[si];
-          if (g0 < g1) run_segment_groups(segs[si], a, K, g0, g1, m0, m1, y, ldy);
+      for (const Span& sp : spans) {
+        const int64_t g0 = std::max(bounds[t], sp.first) - sp.first;
+        const int64_t g1 = std::min(bounds[t + 1], sp.first + sp.groups) - sp.first;
+        if (g0 >= g1) continue;
+        const MatmulJob& job = jobs[sp.job];
+        for (int64_t m0 = 0; m0 < job.M; m0 += pass) {
+          run_segment_groups((*job.segs)[sp.seg], job.a, K, g0, g1, m0,
+                             std::min(job.M, m0 + pass), job.y, job.ldy);
         }
       }
     }
   });
+}
+
+
+// y[M, ldy] (columns of each segment) = x @ W^T with quantized activations a: one job,
+// so threads take contiguous ranges of groups (across segments) holding equal bytes.
+void matmul_segments(const std::vector<SegView>& segs, const Acts& a, int64_t M, int64_t K,
+                     float* y, int64_t ldy) {
+  matmul_jobs({MatmulJob{&segs, a, M, y, ldy}}, K);
 }

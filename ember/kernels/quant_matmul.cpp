@@ -295,7 +295,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("set_experts", &DecoderStack::set_experts, "the last layer's RoutedExperts")
       .def("set_attention_extras", &DecoderStack::set_attention_extras,
            "the last layer's attention output bias [hidden] and sinks [heads] (empty: none)")
-
       .def("set_qkv_bias", &DecoderStack::set_qkv_bias, "the last layer's Q/K/V biases")
       .def("set_qk_norm", &DecoderStack::set_qk_norm,
            "the last layer's per-head q and k RMSNorm weights")

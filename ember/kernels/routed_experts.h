@@ -32,73 +32,6 @@
 // the stack guesses this layer will need (predict: its router on an earlier state of the
 // stream, fused_decoder.h says which), to read them while earlier layers compute.
 
-// One kind of product for several matrices at once, each over its own activation rows:
-// jobs[j] is y_j[M_j, N_j] = x_j @ W_j^T, x_j already quantized (a.b32 / a.b256 point
-// at its first row). All jobs share K.
-struct MatmulJob {
-  const std::vector<SegView>* segs;
-  Acts a;
-  int64_t M;
-  float* y;
-  int64_t ldy;
-};
-
-// Rows of cost a group of weights is worth: below this many activation rows a group's
-// time is mostly its bytes streaming in, above it mostly the rows' arithmetic. A guess,
-// not tuned: the split decides only how evenly the threads finish, never a result.
-constexpr int64_t kRowsPerGroupRead = 4;
-
-// Every job's every row group, split over the threads in contiguous ranges of equal
-// cost (weight bytes x (rows + kRowsPerGroupRead)). A row's result does not depend on
-// the split (quant_kernels.h), only the time does.
-void matmul_jobs(const std::vector<MatmulJob>& jobs, int64_t K) {
-  struct Span { size_t job, seg; int64_t first, groups, cost; };  // one segment of a job
-  std::vector<Span> spans;
-  int64_t total_groups = 0, total_cost = 0, work = 0;
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    if (jobs[j].M == 0) continue;
-    for (size_t s = 0; s < jobs[j].segs->size(); ++s) {
-      const SegView& v = (*jobs[j].segs)[s];
-      const int64_t groups = groups_of(v.rows);
-      const int64_t cost = v.g.stride * (jobs[j].M + kRowsPerGroupRead);
-      spans.push_back(Span{j, s, total_groups, groups, cost});
-      total_groups += groups;
-      total_cost += groups * cost;
-      work += groups * RG * K * jobs[j].M;
-    }
-  }
-  if (total_groups == 0) return;
-  const int64_t nthreads = std::max<int64_t>(
-      1, std::min<int64_t>({at::get_num_threads(), total_groups, work / (int64_t{1} << 15) + 1}));
-  // bounds[t] .. bounds[t + 1]: thread t's groups (global index over all spans)
-  std::vector<int64_t> bounds(nthreads + 1, total_groups);
-  bounds[0] = 0;
-  {
-    int64_t t = 1, acc = 0;
-    for (const Span& sp : spans) {
-      for (int64_t g = 0; g < sp.groups && t < nthreads; ++g) {
-        acc += sp.cost;
-        while (t < nthreads && acc * nthreads >= total_cost * t) bounds[t++] = sp.first + g + 1;
-      }
-    }
-  }
-  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (const Span& sp : spans) {
-        const int64_t g0 = std::max(bounds[t], sp.first) - sp.first;
-        const int64_t g1 = std::min(bounds[t + 1], sp.first + sp.groups) - sp.first;
-        if (g0 >= g1) continue;
-        const MatmulJob& job = jobs[sp.job];
-        const int64_t pass = rows_per_pass(K);
-        for (int64_t m0 = 0; m0 < job.M; m0 += pass) {
-          run_segment_groups((*job.segs)[sp.seg], job.a, K, g0, g1, m0,
-                             std::min(job.M, m0 + pass), job.y, job.ldy);
-        }
-      }
-    }
-  });
-}
-
 // Quantized activations of rows [M, K] as the segments of `linears` need them (per 32
 // and/or per 256), in this thread's scratch (valid until its next quantization).
 Acts quantize_for(const float* x, int64_t M, int64_t K, bool legacy, bool kquant) {
@@ -315,11 +248,7 @@ class RoutedExperts {
     std::vector<int64_t> start(experts_ + 1, 0), active;
     for (int64_t e = 0; e < experts_; ++e) {
       start[e + 1] = start[e] + count[e];
-      if (count[e] > 0) {
-        active.push_back(e);
-        tokens_[e] += count[e];
-        ++lookups_[e];
-      }
+      if (count[e] > 0) active.push_back(e);
     }
     const int64_t P = start[experts_];
     std::vector<int64_t> pos(T * r.k, -1), token_of(P);
@@ -338,8 +267,6 @@ class RoutedExperts {
     s.out.resize(static_cast<size_t>(P * hidden_));
     for (size_t a = 0; a < active.size();) {
       size_t b = active.size();
-      bool missing = false;
-      for (size_t i = a; i < b && !missing; ++i) missing = !slots_[active[i]].has_value();
       if (provider_.has_value()) {
         const std::vector<int64_t> need(active.begin() + a, active.end());
         const int64_t n = (*provider_)(need);
@@ -347,17 +274,19 @@ class RoutedExperts {
                     "RoutedExperts: the provider made ", n, " of ", need.size(),
                     " experts available");
         b = a + n;
-      } else {
-        TORCH_CHECK(!missing, "RoutedExperts: an expert the router chose has no weights and "
-                              "no provider fills it");
       }
       for (size_t i = a; i < b; ++i) {
-        TORCH_CHECK(slots_[active[i]].has_value(), "RoutedExperts: the provider left expert ",
-                    active[i], " empty");
+        TORCH_CHECK(slots_[active[i]].has_value(), "RoutedExperts: expert ", active[i],
+                    " has no weights (", provider_.has_value() ? "the provider left it empty"
+                                                               : "and no provider fills it", ")");
       }
       compute(h, std::vector<int64_t>(active.begin() + a, active.begin() + b), start, token_of,
               s.out.data());
       a = b;
+    }
+    for (int64_t e : active) {  // a step that got this far was served: count it
+      tokens_[e] += count[e];
+      ++lookups_[e];
     }
     // each token's experts summed in its rank order
     at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
