@@ -364,18 +364,30 @@ def test_registry_entries_are_well_formed() -> None:
     assert registry.DEFAULT_MODEL in registry.MODELS
 
 
-def test_a_remembered_checksum_survives_the_process_and_a_download_check_does_not(
-        home: Path, tmp_path: Path) -> None:
+def test_a_remembered_checksum_survives_the_process_until_the_file_is_written(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fingerprints (remember=True) are kept per file version under $EMBER_HOME, so a
-    restart does not read the model again; verifying a download always reads it."""
+    restart does not read the model again; any write makes a new version, even one that
+    puts the size and mtime back (the ctime moves); the kept ones are bounded."""
     path = tmp_path / "model.gguf"
     path.write_bytes(b"a" * 4096)
     first = registry.sha256_of(path, remember=True)
-    st = path.stat()
-    path.write_bytes(b"b" * 4096)  # same size, then the same times: the same "version"
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert first == hashlib.sha256(b"a" * 4096).hexdigest()
     registry._sha256_of.cache_clear()  # noqa: SLF001 - a new process
-    assert registry.sha256_of(path, remember=True) == first == hashlib.sha256(
-        b"a" * 4096).hexdigest()
-    assert registry.sha256_of(path) == hashlib.sha256(b"b" * 4096).hexdigest()
-    assert list((home / "sha256").iterdir())
+
+    def no_reading(*args: object) -> str:
+        raise AssertionError("the remembered digest was not used")
+
+    with monkeypatch.context() as m:
+        m.setattr(registry, "_sha256_of", no_reading)
+        assert registry.sha256_of(path, remember=True) == first
+    st = path.stat()
+    path.write_bytes(b"b" * 4096)  # same size, then the same times
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert registry.sha256_of(path, remember=True) == hashlib.sha256(b"b" * 4096).hexdigest()
+    monkeypatch.setattr(registry, "REMEMBERED_DIGESTS", 3)
+    for i in range(5):
+        other = tmp_path / f"m{i}.gguf"
+        other.write_bytes(bytes([i]) * 64)
+        registry.sha256_of(other, remember=True)
+    assert len(list((home / "sha256").iterdir())) == 3

@@ -188,14 +188,19 @@ def _pull_locked(spec: ModelSpec, target: Path, force: bool) -> Path:
     return target
 
 
+REMEMBERED_DIGESTS = 256  # kept in $EMBER_HOME/sha256/; the oldest go beyond it
+
+
 def sha256_of(path: Path, remember: bool = False) -> str:
     """The file's sha256, hashed once per version of the file (path, device, inode, size,
-    modification time) per process. ``remember``: also keep it in ``$EMBER_HOME/sha256/``
-    for later processes, so a restart does not read a model again to fingerprint it (a
-    142 GB model takes minutes, and under a memory limit pushes the page cache around);
-    not for verifying a download, where the bytes themselves must be read."""
+    modification and change times: a write, even one that puts the mtime back, changes
+    the ctime) per process. ``remember``: also keep it in ``$EMBER_HOME/sha256/`` for
+    later processes, so a restart does not read a model again to fingerprint it (a 142
+    GB model takes minutes, and under a memory limit pushes the page cache around); not
+    for verifying a download, where the bytes themselves must be read."""
     st = Path(path).stat()
-    version = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    version = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+               st.st_ctime_ns)
     if not remember:
         return _sha256_of(*version)
     known = ember_home() / "sha256" / hashlib.sha256(
@@ -212,13 +217,16 @@ def sha256_of(path: Path, remember: bool = False) -> str:
         tmp = known.with_name(f"{known.name}.{os.getpid()}.tmp")
         tmp.write_text(digest)
         os.replace(tmp, known)
+        entries = sorted(known.parent.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+        for old in entries[:-REMEMBERED_DIGESTS]:
+            old.unlink(missing_ok=True)
     except OSError:
         pass
     return digest
 
 
 @functools.lru_cache(maxsize=64)
-def _sha256_of(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> str:
+def _sha256_of(path: str, dev: int, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
