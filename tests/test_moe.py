@@ -205,14 +205,19 @@ def test_k_quant_experts_in_the_native_stack(kquant_moe: Path) -> None:
     streamed.model.experts.close()
 
 
-def test_a_layer_routed_to_every_expert_is_computed_in_chunks(model_copy: Path,
-                                                              monkeypatch) -> None:
-    """Native, streamed with no cache: a prefill that routes to all of a layer's experts
-    holds at most a chunk of them (READ_AHEAD) plus the reads in flight, not the layer."""
+@pytest.mark.parametrize("pilot", [False, True])
+def test_a_layer_routed_to_every_expert_is_computed_in_chunks(
+        tmp_path: Path, smollm2_file, monkeypatch, pilot: bool) -> None:
+    """Native, streamed with no cache: a prefill that routes to all of a layer's 16
+    experts holds at most a chunk of them (READ_AHEAD) plus the reads in flight (and the
+    pilot's, READ_AHEAD where the cache keeps none), not the layer."""
+    from ember.bench.moe_model import write_moe_gguf
+
     require_kernels()
+    path = write_moe_gguf(tmp_path / "wide.gguf", smollm2_file, n_layers=N_LAYERS,
+                          n_experts=16, n_used=2, hidden=64, expert_ffn=64, seed=2)
     alive = count_built_experts(monkeypatch)
-    loaded = load_model(str(model_copy), "q4", MoEOptions(stream=True, cache_bytes=1,
-                                                          pilot=False))
+    loaded = load_model(str(path), "q4", MoEOptions(stream=True, cache_bytes=1, pilot=pilot))
     store = loaded.model.experts
     provide, calls, most = store._provide, [], 0  # noqa: SLF001
 
@@ -227,11 +232,11 @@ def test_a_layer_routed_to_every_expert_is_computed_in_chunks(model_copy: Path,
     for layer in range(N_LAYERS):  # the providers were bound at load: bind again
         for native, _ in store._attached.layers[layer]:  # noqa: SLF001
             native.set_provider(lambda n, layer=layer: store._provide(layer, n))  # noqa: SLF001
-    loaded.model.score(list(range(5, 600, 3)))  # 199 tokens: every expert of every layer
-    assert {(layer, n) for layer, n, _ in calls if n == N_EXPERTS} == {
-        (layer, N_EXPERTS) for layer in range(N_LAYERS)}
+    loaded.model.score(list(range(5, 900, 3)))  # 299 tokens: every expert of every layer
+    assert {(layer, n) for layer, n, _ in calls if n == 16} == {
+        (layer, 16) for layer in range(N_LAYERS)}
     assert all(done <= READ_AHEAD for _, _, done in calls)
-    assert 1 <= most <= 2 * READ_AHEAD < N_EXPERTS
+    assert 1 <= most <= (3 if pilot else 2) * READ_AHEAD < 16
     store.close()
 
 
@@ -285,8 +290,8 @@ def test_pilot_recall_counts_needed_experts_that_were_guessed(model_copy: Path) 
 
 def test_top_p_keeps_each_tokens_experts_up_to_that_weight(moe_gguf: Path) -> None:
     """--moe-expert-top-p: the native router and the op-by-op one keep the same experts;
-    a token keeps its first experts until their weight reaches p, renormalised; 1 keeps
-    all k and is the exact model (lossless), below 1 the answer changes."""
+    a token keeps its first experts until their weight reaches p, renormalised; p = 1
+    keeps all k of every token (the exact model), below 1 the answer changes."""
     from ember import kernels
 
     require_kernels()
@@ -308,8 +313,11 @@ def test_top_p_keeps_each_tokens_experts_up_to_that_weight(moe_gguf: Path) -> No
     assert torch.equal(kept, torch.where(probs[:, 0] >= 0.6, 1, 2))  # k = 2
     assert 0 < int((kept == 1).sum()) < len(h)
     assert not torch.equal(cut.model.score(IDS), exact.model.score(IDS))
-    one = load_model(str(moe_gguf), "q4", MoEOptions(top_p=1.0))
-    assert torch.equal(one.model.score(IDS), exact.model.score(IDS))
+    whole = ext.RoutedExperts(exact.model.layers[0].moe.router, N_USED,
+                              exact.config.expert_ffn_size)
+    whole.set_top_p(1.0)
+    ids, w = whole.route(h)
+    assert bool((ids >= 0).all()) and torch.allclose(w.sum(-1), torch.ones(len(h)))
 
 
 def test_native_routing_and_a_shared_expert_against_the_formula() -> None:
@@ -318,12 +326,10 @@ def test_native_routing_and_a_shared_expert_against_the_formula() -> None:
     sigmoid(gate . h) (Qwen 3.5 MoE's) and gpt-oss's biases."""
     import gguf as gguf_py
 
-    from ember import kernels
     from ember.models.gguf import GGMLType
     from ember.models.linear import QuantLinear
 
     ext = require_kernels()
-    del kernels
     gen = torch.Generator().manual_seed(0)
     E, k, H, F = 6, 3, 64, 96
 
@@ -405,6 +411,8 @@ def test_a_restart_starts_each_layers_cache_with_its_hottest_experts(model_copy:
         assert sorted(warm, key=lambda e: h[e]) == warm  # the hottest is evicted last
         assert min(h[e] for e in warm) >= sorted(h, reverse=True)[2]
     assert store.stats.misses == store.stats.lru_hits == 0  # warming is not serving
+    list(store.experts_for(0, [max(range(N_EXPERTS), key=lambda e: histogram[0][e])]))
+    assert store.stats.lru_hits == 1  # the hottest is there from the start
     store.close()
 
 
@@ -489,8 +497,41 @@ def test_a_file_replaced_after_parsing_is_refused(model_copy: Path) -> None:
     other = model_copy.with_name("other.gguf")
     shutil.copy(model_copy, other)
     os.replace(other, model_copy)  # same bytes, another file: offsets are not its own
+    fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ExpertReadError, match="replaced"):
         StreamedExperts(gguf.parts, slices, lambda *a: None, 1)
+    assert len(os.listdir("/proc/self/fd")) == fds  # nothing left open by the failed start
+
+
+def test_expert_stacks_that_disagree_with_the_router_are_refused(model_copy: Path,
+                                                                  tmp_path: Path) -> None:
+    """A file claiming more experts than its stacks hold would have experts read from the
+    next tensor's bytes: it is refused at load, naming the tensor."""
+    from hf_gguf import rewrite_gguf
+
+    from ember.errors import UnsupportedModelError
+
+    bad = rewrite_gguf(model_copy, tmp_path / "bad.gguf",
+                       add_keys={"qwen3moe.expert_count": N_EXPERTS + 1})
+    for options in (MoEOptions(), MoEOptions(stream=True)):
+        with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate_exps\.weight is"):
+            load_model(str(bad), "f32", options)
+
+
+def test_a_history_that_does_not_read_back_leaves_the_cache_cold(model_copy: Path,
+                                                                 resident) -> None:
+    """Warming from a sidecar whose checksums disagree with the file: a warning, a cold
+    cache, a model that loads (the damage, if real, fails the step that reads it)."""
+    cache = expert_bytes(resident) * N_LAYERS * 3
+    outcomes(model_copy, moe_stream=True, moe_cache_bytes=cache)
+    sidecar = Path(str(model_copy) + HISTOGRAM_SUFFIX)
+    data = json.loads(sidecar.read_text())
+    data["crc32"] = {k: (v + 1) % 2**32 for k, v in data["crc32"].items()}
+    sidecar.write_text(json.dumps(data))
+    store = load_model(str(model_copy), "f32", MoEOptions(stream=True, cache_bytes=cache)
+                       ).model.experts
+    assert store.cached_bytes == 0 and not store.pinned
+    store.close()
 
 
 @pytest.mark.parametrize("text", ["[]", "null", '{"histogram": 3}', '{"histogram": [1, 2]}',

@@ -107,7 +107,7 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
     linears = [[layer.qkv, layer.o] + ([] if layer.moe else [layer.gate_up, layer.down])
                for layer in layers]
     if not all(isinstance(p, QuantLinear) for ps in linears for p in ps) or not all(
-            layer.moe.store.packed for layer in layers if layer.moe is not None):
+            layer.moe.native_ready for layer in layers if layer.moe is not None):
         return None
     ext = ext or kernels.quant_matmul()
     if ext is None or (cfg.head_dim % 8 and ext.simd() != "scalar"):
@@ -131,10 +131,8 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
                         none if layer.ffn_norm is None else layer.ffn_norm,
                         *(packed if layer.moe is None else [*packed, None, None]))
         if layer.moe is not None:
-            routed = native_experts(ext, layer.moe, cfg.expert_ffn_size, cfg.activation)
-            if routed is None:
-                return None
-            stack.set_experts(routed)
+            stack.set_experts(native_experts(ext, layer.moe, cfg.expert_ffn_size,
+                                             cfg.activation))
         if layer.o_bias is not None or layer.sinks is not None:
             stack.set_attention_extras(none if layer.o_bias is None else layer.o_bias,
                                        none if layer.sinks is None else layer.sinks)
@@ -227,7 +225,8 @@ def load_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
 
 def expert_store(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat,
                   moe: MoEOptions) -> ExpertStore:
-    slices = [expert_slices(gguf, i) for i in range(cfg.n_layers)]
+    slices = [expert_slices(gguf, i, cfg.n_experts, cfg.hidden_size, cfg.expert_ffn_size)
+              for i in range(cfg.n_layers)]
     if moe.stream:
         packed = fmt.name == "q4" and all(
             t.ggml_type in PACKED_TYPES for s in slices for t in (s.gate, s.up, s.down))
@@ -348,16 +347,16 @@ class DecoderModel:
         last token of every row), shape (len(logits_index), vocab).
         """
         c = self.cfg
-        if self.experts is not None:
-            self.experts.begin_step()
         x = self.embed(tokens)
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
+        ok = False
         try:
             x = self.decode_layers(x, batch, kv)
+            ok = True
         finally:
             if self.experts is not None:
-                self.experts.end_step()
+                self.experts.end_step(ok)
         rows = x[batch.row_ends if logits_index is None else logits_index]
         logits = self.output(self.norm(rows, self.output_norm, c.norm_eps))
         if c.logit_scale != 1.0:

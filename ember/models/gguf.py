@@ -272,17 +272,6 @@ def split_part_path(first: Path, no: int, count: int) -> Path:
     return first.with_name(f"{m['prefix']}-{no + 1:05d}-of-{count:05d}.gguf")
 
 
-def model_files(path: Path) -> list[Path]:
-    """Every file of the model whose (first) file is ``path``: a split model's parts by
-    their names (the ones present), else ``path`` alone."""
-    m = SPLIT_NAME.match(path.name)
-    if m is None or int(m["no"]) != 1:
-        return [path]
-    count = int(m["count"])
-    parts = [split_part_path(path, i, count) for i in range(count)]
-    return [p for p in parts if p.is_file()]
-
-
 class _Part:
     """One mapped file of a (possibly split) model."""
 
@@ -340,8 +329,13 @@ class GGUFFile:
     def _open_other_parts(self) -> None:
         """A split model's parts after the first, each checked to be its part of this
         model; every tensor the first part announces must be found once."""
-        count = int(self.metadata.get(SPLIT_COUNT, 1))
-        no = int(self.metadata.get(SPLIT_NO, 0))
+        try:
+            count = int(self.metadata.get(SPLIT_COUNT, 1))
+            no = int(self.metadata.get(SPLIT_NO, 0))
+        except (TypeError, ValueError):
+            raise GGUFError(f"{self.path}: {SPLIT_COUNT} / {SPLIT_NO} are not part numbers "
+                            f"({self.metadata.get(SPLIT_COUNT)!r}, "
+                            f"{self.metadata.get(SPLIT_NO)!r})") from None
         if count <= 1:
             return
         if no != 0:

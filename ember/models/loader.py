@@ -15,7 +15,7 @@ from ember.errors import ChatTemplateError
 from ember.models.architectures import ARCHITECTURES, model_config
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
-from ember.models.gguf import GGUFFile, model_files
+from ember.models.gguf import GGUFFile
 from ember.models.linear import resolve_weights, weight_format
 from ember.models.moe import MoEOptions
 from ember.models.registry import MODELS, ensure_model, sha256_of
@@ -33,6 +33,7 @@ class LoadedModel:
     chat_template: ChatTemplate | None
     weights: str
     load_seconds: float
+    files: tuple[Path, ...] = ()  # every file the model was read from (a split model's parts)
 
     @property
     def name(self) -> str:
@@ -67,7 +68,7 @@ class LoadedModel:
         for spec in MODELS.values():
             if spec.filename == self.path.name and self.path.stat().st_size == spec.size:
                 return f"{spec.sha256}:{self.weights}"
-        files = model_files(self.path)
+        files = self.files or (self.path,)
         digest = sha256_of(self.path, remember=True) if len(files) == 1 else hashlib.sha256(
             "".join(sha256_of(f, remember=True) for f in files).encode()).hexdigest()
         return f"{digest}:{self.weights}"
@@ -83,8 +84,9 @@ def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
         config = model_config(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         template = _chat_template(gguf, config)
+        files = tuple(p for p, _ in gguf.parts)
     return LoadedModel(path, config, None, tokenizer, template,  # type: ignore[arg-type]
-                       resolve_weights(weights), time.perf_counter() - start)
+                       resolve_weights(weights), time.perf_counter() - start, files)
 
 
 def _chat_template(gguf: GGUFFile, config: ModelConfig) -> ChatTemplate | None:
@@ -120,11 +122,14 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     template = _chat_template(gguf, config)
     if moe is not None and moe.stream and not config.n_experts:
         log.warning("%s has no experts: --moe-stream ignored", path.name)
+    elif moe is not None and not moe.stream and (moe.pilot or moe.pinned_share):
+        log.warning("--moe-pilot and --moe-pinned-share act on streamed experts: ignored "
+                    "without --moe-stream")
     model = family.model.from_gguf(gguf, config, fmt, moe)
     gguf.release_pages()
     gguf.drop_array_metadata()
     return LoadedModel(path, config, model, tokenizer, template, weights,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, tuple(p for p, _ in gguf.parts))
 
 
 def physical_cores() -> int:

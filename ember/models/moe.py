@@ -26,12 +26,16 @@ it (streamed == resident, bitwise):
 - :class:`StreamedExperts` (``--moe-stream``): dense weights stay resident; experts
   are read with ``pread`` into store-owned buffers (not the file mapping, so RSS is
   dense weights + cache and eviction is ours; their file pages are dropped from the
-  page cache once read) and kept in a tiered cache of
-  ``--moe-cache-bytes``: a pinned hot set (from the usage histogram of earlier runs)
-  and a least-recently-used cache per layer. A layer's misses are read together by a
-  pool of I/O threads; at each step's start the experts the previous step used are
-  hinted to the kernel (``posix_fadvise(WILLNEED)``) from a background thread, so
-  their pages are on their way before the layer asks. Every expert's CRC32 is
+  page cache once read) and kept in a cache of ``--moe-cache-bytes``: a
+  least-recently-used cache per layer, started with the experts earlier runs used most
+  (the usage histogram), and, with ``--moe-pinned-share``, a pinned set of the hottest
+  that is never evicted. A layer's misses are read together by a pool of I/O threads.
+  (Hinting the kernel at each step's start about the experts the previous step used and
+  the cache lacks, ``posix_fadvise(WILLNEED)``, was measured and dropped: under an 8 GiB
+  cgroup the 30B-A3B shape decoded 5.2 tok/s with the hints and 5.6 without, the mean
+  of 8 runs each (two alternating rounds of cold and warm runs on two prompts): their
+  pages crowd a small page cache.) Every
+  expert's CRC32 is
   recorded on its first read and checked on every later one, and a short read is an
   error: a changed, truncated or corrupt file fails the step with an error naming
   the expert, never a wrong answer.
@@ -67,7 +71,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ember.errors import EmberError
+from ember.errors import EmberError, UnsupportedModelError
 from ember.models.gguf import GGUFFile, TensorInfo, file_identity
 from ember.models.layers.mlp import GLU
 from ember.models.linear import Linear, QuantLinear, linear_nbytes
@@ -102,7 +106,7 @@ class MoEOptions:
     """How a mixture-of-experts model keeps and routes its experts."""
 
     stream: bool = False  # page experts from the file instead of loading them all
-    cache_bytes: int = 1024**3  # the streamed store's budget (pinned + LRU)
+    cache_bytes: int = 1024**3  # the streamed store's budget (LRU + any pinned share)
     pilot: bool = PILOT  # streamed: read the next layer's guessed experts ahead
     top_p: float = 1.0  # < 1: each token's experts up to this cumulative weight (lossy)
     pinned_share: float = PINNED_SHARE  # of cache_bytes, never evicted (see PINNED_SHARE)
@@ -133,6 +137,8 @@ class ExpertSlices:
     def spans(self, e: int) -> list[tuple[TensorInfo, int, int]]:
         """(tensor, offset in its part's file, bytes) of expert ``e`` in gate, up and
         down."""
+        if not 0 <= e < self.count:
+            raise ValueError(f"no expert {e} in {self.gate.name} ({self.count} experts)")
         out = []
         for info in (self.gate, self.up, self.down):
             size = info.nbytes // info.shape[0]
@@ -219,10 +225,9 @@ class ExpertStore(Protocol):
         (resident), or fill what is cached and provide the rest on demand (streamed)."""
         ...
 
-    def begin_step(self) -> None: ...
-
-    def end_step(self) -> None:
-        """After a step: the native layers' usage counts into the histogram and stats."""
+    def end_step(self, ok: bool = True) -> None:
+        """After a step: the native layers' usage counts into the histogram and stats
+        (``ok`` False: the step failed, its counts are dropped)."""
         ...
 
     def flush(self) -> None: ...
@@ -308,11 +313,10 @@ class ResidentExperts:
         for e, expert in enumerate(self.experts[layer]):
             self._attached.set(layer, e, expert)
 
-    def begin_step(self) -> None:
-        pass
-
-    def end_step(self) -> None:
-        self.stats.pinned_hits += self._attached.drain(self.record)
+    def end_step(self, ok: bool = True) -> None:
+        lookups = self._attached.drain(self.record if ok else lambda layer, counts: None)
+        if ok:
+            self.stats.pinned_hits += lookups
 
     def flush(self) -> None:
         pass
@@ -347,15 +351,23 @@ class StreamedExperts:
         self.cache_bytes, self.packed, self.pilot = cache_bytes, packed, pilot
         self.pinned_share = pinned_share
         self.stats = MoEStats()
-        self._paths, self._fds, self._identities = [], [], []
+        self._paths: list[Path] = []
+        self._fds: list[int] = []
+        self._identities: list[tuple[int, ...]] = []
+        try:
+            self._start(parts)
+        except BaseException:
+            self._shut_down()  # no file descriptor or thread outlives a failed start
+            raise
+
+    def _start(self, parts: Sequence[tuple[Path, tuple[int, ...] | None]]) -> None:
+        """Open the files, start the threads, read the sidecar and warm the cache."""
         for path, identity in parts:
             fd = os.open(path, os.O_RDONLY)
             self._fds.append(fd)
             self._paths.append(Path(path))
             self._identities.append(file_identity(os.fstat(fd)))
             if identity is not None and tuple(identity) != self._identities[-1]:
-                for opened in self._fds:
-                    os.close(opened)
                 raise ExpertReadError(f"{path} was replaced or changed after it was parsed")
         # the sidecar's record of which files it counts: one file as before, or every part
         self._file_key = (list(self._identities[0]) if len(parts) == 1
@@ -363,27 +375,32 @@ class StreamedExperts:
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ember-moe-io")
         self._buffers = threading.local()  # each I/O thread's read buffers, reused
         _return_large_frees_to_the_os()
-        self._hinter = ThreadPoolExecutor(1, thread_name_prefix="ember-moe-hint")
         # the pilot's reads have a thread of their own: a wrong guess never delays a miss
         self._pilot_io = ThreadPoolExecutor(1, thread_name_prefix="ember-moe-pilot")
         self._lock = threading.Lock()
         self._sidecar = Path(str(self.path) + HISTOGRAM_SUFFIX)
         self.histogram, self._crc = self._load_sidecar()
         self._steps = 0
-        self._last_used: list[list[int]] = [[] for _ in self.layers]
         self.pinned: dict[tuple[int, int], Expert] = {}
-        self._pin_hottest()
-        pinned = sum(x.nbytes for x in self.pinned.values())
-        self._layer_budget = max(0, cache_bytes - pinned) // max(1, len(self.layers))
         self._caches = [_LayerCache() for _ in self.layers]
-        self._warm_caches()
         # the native stacks' side (attach): reads in flight (by the pilot?), the pilot's
         # guesses by layer, experts in slots only for the chunk being computed
         self._attached = _Attached(len(self.layers))
         self._reads: dict[tuple[int, int], tuple[Future[Expert], bool]] = {}
         self._guesses: dict[int, set[int]] = {}
         self._transient: list[tuple[int, int]] = []
-        self._current_layer = -1
+        try:  # what earlier runs used, read now: a bad read here only leaves the cache cold
+            self._pin_hottest()
+            self._layer_budget = max(0, self.cache_bytes - sum(
+                x.nbytes for x in self.pinned.values())) // max(1, len(self.layers))
+            self._warm_caches()
+        except ExpertReadError as e:
+            log.warning("%s: not warming the expert cache from its history: %s",
+                        self.path.name, e)
+            self.pinned.clear()
+            self._caches = [_LayerCache() for _ in self.layers]
+            self._layer_budget = self.cache_bytes // max(1, len(self.layers))
+        self.stats = MoEStats()  # warming is not serving: count from here
 
     # ------------------------------------------------------------ sidecar file
     def _load_sidecar(self) -> tuple[list[list[int]], dict[tuple[int, int], int]]:
@@ -441,28 +458,28 @@ class StreamedExperts:
             if used + expert.nbytes <= budget:
                 self.pinned[(layer, e)] = expert
                 used += expert.nbytes
-        self.stats = MoEStats()  # pinning is not serving: count from here
 
     def _warm_caches(self) -> None:
         """Start each layer's LRU with its most used experts so far (after the pinned
         ones) up to its share: a restart begins where the last runs' routing was, and the
-        LRU still follows what this run routes to."""
+        LRU still follows what this run routes to. Every layer's reads go to the I/O
+        threads at once (how many fit is estimated from the file bytes, which packing
+        grows by at most 63 per 16 rows)."""
+        reads = []
         for layer, h in enumerate(self.histogram):
             hottest = sorted((e for e, count in enumerate(h)
                               if count and (layer, e) not in self.pinned),
                              key=lambda e: h[e], reverse=True)
-            if not hottest:
-                continue
-            first = self._read(layer, hottest[0])  # a layer's experts are one size
-            fit = min(len(hottest), self._layer_budget // max(1, first.nbytes))
-            rest = [self._io.submit(self._read, layer, e) for e in hottest[1:fit]]
-            built = [first, *(f.result() for f in rest)][:fit]
-            cache = self._caches[layer]
-            # the hottest evicted last
-            for e, expert in reversed(list(zip(hottest[:len(built)], built, strict=True))):
-                cache.lru[e] = expert
-                cache.nbytes += expert.nbytes
-        self.stats = MoEStats()
+            fit = self._layer_budget // max(1, self.layers[layer].expert_bytes)
+            reads.append([(e, self._io.submit(self._read, layer, e)) for e in hottest[:fit]])
+        for layer, built in enumerate(reads):
+            cache, kept = self._caches[layer], []
+            for e, future in built:
+                expert = future.result()
+                if cache.nbytes + expert.nbytes <= self._layer_budget:
+                    kept.append((e, expert))
+                    cache.nbytes += expert.nbytes
+            cache.lru = OrderedDict(reversed(kept))  # the hottest evicted last
 
     # ------------------------------------------------------------ reading
     def _read(self, layer: int, e: int) -> Expert:
@@ -485,7 +502,8 @@ class StreamedExperts:
             self.stats.bytes_read += sum(r.nbytes for r in raws)
             self.stats.read_seconds += time.perf_counter() - start
         if known != crc:
-            raise ExpertReadError(f"{self.path}: expert {e} of layer {layer} reads back with "
+            part = self._paths[slices.gate.part]
+            raise ExpertReadError(f"{part}: expert {e} of layer {layer} reads back with "
                                   f"CRC32 {crc:08x}, recorded {known:08x}: the file is corrupt "
                                   "or was replaced")
         return build_expert(self.build, slices, e, raws)
@@ -493,13 +511,13 @@ class StreamedExperts:
     def _forget(self, spans: list[tuple[TensorInfo, int, int]]) -> None:
         """Drop an expert's file pages from the page cache once its bytes are ours: what
         stays in memory is the store's to choose, and under a memory limit those pages
-        would crowd the cache (measured, the 30B-A3B shape in an 8 GiB cgroup decoded
-        5.5-5.9 tok/s keeping them, 6.7-6.8 dropping them, and the cgroup's peak fell
-        from the limit to 5.8 GB)."""
+        would crowd the cache (measured in alternating runs, the 30B-A3B shape in an
+        8 GiB cgroup decoded 5.5-5.9 tok/s from a cold cache keeping them and 6.7-6.8
+        dropping them, and the cgroup's peak fell from the limit to 5.8 GB)."""
         if not hasattr(os, "posix_fadvise"):
             return
         for info, offset, size in spans:
-            try:
+            try:  # advice: a failure costs nothing but the advice
                 os.posix_fadvise(self._fds[info.part], offset, size, os.POSIX_FADV_DONTNEED)
             except OSError:
                 return
@@ -522,27 +540,6 @@ class StreamedExperts:
             buffers[i] = np.empty(size, np.uint8)
         return buffers[i][:size]
 
-    def _hint(self, spans: list[tuple[int, int, int]]) -> None:
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for part, offset, size in spans:
-            try:
-                os.posix_fadvise(self._fds[part], offset, size, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                return
-
-    def begin_step(self) -> None:
-        """Hint the kernel about every expert the last step used that is not cached."""
-        spans = []
-        for layer, used in enumerate(self._last_used):
-            cache = self._caches[layer].lru
-            for e in used:
-                if (layer, e) not in self.pinned and e not in cache:
-                    spans += [(info.part, off, size)
-                              for info, off, size in self.layers[layer].spans(e)]
-        if spans:
-            self._hinter.submit(self._hint, spans)
-
     def experts_for(self, layer: int, ids: list[int]) -> Iterator[tuple[int, Expert]]:
         """``(id, expert)`` in the order of ``ids``. Misses are read ahead by the I/O
         threads, at most ``READ_AHEAD`` at a time: an expert that does not fit the cache
@@ -561,7 +558,6 @@ class StreamedExperts:
             else:
                 missing.append(e)
         self.stats.misses += len(missing)
-        self._last_used[layer] = list(ids)
         pending: dict[int, Future[Expert]] = {}
         queued = iter(missing)
 
@@ -624,10 +620,7 @@ class StreamedExperts:
         of them at once, so a prefill routing to every expert never holds the whole
         layer."""
         self._drop_transient()
-        if layer != self._current_layer:  # the layer's first chunk
-            self._current_layer = layer
-            self._last_used[layer] = list(needed)
-            self._score_guess(layer, needed)
+        self._score_guess(layer, needed)  # once per guess: the first chunk takes it
         cache, keep = self._caches[layer], set(needed)
         misses = [e for e in needed if (layer, e) not in self.pinned and e not in cache.lru]
         for e in misses[:READ_AHEAD]:
@@ -663,14 +656,23 @@ class StreamedExperts:
 
     def _guess(self, layer: int, ids: list[int]) -> None:
         """A guess of the pilot for ``layer`` (most likely first; a layer gets several,
-        counted together): read what is not cached or being read."""
+        counted together): read what is not cached or being read, at most as many as the
+        layer's cache could keep (``READ_AHEAD`` where it keeps fewer, ``PILOT_READS`` at
+        most), so what the pilot holds stays a window beside the budget."""
         self._guesses.setdefault(layer, set()).update(ids[:PILOT_READS])
         cache = self._caches[layer]
+        room = min(PILOT_READS, max(READ_AHEAD, self._layer_budget
+                                    // max(1, self.layers[layer].expert_bytes)))
+        held = sum(1 for (at, _), (_, by_pilot) in self._reads.items()
+                   if at == layer and by_pilot)
         for e in ids[:PILOT_READS]:
+            if held >= room:
+                return
             if (layer, e) in self.pinned or e in cache.lru or (layer, e) in self._reads:
                 continue
             self._reads[(layer, e)] = (self._pilot_io.submit(self._read, layer, e), True)
             self.stats.pilot_reads += 1
+            held += 1
 
     def _score_guess(self, layer: int, needed: list[int]) -> None:
         """Count the guesses for ``layer`` against what it needs; drop wrong guesses'
@@ -692,14 +694,16 @@ class StreamedExperts:
                 self._attached.drop(layer, e)
         self._transient.clear()
 
-    def end_step(self) -> None:
-        self._attached.drain(self.record)
+    def end_step(self, ok: bool = True) -> None:
+        if ok:
+            self._attached.drain(self.record)
+        else:  # a failed step's routing is not history
+            self._attached.drain(lambda layer, counts: None)
         self._drop_transient()
         for future, _ in self._reads.values():  # guesses for layers never reached
             future.cancel()
         self._reads.clear()
         self._guesses.clear()
-        self._current_layer = -1
 
     def record(self, layer: int, counts: dict[int, int]) -> None:
         with self._lock:
@@ -727,9 +731,15 @@ class StreamedExperts:
             return
         self._attached.clear()  # the providers and pilots hold this store
         self.save()
-        self._hinter.shutdown(wait=True)  # before the fd number can be reused
-        self._io.shutdown(wait=True)
-        self._pilot_io.shutdown(wait=True)
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Stop whatever threads were started, then close every file opened (after the
+        threads: an fd number must not be reused under a read in flight)."""
+        for name in ("_io", "_pilot_io"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=True)
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -798,6 +808,14 @@ class MoEFeedForward:
             chosen = chosen.masked_fill(~keep, -1)
         return chosen, weights
 
+    @property
+    def native_ready(self) -> bool:
+        """Whether the native stack can run this layer (:func:`native_experts`): every
+        expert packed, and the shared expert too where there is one."""
+        s = self.shared
+        return self.store.packed and (s is None or (
+            isinstance(s.gate_up, QuantLinear) and isinstance(s.down, QuantLinear)))
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         b = self.biases
         chosen, weights = self.route(h)
@@ -824,21 +842,20 @@ class MoEFeedForward:
 
 
 def native_experts(ext: Any, moe: MoEFeedForward, ffn: int, activation: str
-                   ) -> NativeExperts | None:
-    """``moe`` as the native stack's routed-experts layer of build ``ext``, computing with
-    its store's experts; None where they are not all packed (or the shared expert is not)."""
+                   ) -> NativeExperts:
+    """``moe`` (``native_ready``) as the native stack's routed-experts layer of build
+    ``ext``, computing with its store's experts."""
     def wrap(linear: Linear) -> Any:
         return ext.PackedLinear(linear.in_features, linear.packed.segments)  # shares bytes
 
+    if not moe.native_ready:
+        raise ValueError(f"layer {moe.layer}'s experts are not all packed for the kernels")
     shared = moe.shared
-    if not moe.store.packed or (shared is not None and not (
-            isinstance(shared.gate_up, QuantLinear) and isinstance(shared.down, QuantLinear))):
-        return None
     native = ext.RoutedExperts(moe.router.contiguous(), moe.top_k, ffn, activation)
     if moe.biases is not None:
         b = moe.biases
         native.set_biases(b.router.contiguous(), b.gate_up.contiguous(), b.down.contiguous())
-    if shared is not None:
+    if shared is not None:  # Qwen 3.5 MoE's; its recurrent layers keep it off the stack
         native.set_shared(wrap(shared.gate_up), wrap(shared.down), shared.gate.contiguous())
     if moe.top_p < 1:
         native.set_top_p(moe.top_p)
@@ -846,8 +863,22 @@ def native_experts(ext: Any, moe: MoEFeedForward, ffn: int, activation: str
     return native
 
 
-def expert_slices(gguf: GGUFFile, layer: int) -> ExpertSlices:
+def expert_slices(gguf: GGUFFile, layer: int, n_experts: int | None = None,
+                  hidden: int | None = None, ffn: int | None = None) -> ExpertSlices:
+    """Layer ``layer``'s expert stacks, checked to be ``[E, ffn, hidden]`` (gate, up) and
+    ``[E, hidden, ffn]`` (down) for the configuration's sizes where given, and to agree
+    with the router (``ffn_gate_inp``: E rows): a stack of another shape would have an
+    expert's bytes read from the wrong place."""
     p = f"blk.{layer}."
-    return ExpertSlices(gguf.tensor(p + "ffn_gate_exps.weight"),
-                        gguf.tensor(p + "ffn_up_exps.weight"),
-                        gguf.tensor(p + "ffn_down_exps.weight"))
+    gate, up, down = (gguf.tensor(p + f"ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
+    router = gguf.tensors.get(p + "ffn_gate_inp.weight")
+    e = n_experts if n_experts is not None else gate.shape[0]
+    h = hidden if hidden is not None else gate.shape[-1]
+    f = ffn if ffn is not None else gate.shape[1]
+    for info, want in ((gate, (e, f, h)), (up, (e, f, h)), (down, (e, h, f)),
+                       (router, (e, h))):
+        if info is not None and tuple(info.shape) != want:
+            raise UnsupportedModelError(
+                f"{gguf.path.name}: {info.name} is {list(info.shape)}; the layer's "
+                f"{e} experts of {f} over {h} need {list(want)}")
+    return ExpertSlices(gate, up, down)
