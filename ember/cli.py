@@ -326,8 +326,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "text (trained once, ~15 min); default: a random-weight one")
     b.add_argument("--weights", default="auto")
     b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--budgets", default="100,50,25,10",
-                   help="comma-separated cache budgets, percent of all experts' bytes")
+    b.add_argument("--budgets", default=None,
+                   help="comma-separated cache budgets, percent of all experts' bytes "
+                        "(default 100,50,25,10)")
     b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
     b.add_argument("--memory-limit", type=byte_size, default=None, metavar="BYTES",
                    help="bigger than RAM: run every engine in a memory cgroup of this "
@@ -639,6 +640,13 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
 
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")
+    limit_only = [flag for flag, given in (("--cache-bytes", args.cache_bytes is not None),
+                                           ("--llama-bench", args.llama_bench is not None),
+                                           ("--no-resident", args.no_resident)) if given]
+    if args.memory_limit is None and limit_only:
+        raise ValueError(f"{', '.join(limit_only)}: only with --memory-limit")
+    if args.memory_limit is not None and args.budgets is not None:
+        raise ValueError("--budgets: not with --memory-limit (its runs use --cache-bytes)")
     if args.memory_limit is not None:
         from ember.bench.moe import main_limit
 
@@ -646,7 +654,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
                    args.cache_bytes or args.memory_limit // 2, args.tokens, args.llama_bench,
                    not args.no_resident, args.out, args.pilot)
         return 0
-    budgets = _int_list(args.budgets, "--budgets")
+    budgets = _int_list(args.budgets or "100,50,25,10", "--budgets")
     if any(not 0 < b <= 100 for b in budgets):
         raise ValueError("--budgets must be percentages in (0, 100]")
     bench_main(args.model, args.weights, args.threads, budgets, args.tokens, args.out,
@@ -762,7 +770,8 @@ def _model_args(s: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts models: keep dense weights resident and page "
                         "experts from the file through a cache (docs/models.md)")
     s.add_argument("--moe-cache-bytes", type=byte_size, default=1024**3,
-                   help="the streamed experts' cache: pinned hot set + per-layer LRU "
+                   help="the streamed experts' cache: a per-layer LRU warmed from earlier "
+                        "runs (+ any --moe-pinned-share) "
                         "(bytes; K, M, G suffixes: powers of 1024)")
     s.add_argument("--moe-pilot", action=argparse.BooleanOptionalAction, default=False,
                    help="with --moe-stream: guess each layer's experts one layer ahead and "

@@ -103,7 +103,7 @@ class EngineConfig:
     kv_restore: str = "auto"  # auto: restore from disk where faster than recomputing; always
     allow_drift: bool = False  # use weights/KV whose `ember eval` drift crosses the limits
     moe_stream: bool = False  # MoE models: page experts from the file (docs/models.md)
-    moe_cache_bytes: int = 1024**3  # the streamed experts' cache (pinned + per-layer LRU)
+    moe_cache_bytes: int = 1024**3  # the streamed experts' cache (per-layer LRU + pinned)
     moe_pilot: bool = False  # streamed: read the experts guessed for the next layer ahead
     moe_expert_top_p: float = 1.0  # < 1: each token's experts up to this weight (LOSSY)
     moe_pinned_share: float = 0.0  # of moe_cache_bytes, the hottest experts, never evicted

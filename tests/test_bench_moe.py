@@ -33,6 +33,8 @@ def test_a_memory_cgroup_charges_what_its_process_touches_and_kills_beyond_it(
              "open(sys.argv[2], 'rb').read() if len(sys.argv) > 2 else None")
     with _cgroup(256 << 20) as cg:
         subprocess.run([sys.executable, "-c", touch, "64"], check=True, preexec_fn=cg.join)
+        if cg.peak() is None:
+            pytest.skip("this kernel's cgroup keeps no peak (cgroup v2 before Linux 5.19)")
         assert (64 << 20) <= cg.peak() <= (256 << 20)
     with _cgroup(256 << 20) as cg:
         subprocess.run([sys.executable, "-c", touch, "8", str(big)], check=True,

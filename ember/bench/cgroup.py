@@ -19,11 +19,13 @@ import os
 import time
 from pathlib import Path
 
+from ember.errors import EmberError
+
 V2_ROOT = Path("/sys/fs/cgroup")
 V1_ROOT = Path("/sys/fs/cgroup/memory")
 
 
-class CgroupError(RuntimeError):
+class CgroupError(EmberError):
     """No memory cgroup can be made here (not root, no controller, read-only tree)."""
 
 

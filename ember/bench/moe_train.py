@@ -1,10 +1,11 @@
 """A small mixture of experts trained here, for routing that real text drives.
 
-The pilot's recall and what a learned pinned set buys are properties of *learned*
-routing: a router of random weights spreads tokens evenly and reads a residual stream
-of noise, so it measures neither, and no real MoE small enough for these machines
-ships on PyPI. (Splitting SmolLM2's dense FFNs into experts, "MoEfication", was tried:
-its SiLU activations are not sparse enough — 12 of 24 experts chosen by their actual
+The pilot's recall and what a cache learned from history buys are properties of
+*learned* routing: a router of random weights reads a residual stream of noise (a deep
+random network's, dominated by a few directions, sends most tokens to a few experts),
+so it measures neither, and no real MoE small enough for these machines ships on PyPI.
+(Splitting SmolLM2's dense FFNs into experts, "MoEfication", was tried and dropped: its
+SiLU activations are not sparse enough — 12 of 24 experts chosen by their actual
 activations still agreed with the dense model's next token only 45% of the time.)
 
 So this trains one: a Mixtral-style llama (pre-norm blocks, adjacent-pair RoPE, GQA,
@@ -12,7 +13,8 @@ every FFN ``n_experts`` SwiGLU experts of which the router's softmax picks ``top
 their weights renormalised) with SmolLM2's tokenizer and tied embeddings, on the
 Python standard library's own source (code and docstrings every Python install has),
 with a load-balancing loss (Switch Transformer's) so experts specialise without
-collapsing. A few minutes on two cores give a model whose routing follows its text.
+collapsing. ~15 minutes on two cores (400 steps of 8 windows of 256 tokens; SmolLM2's
+49k-token output layer is most of a step) give a model whose routing follows its text.
 
 :func:`write_gguf` writes it as llama.cpp writes a Mixtral (``llama.expert_count``,
 ``ffn_{gate,up,down}_exps``; matrices Q8_0, norms and the router F32), so ember and
@@ -245,7 +247,7 @@ def trained_moe_path() -> Path:
 
 
 def ensure_trained_moe(steps: int = 400, batch: int = 8) -> Path:
-    """The trained model of ``ember bench moe --routing trained`` (~15 minutes on two
+    """The trained model of ``ember bench moe --model trained`` (~15 minutes on two
     cores, once: SmolLM2's 49k-token output layer is most of each step)."""
     import sys
 
