@@ -35,6 +35,7 @@ LLAMA_BENCH = os.environ.get("EMBER_LLAMA_BENCH")
 OUTPUT = Path(__file__).parent / "llamacpp_output"  # captured from the real binaries
 BENCH_JSON = OUTPUT / "llama-bench.json"  # -p 16,32 -n 7
 BATCHED_JSONL = OUTPUT / "llama-batched-bench.jsonl"  # -c 76 -npp 16 -ntg 3 -npl 1,2,4
+IK_BATCHED = OUTPUT / "ik-llama-batched-bench.txt"  # the same, ik_llama.cpp's, 2>&1
 
 
 def _tokens(gguf_path: Path) -> list[int]:
@@ -260,6 +261,28 @@ def test_parse_llama_batched_bench_jsonl_from_the_real_binary() -> None:
     assert [b["tokens"] / b["seconds"] for b in parsed["batched"]] == pytest.approx(
         [r["speed_tg"] for r in rows], rel=1e-4)
     assert parsed["n_kv_max"] == rows[0]["n_kv_max"] == 1024
+
+
+def test_parse_ik_llama_batched_bench_table_from_the_real_binary() -> None:
+    """ik_llama.cpp's batched bench prints a markdown table (no JSONL): the same rows."""
+    parsed = native.parse_batched_jsonl(IK_BATCHED.read_text())
+    assert [b["streams"] for b in parsed["batched"]] == [1, 2, 4]
+    assert [b["tokens"] for b in parsed["batched"]] == [3, 6, 12]
+    assert [b["speed_tg"] for b in parsed["batched"]] == [125.67, 204.51, 410.24]
+    assert [b["seconds"] for b in parsed["batched"]] == [0.024, 0.029, 0.029]
+    assert parsed["n_kv_max"] == 256 and parsed["meta"]["n_threads"] == 2
+
+
+def test_ik_llama_flags() -> None:
+    """The fork's flags: -fa 0|1 and -rtr for repacking (mainline: --repack 0 to stop it)."""
+    bins = native.Binaries(Path("llama-bench"), Path("llama-batched-bench"), ik=True)
+    sizes = native.Sizes((16,), 7, (2,), 16, 3)
+    argv = native.bench_argv(bins, "m.gguf", 2, sizes, "auto", repack=True)
+    assert argv[argv.index("-fa") + 1] == "1" and argv[argv.index("-rtr") + 1] == "1"
+    argv = native.bench_argv(bins, "m.gguf", 2, sizes, "off", repack=False)
+    assert argv[argv.index("-fa") + 1] == "0" and "--repack" not in argv
+    assert "-rtr" in native.batched_argv(bins, "m.gguf", 2, sizes, "on", repack=True)
+    assert "--no-repack" not in native.batched_argv(bins, "m.gguf", 2, sizes, "on", False)
 
 
 def test_native_output_maps_onto_embers_keys() -> None:

@@ -839,7 +839,9 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
               f"{', '.join(s for s in sides if s not in spec_of)}"
               + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else "")
               + "".join(f"; {s} kernels {info[s]['kernels']}" for s in sides
-                        if s not in spec_of and "kernels" in info.get(s, {})), flush=True)
+                        if s not in spec_of and "kernels" in info.get(s, {}))
+              + (f"; {NATIVE} is {info[NATIVE]['version']}" if "version" in info.get(NATIVE, {})
+                 else ""), flush=True)
         for s in list(sides):  # warm-up, untimed
             _run_side(sides, runs, info, s, message(s, 0, warm=True), None)
         for rep in range(reps):

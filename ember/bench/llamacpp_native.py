@@ -147,6 +147,7 @@ class Binaries:
     batched: Path | None  # None: not found beside llama-bench (no decode_S figures)
     env: dict[str, str] = field(repr=False, default_factory=dict)
     version: str = ""
+    ik: bool = False  # ik_llama.cpp's fork: its own flags (-rtr, -fa 0|1), tables not JSONL
 
 
 def binary_env(binary: Path) -> dict[str, str]:
@@ -183,17 +184,25 @@ def locate(path: str) -> Binaries:
         batched = None
     env = binary_env(bench)
     bins = Binaries(bench.resolve(), batched.resolve() if batched else None, env)
-    try:
-        proc = subprocess.run([str(bins.bench), "--version"], capture_output=True, text=True,
-                              timeout=60, env=env, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeError(f"{bins.bench} --version failed: {e}") from None
-    text = (proc.stdout + proc.stderr).strip()
-    if proc.returncode != 0:
-        raise NativeError(f"{bins.bench} --version exited with {proc.returncode}: "
-                          f"{' | '.join(text.splitlines()[-3:])}")
+    text, rc = _ask(bins, "--version")
+    if rc != 0:
+        # ik_llama.cpp's llama-bench has no --version; its --help names its own flags
+        help_text, help_rc = _ask(bins, "--help")
+        if help_rc != 0 or "--run-time-repack" not in help_text:
+            raise NativeError(f"{bins.bench} --version exited with {rc}: "
+                              f"{' | '.join(text.splitlines()[-3:])}")
+        bins.ik, text = True, "ik_llama.cpp (its build commit: in the runs' meta)"
     bins.version = text.splitlines()[0] if text else "?"
     return bins
+
+
+def _ask(bins: Binaries, flag: str) -> tuple[str, int]:
+    try:
+        proc = subprocess.run([str(bins.bench), flag], capture_output=True, text=True,
+                              timeout=60, env=bins.env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeError(f"{bins.bench} {flag} failed: {e}") from None
+    return (proc.stdout + proc.stderr).strip(), proc.returncode
 
 
 # ---------------------------------------------------------------- command lines
@@ -254,13 +263,20 @@ def bench_argv(bins: Binaries, model: str, threads: int, sizes: Sizes, flash_att
         return None
     argv = [str(bins.bench), "-m", model, "-t", str(threads),
             "-p", ",".join(map(str, sizes.prefill or [0])), "-n", str(sizes.decode_steps),
-            "-r", "1", "-o", "json", "-fa", flash_attn]
+            "-r", "1", "-o", "json", "-fa", _ik_flash_attn(flash_attn) if bins.ik else flash_attn]
     longest = max(sizes.prefill, default=0)
     if longest > UBATCH_DEFAULT:
         argv += ["-ub", str(longest), "-b", str(max(longest, BATCH_DEFAULT))]
-    if not repack:
+    if bins.ik:  # ik repacks only when asked (-rtr); mainline by default (--repack)
+        argv += ["-rtr", "1" if repack else "0"]
+    elif not repack:
         argv += ["--repack", "0"]
     return argv
+
+
+def _ik_flash_attn(value: str) -> str:
+    """ik_llama.cpp's llama-bench takes -fa 0|1 (on by default, as mainline's auto is on CPU)."""
+    return "0" if value == "off" else "1"
 
 
 def batched_argv(bins: Binaries, model: str, threads: int, sizes: Sizes,
@@ -272,7 +288,9 @@ def batched_argv(bins: Binaries, model: str, threads: int, sizes: Sizes,
             "-npp", str(sizes.stream_prompt), "-ntg", str(sizes.stream_steps),
             "-npl", ",".join(map(str, sizes.streams)), "--output-format", "jsonl",
             "-fa", flash_attn]
-    if not repack:
+    if bins.ik:
+        argv += ["-rtr"] if repack else []
+    elif not repack:
         argv.append("--no-repack")
     return argv
 
@@ -310,7 +328,9 @@ def parse_bench_json(text: str) -> dict:
 
 def parse_batched_jsonl(text: str) -> dict:
     """llama-batched-bench ``--output-format jsonl`` → ``{"batched": [{streams, tokens,
-    seconds}], "n_kv_max": ...}``: tokens = pl*tg, seconds = t_tg (its S_TG window)."""
+    seconds}], "n_kv_max": ...}``: tokens = pl*tg, seconds = t_tg (its S_TG window).
+    ik_llama.cpp's llama-batched-bench prints only its markdown table and a ``main:``
+    line of settings: read from those where no JSON line is."""
     rows = []
     for line in text.splitlines():
         line = line.strip()
@@ -320,6 +340,7 @@ def parse_batched_jsonl(text: str) -> dict:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             raise NativeError(f"llama-batched-bench printed {line[:200]!r}, not JSON") from None
+    rows = rows or _batched_table(text)
     out: dict[str, Any] = {"batched": [{"streams": r["pl"], "tokens": r["pl"] * r["tg"],
                                         "seconds": r["t_tg"], "speed_tg": r["speed_tg"],
                                         "prompt": r["pp"]} for r in rows]}
@@ -328,6 +349,41 @@ def parse_batched_jsonl(text: str) -> dict:
         out["meta"] = {k: rows[0].get(k) for k in (
             "n_kv_max", "n_batch", "n_ubatch", "flash_attn", "n_threads", "n_threads_batch")}
     return out
+
+
+_TABLE_COLUMNS = {"PP": "pp", "TG": "tg", "B": "pl", "T_TG s": "t_tg", "S_TG t/s": "speed_tg"}
+
+
+def _batched_table(text: str) -> list[dict]:
+    """The rows of llama-batched-bench's markdown table, with its ``main:`` settings, in
+    the JSONL rows' keys (empty when there is no table)."""
+    settings: dict[str, Any] = {}
+    header: list[str] | None = None
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("main: n_kv_max"):
+            for pair in line.removeprefix("main:").split(","):
+                key, _, value = pair.partition("=")
+                try:
+                    settings[key.strip()] = int(value)
+                except ValueError:
+                    pass
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|") or set("".join(cells)) <= set("-:"):
+            continue
+        if header is None:
+            header = cells
+            continue
+        values = dict(zip(header, cells, strict=False))
+        try:
+            row = {key: float(values[column]) for column, key in _TABLE_COLUMNS.items()}
+        except (KeyError, ValueError):
+            raise NativeError(f"llama-batched-bench's table row {line.strip()[:200]!r} "
+                              f"lacks {sorted(_TABLE_COLUMNS)}") from None
+        rows.append({**settings, **row, **{k: int(row[k]) for k in ("pp", "tg", "pl")}})
+    if rows and "n_kv_max" not in settings:
+        raise NativeError("llama-batched-bench printed a table without its main: settings")
+    return rows
 
 
 def to_reply(outputs: dict[str, str], sizes: Sizes) -> dict:
@@ -411,7 +467,8 @@ class NativeSide:
             if proc.returncode != 0:
                 raise NativeError(f"{shlex.join(argv)} exited with {proc.returncode}: "
                                   f"{stderr_summary(proc.stderr)}")
-            outputs[name] = proc.stdout
+            # ik_llama.cpp's llama-batched-bench prints its table to stderr
+            outputs[name] = proc.stdout + (proc.stderr if self.bins.ik else "")
             if proc.peak_rss_bytes:
                 self.peaks[name] = max(self.peaks.get(name, 0), proc.peak_rss_bytes)
         reply = to_reply(outputs, sizes)
