@@ -351,7 +351,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "and llama.cpp's tensor types, for speed runs")
     b.add_argument("--shape", required=True,
                    help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b, "
-                        "qwen3moe-30b-a3b, gpt-oss-20b")
+                        "qwen3moe-30b-a3b, gpt-oss-20b, qwen35-4b, qwen35moe-35b-a3b")
     b.add_argument("--quant", default="Q4_K_M",
                    help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
                         "Q8_0, MXFP4_MOE (experts MXFP4, the rest Q8_0: as gpt-oss ships; "

@@ -37,7 +37,7 @@ class Family:
     n_layers: int = 2
     moe: bool = False  # routed experts: a second file with them in MXFP4
     convert_args: tuple[str, ...] = ()  # more arguments to llama.cpp's converter
-    native_stack: bool = True  # the fused native stack runs it (not recurrent layers)
+    native_stack: bool = True  # the fused native stack runs it
     # the model_type written to config.json, where transformers would otherwise force the
     # family's own tokenizer class on the converter (whose pre-tokenizer over SmolLM2's
     # vocabulary llama.cpp cannot recognise); the checkpoint's weights and keys unchanged
@@ -108,7 +108,7 @@ FAMILIES: dict[str, Family] = {
                             "mrope_interleaved": True}},
         # --no-mtp: no MTP head. atol: the f32 delta-rule scan sums in another order than
         # transformers' chunked one; 1.2e-4 measured on an Intel AVX-512/AMX machine
-        n_layers=4, convert_args=("--no-mtp",), native_stack=False, atol=2e-4),
+        n_layers=4, convert_args=("--no-mtp",), atol=2e-4),
     # Qwen 3.5 MoE: the same hybrid, every MLP routed (softmax, top 2 of 4, renormalised)
     # plus a shared expert gated by sigmoid(gate · h)
     "qwen35moe": Family("Qwen3_5MoeTextConfig", {
@@ -116,12 +116,11 @@ FAMILIES: dict[str, Family] = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48,
+        "shared_expert_intermediate_size": 64,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                             "mrope_interleaved": True}},
-        n_layers=4, moe=True, convert_args=("--no-mtp",), native_stack=False,
-        tokenizer_model_type="qwen3_5_text",
+        n_layers=4, moe=True, convert_args=("--no-mtp",), tokenizer_model_type="qwen3_5_text",
         # routing and recurrence amplify f32 rounding here: transformers and llama.cpp
         # differ from each other by 2.3e-4 on this file (ember: 1.9e-4 / 2.9e-4)
         atol=5e-4),

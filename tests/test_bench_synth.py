@@ -57,6 +57,17 @@ TINY_FAMILIES = {
                      n_kv_heads=2, head_dim=64, ffn=256, vocab=SMOL_VOCAB, tied=False,
                      rope_base=150000.0, context=4096, norm_eps=1e-5, sliding_window=128,
                      n_experts=4, n_experts_used=2, expert_ffn=256, yarn=(32.0, 4096)),
+    # Qwen 3.5's hybrids: three Gated DeltaNet layers to one of gated attention (the MoE
+    # one with a shared expert)
+    "qwen35": Shape("tiny-qwen35", "qwen35", hidden=256, n_layers=8, n_heads=4, n_kv_heads=2,
+                    head_dim=64, ffn=512, vocab=SMOL_VOCAB, tied=True, rope_base=1e7,
+                    context=2048, norm_eps=1e-6, delta_net=(4, 2, 32, 4, 32),
+                    full_attention_interval=4, rope_dim=16),
+    "qwen35moe": Shape("tiny-qwen35moe", "qwen35moe", hidden=256, n_layers=4, n_heads=4,
+                       n_kv_heads=2, head_dim=64, ffn=256, vocab=SMOL_VOCAB, tied=False,
+                       rope_base=1e7, context=2048, norm_eps=1e-6, n_experts=4,
+                       n_experts_used=2, expert_ffn=256, delta_net=(4, 2, 32, 4, 32),
+                       full_attention_interval=4, rope_dim=16, shared_expert_ffn=256),
 }
 
 
@@ -190,6 +201,7 @@ def test_writer_names_a_value_it_cannot_type(tmp_path: Path, value: object) -> N
 # use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2, worked out by hand:
 MORE_BITS = {
     6: {2, 5},
+    8: {0, 3, 6, 7},
     16: {0, 1, 4, 7, 10, 13, 14, 15},
     26: {0, 1, 2, 5, 8, 11, 14, 17, 20, 22, 23, 24, 25},
     28: {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27},
@@ -261,6 +273,30 @@ def test_gpt_oss_ships_mxfp4_experts_and_q8_0_elsewhere() -> None:
     assert dict(synth_tensors(SHAPES["gpt-oss-20b"]))["blk.0.attn_sinks.weight"] == (64,)
 
 
+@pytest.mark.parametrize("layers", [None, 8])
+def test_qwen35_4b_counts_attn_qkv_with_attn_v_as_llama_cpp_does(layers) -> None:
+    """Qwen 3.5 4B: a recurrent layer's attn_qkv and an attention layer's attn_v are one
+    per layer, and take the attn_v rule by layer; the convolution and the per-head
+    parameters stay F32; every 4th layer is attention, its q rows doubled (the gate)."""
+    shape = SHAPES["qwen35-4b"].with_layers(layers)
+    types, n = _types(shape, "Q4_K_M"), shape.n_layers
+    more = MORE_BITS[n]
+    attention = {i for i in range(n) if (i + 1) % 4 == 0}
+    assert _layers(types, "attn_v.weight", "Q6_K") == more & attention
+    assert _layers(types, "attn_qkv.weight", "Q6_K") == more - attention
+    assert _layers(types, "attn_qkv.weight", "Q4_K") == set(range(n)) - more - attention
+    assert _layers(types, "ffn_down.weight", "Q6_K") == more
+    for suffix in ("attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_out.weight"):
+        assert _layers(types, suffix, "Q4_K") == set(range(n)) - attention, suffix
+    for suffix in ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight"):
+        assert _layers(types, suffix, "F32") == set(range(n)) - attention, suffix
+    dims = dict(synth_tensors(shape))
+    assert dims["blk.3.attn_q.weight"] == (2 * 16 * 256, 2560)
+    assert dims["blk.0.attn_qkv.weight"] == (2 * 16 * 128 + 32 * 128, 2560)
+    assert dims["blk.0.ssm_conv1d.weight"] == (8192, 4)
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
+
+
 def test_exactly_eight_experts_raise_attention_as_llama_cpp_does() -> None:
     types = _types(TINY_FAMILIES["qwen3moe"], "Q4_K_M")
     assert _layers(types, "attn_v.weight", "Q8_0") == set(range(8))
@@ -283,7 +319,7 @@ def test_a_cut_shape_is_named_for_its_layers() -> None:
 @pytest.mark.skipif(not os.environ.get("EMBER_LLAMA_BENCH"),
                     reason="set EMBER_LLAMA_BENCH to the directory of llama.cpp's binaries "
                            "(llama-quantize) to run this")
-@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss", "qwen35", "qwen35moe"])
 def test_moe_policy_reproduces_what_llama_quantize_writes(
         tmp_path: Path, smollm2_file: GGUFFile, family: str) -> None:
     """llama-quantize requantizes a Q8_0 synth file to each file type: every tensor's
@@ -408,6 +444,11 @@ def test_families_load_and_generate(tmp_path: Path, smollm2_file: GGUFFile,
     if shape.arch == "gpt-oss":
         assert [a.window for a in cfg.layers] == [128, None] * 2
         assert cfg.attn_sinks and cfg.expert_biases and cfg.rope_yarn is not None
+    if shape.arch.startswith("qwen35"):
+        assert cfg.recurrent_layers == tuple((i + 1) % 4 != 0 for i in range(shape.n_layers))
+        assert cfg.attn_output_gate and cfg.rope_dim == 16
+        assert cfg.delta_net is not None and cfg.delta_net.conv == 4
+        assert cfg.shared_expert_ffn_size == shape.shared_expert_ffn
     _assert_runs(path)
 
 

@@ -148,6 +148,46 @@ def test_hybrid_sequences_keep_their_own_recurrent_state(converted) -> None:
     engine.kv.check_no_leaks()
 
 
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
+def test_native_hybrid_stack_is_chunk_and_preemption_invariant(converted, name: str) -> None:
+    """The native stack carries each row's recurrent state across steps: prompts
+    prefilled in chunks of 5, two rows at a time, with a preemption and a recompute,
+    give bitwise the outcomes (tokens and logprobs) each gets alone in one chunk; the
+    states are the op-by-op path's (teacher-forced logits within the q4 kernels'
+    rounding), and the stack refuses a step without them."""
+    from test_batch_invariance import outcomes, params
+
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    require_kernels()
+    path = converted[name].q8_0
+    q = load_model(str(path), "q4")
+    assert q.model.native is not None
+    prompts = [IDS[:20], IDS[3:9], IDS[10:41], IDS[:2]]
+    sps = [params(i, max_tokens=10) for i in range(4)]
+
+    def make(**kw: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), weights="q4", **kw), loaded=q)
+
+    # the same block size: attention's sums follow the pool's blocks
+    alone = [outcomes(make(num_kv_blocks=64, block_size=8), [p], [sp])[0]
+             for p, sp in zip(prompts, sps, strict=True)]
+    tight = make(num_kv_blocks=6, block_size=8, max_num_seqs=2, max_prefill_chunk=5)
+    assert outcomes(tight, prompts, sps) == alone
+    assert tight.scheduler.num_preemptions > 0
+    tight.kv.check_no_leaks()
+    _, rel = fused_vs_op_by_op(q.model, IDS)
+    assert rel < 0.05, rel
+    x = torch.zeros(1, q.config.hidden_size)
+    kv = q.model.new_kv_storage(4, 16)
+    with pytest.raises(RuntimeError, match="conv_state, ssm_state and token_state"):
+        q.model.native.forward(x, kv.pool, [torch.zeros(1, q.config.rope_dim)],
+                               torch.zeros(1, dtype=torch.long),
+                               torch.zeros(1, 4, dtype=torch.long),
+                               torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
 def test_hybrid_models_refuse_a_kv_disk_tier(converted, tmp_path: Path) -> None:
     from ember.config import EngineConfig, InvalidConfig
     from ember.engine.engine import LLMEngine

@@ -5,7 +5,8 @@ and it has to be measured at the sizes people run (1-8B, and mixtures of experts
 20-30B): a model that fits in the CPU's last-level cache measures the cache, not the
 engine. No such model ships on PyPI, so this writes them: ``SHAPES`` holds the exact
 hyper-parameters of Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B, Gemma 3 1B, Qwen3-30B-A3B
-(128 experts, 8 per token) and gpt-oss-20b (32 experts, 4 per token, sinks and biases),
+(128 experts, 8 per token), gpt-oss-20b (32 experts, 4 per token, sinks and biases) and
+the Qwen 3.5 hybrids 4B and 35B-A3B (three Gated DeltaNet layers to one of gated attention),
 and ``write_synth`` writes one of them at a llama.cpp file type (``Q4_K_M``, ...,
 ``MXFP4_MOE`` as gpt-oss ships) with the per-tensor types llama-quantize would choose
 (``tensor_type``), so ember and llama.cpp read the same bytes per token as they would
@@ -74,6 +75,13 @@ class Shape:
     n_experts_used: int = 0  # experts per token
     expert_ffn: int = 0  # each expert's FFN width
     yarn: tuple[float, int] = (0.0, 0)  # YaRN (factor, original context); 0: none
+    # Qwen 3.5: (conv taps, key heads, key dim, value heads, value dim) of its Gated
+    # DeltaNet layers, every full_attention_interval-th layer attention, RoPE over the
+    # leading rope_dim dims of a head, a shared expert of shared_expert_ffn
+    delta_net: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    full_attention_interval: int = 0
+    rope_dim: int = 0  # 0: the whole head
+    shared_expert_ffn: int = 0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -88,6 +96,13 @@ class Shape:
             raise ValueError(f"shape {self.name!r}: {' and '.join(sorted(_ROUTED))}, and "
                              "only they, need experts (n_experts, n_experts_used <= "
                              "n_experts, expert_ffn)")
+        if (self.arch in _HYBRID) != bool(self.full_attention_interval and self.delta_net[0]):
+            raise ValueError(f"shape {self.name!r}: {' and '.join(sorted(_HYBRID))}, and only "
+                             "they, need delta_net and full_attention_interval")
+
+    def recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` is a Gated DeltaNet layer (a hybrid's, not every interval-th)."""
+        return self.arch in _HYBRID and (layer + 1) % self.full_attention_interval != 0
 
     def with_layers(self, n_layers: int | None) -> Shape:
         """The same shape cut (or grown) to ``n_layers`` of its real layers, named so."""
@@ -107,9 +122,14 @@ _ARCH_EXTRAS: dict[str, tuple[bool, bool]] = {
     "gemma3": (True, True),
     "qwen3moe": (True, False),
     "gpt-oss": (False, False),
+    "qwen35": (True, False),
+    "qwen35moe": (True, False),
 }
 _WINDOWED = {"gemma3", "gpt-oss"}  # sliding-window layers
-_ROUTED = {"qwen3moe", "gpt-oss"}  # every FFN routed over experts
+_ROUTED = {"qwen3moe", "gpt-oss", "qwen35moe"}  # every FFN routed over experts
+# Qwen 3.5: Gated DeltaNet layers, gated attention (q heads carry an output gate), the
+# FFN's pre-norm called post_attention_norm
+_HYBRID = {"qwen35", "qwen35moe"}
 # gpt-oss: biases on q, k, v, the output, the router and every expert; per-head sinks; the
 # FFN's pre-norm is called post_attention_norm
 _BIASED = {"gpt-oss"}
@@ -146,6 +166,18 @@ SHAPES: dict[str, Shape] = {
               context=131072, norm_eps=1e-5, sliding_window=128, n_experts=32,
               n_experts_used=4, expert_ffn=2880, yarn=(32.0, 4096),
               description="gpt-oss-20b"),
+        # Qwen 3.5: RoPE over a quarter of each 256-dim head (interleaved MRoPE sections
+        # 11/11/10 in the file; for text one position, plain NEOX), base 1e7
+        Shape("qwen35-4b", "qwen35", hidden=2560, n_layers=32, n_heads=16, n_kv_heads=4,
+              head_dim=256, ffn=9216, vocab=248320, tied=True, rope_base=1e7,
+              context=262144, norm_eps=1e-6, delta_net=(4, 16, 128, 32, 128),
+              full_attention_interval=4, rope_dim=64, description="Qwen3.5 4B"),
+        Shape("qwen35moe-35b-a3b", "qwen35moe", hidden=2048, n_layers=40, n_heads=16,
+              n_kv_heads=2, head_dim=256, ffn=512, vocab=248320, tied=False,
+              rope_base=1e7, context=262144, norm_eps=1e-6, n_experts=256,
+              n_experts_used=8, expert_ffn=512, delta_net=(4, 16, 128, 32, 128),
+              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512,
+              description="Qwen3.5 35B-A3B"),
     )
 }
 
@@ -213,12 +245,13 @@ def tensor_type(name: str, shape: tuple[int, ...], file_type_name: str, *, n_lay
     type ``file_type_name``, from an F32/F16 source without an importance matrix.
 
     Mirrors llama.cpp's ``llama_tensor_get_type`` (src/llama-quant.cpp, as vendored in
-    llama-cpp-python 0.3.36): ``tensor_allows_quantization`` (1-D tensors, biases, norms
-    and the experts' router ``ffn_gate_inp`` stay as they are: F32 here),
+    llama-cpp-python 0.3.36): ``tensor_allows_quantization`` (1-D tensors, biases, norms,
+    the experts' router ``ffn_gate_inp`` and ``ssm_conv1d`` stay as they are: F32 here),
     ``llama_tensor_get_type_impl`` for the branches these file types reach in models
     below 70B (the output head, or the token embedding when tied, becomes Q6_K, or Q8_0
     when its row length is not a multiple of the default type's block; for Q4_K_M /
-    Q5_K_M, attn_v and ffn_down (the experts' too) become Q6_K in the layers
+    Q5_K_M, attn_v (and a hybrid's attn_qkv, which llama.cpp counts with attn_v) and
+    ffn_down (the experts' too) become Q6_K in the layers
     ``use_more_bits`` picks; with exactly 8 experts attn_v and attn_k become Q8_0 and,
     for Q4_K_M, attn_output Q5_K; ``MXFP4_MOE`` puts 3-D expert tensors in MXFP4 and
     every other matrix, the head too, in Q8_0), then ``tensor_type_fallback`` (a K-quant
@@ -229,7 +262,7 @@ def tensor_type(name: str, shape: tuple[int, ...], file_type_name: str, *, n_lay
     """
     ft = file_type(file_type_name)
     if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name \
-            or "ffn_gate_inp.weight" in name:
+            or "ffn_gate_inp.weight" in name or "ssm_conv1d" in name:
         return GGMLType.F32
     new = ft.default
     ncols = shape[-1]
@@ -240,10 +273,11 @@ def tensor_type(name: str, shape: tuple[int, ...], file_type_name: str, *, n_lay
             new = GGMLType.Q6_K
     elif ft.name == "MXFP4_MOE":
         new = GGMLType.MXFP4 if len(shape) == 3 else GGMLType.Q8_0
-    elif "attn_v.weight" in name or "ffn_down" in name:
+    elif "attn_v.weight" in name or "attn_qkv.weight" in name or "ffn_down" in name:
+        # llama.cpp counts attn_qkv with attn_v (a hybrid has one of them per layer)
         if ft.name in ("Q4_K_M", "Q5_K_M") and _use_more_bits(_layer_of(name), n_layers):
             new = GGMLType.Q6_K
-        if n_experts == 8 and "attn_v.weight" in name:
+        if n_experts == 8 and "ffn_down" not in name:
             new = GGMLType.Q8_0
     elif n_experts == 8 and "attn_k.weight" in name:
         new = GGMLType.Q8_0
@@ -267,14 +301,21 @@ def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of ``shape``: token_embd, each block in
     layer order, output_norm, output (readers look tensors up by name; llama-quantize
     itself writes them sorted by name within each block)."""
-    h, v, f, hd = shape.hidden, shape.vocab, shape.ffn, shape.head_dim
+    h, v, hd = shape.hidden, shape.vocab, shape.head_dim
     q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
     qk_norm, post_norms = _ARCH_EXTRAS[shape.arch]
     biased = shape.arch in _BIASED
+    hybrid = shape.arch in _HYBRID
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (v, h))]
     for i in range(shape.n_layers):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q, h)),
+        if shape.recurrent(i):
+            out += _delta_net_tensors(shape, p)
+            out += _expert_tensors(shape, p) if shape.n_experts else _dense_ffn(shape, p)
+            continue
+        # a hybrid's q rows: each head's query, then its output gate
+        q_rows = 2 * q if hybrid else q
+        out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q_rows, h)),
                 (p + "attn_k.weight", (kv, h)), (p + "attn_v.weight", (kv, h))]
         if biased:
             out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)),
@@ -289,8 +330,7 @@ def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
         if shape.n_experts:
             out += _expert_tensors(shape, p)
             continue
-        out += [(p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (f, h)),
-                (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
+        out += _dense_ffn(shape, p)
         if post_norms:
             out.append((p + "post_ffw_norm.weight", (h,)))
     out.append(("output_norm.weight", (h,)))
@@ -299,13 +339,34 @@ def synth_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _ffn_norm(shape: Shape) -> str:
+    return ("post_attention_norm" if shape.arch in _BIASED | _HYBRID else "ffn_norm") + ".weight"
+
+
+def _dense_ffn(shape: Shape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    h, f = shape.hidden, shape.ffn
+    return [(p + _ffn_norm(shape), (h,)), (p + "ffn_gate.weight", (f, h)),
+            (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
+
+
+def _delta_net_tensors(shape: Shape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A Qwen 3.5 Gated DeltaNet layer's mixer (as llama.cpp's converter names them)."""
+    h = shape.hidden
+    taps, n_k, k_dim, n_v, v_dim = shape.delta_net
+    channels, value = 2 * n_k * k_dim + n_v * v_dim, n_v * v_dim
+    return [(p + "attn_norm.weight", (h,)), (p + "attn_qkv.weight", (channels, h)),
+            (p + "attn_gate.weight", (value, h)), (p + "ssm_conv1d.weight", (channels, taps)),
+            (p + "ssm_dt.bias", (n_v,)), (p + "ssm_a", (n_v,)),
+            (p + "ssm_beta.weight", (n_v, h)), (p + "ssm_alpha.weight", (n_v, h)),
+            (p + "ssm_norm.weight", (v_dim,)), (p + "ssm_out.weight", (h, value))]
+
+
 def _expert_tensors(shape: Shape, p: str) -> list[tuple[str, tuple[int, ...]]]:
     """A routed layer's FFN: its pre-norm, the router, the experts' [E, out, in] stacks
-    (and gpt-oss's biases)."""
+    (and gpt-oss's biases; Qwen 3.5 MoE's shared expert)."""
     h, e, f = shape.hidden, shape.n_experts, shape.expert_ffn
     biased = shape.arch in _BIASED
-    out = [(p + ("post_attention_norm" if biased else "ffn_norm") + ".weight", (h,)),
-           (p + "ffn_gate_inp.weight", (e, h))]
+    out = [(p + _ffn_norm(shape), (h,)), (p + "ffn_gate_inp.weight", (e, h))]
     if biased:
         out.append((p + "ffn_gate_inp.bias", (e,)))
     out += [(p + "ffn_gate_exps.weight", (e, f, h)), (p + "ffn_up_exps.weight", (e, f, h)),
@@ -313,6 +374,10 @@ def _expert_tensors(shape: Shape, p: str) -> list[tuple[str, tuple[int, ...]]]:
     if biased:
         out += [(p + "ffn_gate_exps.bias", (e, f)), (p + "ffn_up_exps.bias", (e, f)),
                 (p + "ffn_down_exps.bias", (e, h))]
+    if shape.shared_expert_ffn:
+        s = shape.shared_expert_ffn
+        out += [(p + "ffn_gate_inp_shexp.weight", (h,)), (p + "ffn_gate_shexp.weight", (s, h)),
+                (p + "ffn_up_shexp.weight", (s, h)), (p + "ffn_down_shexp.weight", (h, s))]
     return out
 
 
@@ -375,6 +440,10 @@ _MXFP4_UNIT_RMS = (2 * sum(v * v for v in (0, 1, 2, 3, 4, 6, 8, 12)) / 16) ** 0.
 def _random_chunks(rng: np.random.Generator, shape: tuple[int, ...], t: GGMLType,
                    name: str) -> Iterator[np.ndarray]:
     """The raw bytes of a random tensor, a few MB of rows at a time."""
+    if name.endswith("ssm_a"):  # -exp(A_log), A_log = log U(1, 16) as Qwen 3.5 is initialised:
+        # every head's state decays (a positive value would make it grow without bound)
+        yield (-rng.uniform(1.0, 16.0, shape[0])).astype(np.float32)
+        return
     if len(shape) == 1:  # norm weights around 1 (GGUF stores Gemma's as 1 + w too); biases
         # and sinks around 0
         centre = 1.0 if name.endswith("norm.weight") else 0.0
@@ -457,7 +526,7 @@ def model_metadata(shape: Shape, quant: str) -> dict[str, Any]:
         f"{a}.attention.head_count_kv": shape.n_kv_heads,
         f"{a}.attention.key_length": shape.head_dim,
         f"{a}.attention.value_length": shape.head_dim,
-        f"{a}.rope.dimension_count": shape.head_dim,
+        f"{a}.rope.dimension_count": shape.rope_dim or shape.head_dim,
         f"{a}.rope.freq_base": float(shape.rope_base),
         f"{a}.attention.layer_norm_rms_epsilon": float(shape.norm_eps),
     }
@@ -467,6 +536,21 @@ def model_metadata(shape: Shape, quant: str) -> dict[str, Any]:
         md[f"{a}.expert_count"] = shape.n_experts
         md[f"{a}.expert_used_count"] = shape.n_experts_used
         md[f"{a}.expert_feed_forward_length"] = shape.expert_ffn
+    if shape.shared_expert_ffn:
+        md[f"{a}.expert_shared_feed_forward_length"] = shape.shared_expert_ffn
+    if shape.arch in _HYBRID:
+        taps, n_k, k_dim, n_v, v_dim = shape.delta_net
+        md[f"{a}.ssm.conv_kernel"] = taps
+        md[f"{a}.ssm.state_size"] = k_dim
+        md[f"{a}.ssm.group_count"] = n_k
+        md[f"{a}.ssm.time_step_rank"] = n_v
+        md[f"{a}.ssm.inner_size"] = n_v * v_dim
+        md[f"{a}.full_attention_interval"] = shape.full_attention_interval
+        # interleaved MRoPE's sections over the rotated pairs (text: all one position)
+        pairs = (shape.rope_dim or shape.head_dim) // 2
+        first = -(-pairs // 3)
+        md[f"{a}.rope.dimension_sections"] = np.array(
+            [first, first, pairs - 2 * first, 0], dtype=np.int32)
     if shape.yarn[0]:
         md[f"{a}.rope.scaling.type"] = "yarn"
         md[f"{a}.rope.scaling.factor"] = float(shape.yarn[0])

@@ -69,7 +69,7 @@ _SOURCE = Path(__file__).with_name("quant_matmul.cpp")
 # the headers it includes (paged attention, the fused decoder): part of the build key
 _HEADERS = ("quant_lanes.h", "quant_layouts.h", "quant_kernels.h", "packed_linear.h",
             "activations.h", "paged_attention.h", "row_ops.h", "lora_delta.h",
-            "routed_experts.h", "fused_decoder.h")
+            "routed_experts.h", "delta_net.h", "fused_decoder.h")
 # -fopenmp: at::parallel_for is inlined from ATen's headers and only runs threads
 # when compiled with OpenMP; at run time the extension shares torch's libgomp
 # (same soname, already loaded), so it uses torch's thread pool and thread count.

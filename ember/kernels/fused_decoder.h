@@ -9,8 +9,11 @@
 // SiLU(gate) * up -> down -> residual, for every token of the step: the llama block
 // and Qwen 2/3's. Where a layer's FFN is routed experts (Qwen3-MoE, gpt-oss), the
 // gate/up/down part is routed_experts.h's instead; gpt-oss's attention adds an output
-// bias and per-head sinks. The PyTorch model (ember/models/decoder.py) runs the same
-// recipe op by op with f32 weights and is the oracle this path is tested against.
+// bias and per-head sinks. Qwen 3.5's hybrid stack: its recurrent layers are
+// delta_net.h's Gated DeltaNet in place of attention (their states in a slot per row,
+// given to forward), and its attention layers gate their output by sigmoid of a second
+// half of each q head. The PyTorch models (ember/models/decoder.py, qwen35.py) run the
+// same recipes op by op with f32 weights and are the oracle this path is tested against.
 //
 // Every stage computes each token on its own, with code that does not depend on how
 // many tokens there are or where they come from: RMSNorm and the activation
@@ -19,7 +22,9 @@
 // token (see paged_attention.h). So a token's output is bitwise independent of the
 // batch, of prefill chunking and of whether its prefix came from the cache.
 
-enum Stage { kNorms, kProjections, kRopeStore, kAttention, kActivation, kExperts, kStages };
+enum Stage {
+  kNorms, kProjections, kRopeStore, kAttention, kActivation, kExperts, kRecurrent, kStages
+};
 
 // Adds the time since the previous lap to a stage's total (does nothing without totals).
 class Clock {
@@ -40,7 +45,10 @@ class Clock {
 
 struct LayerWeights {
   at::Tensor attn_norm, ffn_norm;
-  PackedLinear qkv, o;
+  std::optional<PackedLinear> qkv, o;  // none: a recurrent layer (delta)
+  std::shared_ptr<DeltaNet> delta;  // a Gated DeltaNet in place of attention (Qwen 3.5)
+  int64_t kv_layer = -1;  // an attention layer's index in the KV pool
+  int64_t state_layer = -1;  // a recurrent layer's index in the recurrent states
   std::optional<PackedLinear> gate_up, down;  // the dense FFN (none: routed experts)
   std::shared_ptr<RoutedExperts> experts;  // the routed FFN (null: dense)
   at::Tensor qkv_bias, q_norm, k_norm;  // undefined where the family has none
@@ -83,6 +91,14 @@ class DecoderStack {
     softcap_ = static_cast<float>(attn_softcap);
   }
 
+  // Every attention layer's q projection yields, per head, the query and then a gate of
+  // head_dim: the attention output is multiplied by sigmoid(gate) (Qwen 3.5; set
+  // before adding layers).
+  void set_attn_output_gate(bool on) {
+    TORCH_CHECK(layers_.empty(), "DecoderStack: set the output gate before adding layers");
+    gated_ = on;
+  }
+
   // Llama 4's attention temperature (Mistral 3): every query is multiplied by
   // 1 + scale ln(1 + floor(position / floor)) after RoPE; scale 0: none.
   void set_attn_temperature(double scale, int64_t floor) {
@@ -97,20 +113,38 @@ class DecoderStack {
                  const std::optional<PackedLinear>& gate_up,
                  const std::optional<PackedLinear>& down) {
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
-    TORCH_CHECK(gate_up.has_value() == down.has_value(),
-                "DecoderStack: a dense FFN needs both gate_up and down");
-    if (!layers_.empty()) check_ffn(layers_.back());
     TORCH_CHECK(pre_norms_ ? attn_norm.numel() == hidden_ && ffn_norm.numel() == hidden_
                            : attn_norm.numel() == 0 && ffn_norm.numel() == 0,
                 "DecoderStack: pre-norm weights must have hidden elements (none without "
                 "pre-norms)");
     LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm),
-                   linear(qkv, hidden_, q_dim + 2 * kv_dim), linear(o, q_dim, hidden_)};
-    if (gate_up.has_value()) {
-      L.gate_up = linear(*gate_up, hidden_, 2 * ffn_);
-      L.down = linear(*down, ffn_, hidden_);
-    }
-    layers_.push_back(std::move(L));
+                   linear(qkv, hidden_, (gated_ ? 2 : 1) * q_dim + 2 * kv_dim),
+                   linear(o, q_dim, hidden_)};
+    L.kv_layer = attention_layers_++;
+    add_ffn(L, gate_up, down);
+  }
+
+  // A recurrent layer: a Gated DeltaNet in place of attention (pre-norms only), then
+  // the FFN as add_layer's (gate_up and down absent: routed experts, set_experts next).
+  void add_delta_net_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                           const std::shared_ptr<DeltaNet>& delta,
+                           const std::optional<PackedLinear>& gate_up,
+                           const std::optional<PackedLinear>& down) {
+    TORCH_CHECK(delta && delta->hidden() == hidden_ && delta->out_features() == hidden_,
+                "DecoderStack: a DeltaNet of the stack's hidden size");
+    TORCH_CHECK(pre_norms_ && attn_norm.numel() == hidden_ && ffn_norm.numel() == hidden_,
+                "DecoderStack: a recurrent layer needs pre-norm weights of hidden elements");
+    TORCH_CHECK(layers_.empty() || recurrent_layers_ == 0 ||
+                    delta->channels() == recurrent_.channels &&
+                        delta->taps() == recurrent_.taps && delta->n_v() == recurrent_.n_v &&
+                        delta->k_dim() == recurrent_.k_dim && delta->v_dim() == recurrent_.v_dim,
+                "DecoderStack: every recurrent layer has the same shape");
+    recurrent_ = {delta->channels(), delta->taps(), delta->n_v(), delta->k_dim(),
+                  delta->v_dim(), delta->width()};
+    LayerWeights L{norm_weight(attn_norm), norm_weight(ffn_norm)};
+    L.delta = delta;
+    L.state_layer = recurrent_layers_++;
+    add_ffn(L, gate_up, down);
   }
 
   // The last added layer's routed experts (it was added without a dense FFN).
@@ -192,8 +226,13 @@ class DecoderStack {
   void forward(at::Tensor& x, at::Tensor& pool, const std::vector<at::Tensor>& ropes,
                const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& rows,
                const at::Tensor& positions, const std::vector<LoRAWeights*>& loras,
-               const std::optional<at::Tensor>& token_lora) const {
+               const std::optional<at::Tensor>& token_lora,
+               const std::optional<at::Tensor>& conv_state = std::nullopt,
+               const std::optional<at::Tensor>& ssm_state = std::nullopt,
+               const std::optional<at::Tensor>& token_state = std::nullopt) const {
     const int64_t T = x.size(0);
+    TORCH_CHECK(loras.empty() || (!gated_ && recurrent_layers_ == 0),
+                "DecoderStack: adapters are not applied to a hybrid stack");
     for (const LoRAWeights* w : loras) {
       TORCH_CHECK(w != nullptr && w->fits(num_layers(), lora_inputs(), lora_outputs()),
                   "DecoderStack: an adapter made for another stack");
@@ -205,6 +244,7 @@ class DecoderStack {
                   "DecoderStack: a layer uses RoPE table ", L.rope, " of ", ropes.size());
     }
     for (const at::Tensor& rope : ropes) check_step(x, pool, rope, slots, tables, rows, positions);
+    const RecurrentStep states = check_states(T, conv_state, ssm_state, token_state);
     if (T == 0) return;
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     const int64_t qkv_n = q_dim + 2 * kv_dim;
@@ -214,6 +254,12 @@ class DecoderStack {
     at::Tensor att = at::empty({T, q_dim}, f32);
     at::Tensor gu = at::empty({T, 2 * ffn_}, f32);
     at::Tensor y = at::empty({T, hidden_}, f32);
+    // the gated attention's raw q|gate heads, k, v; the recurrent layers' projections,
+    // convolution outputs and gated head outputs
+    at::Tensor gated = at::empty({gated_ ? T : 0, qkv_n + q_dim}, f32);
+    at::Tensor rec = at::empty(
+        {recurrent_layers_ ? T : 0, recurrent_.width + recurrent_.channels +
+                                        recurrent_.n_v * recurrent_.v_dim}, f32);
     float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
@@ -223,30 +269,22 @@ class DecoderStack {
     Clock clock(profiling_ ? &stage_ns_ : nullptr);
     for (int64_t i = 0; i < num_layers(); ++i) {
       const LayerWeights& L = layers_[i];
-      const PoolLayer kv = pool_layer(pool, i);
       const float* attn_in = xp;
       if (pre_norms_) {
         rms_norm_rows(xp, L.attn_norm.data_ptr<float>(), T, hidden_, eps_, hp);
         attn_in = hp;
       }
       clock.lap(kNorms);
-      L.qkv.matmul_into(attn_in, T, qkvp);
-      if (!lora.empty()) lora.apply(i, kQKV, attn_in, hidden_, qkvp, qkv_n);
-      clock.lap(kProjections);
-      rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
-                     positions.data_ptr<int64_t>(), kv);
-      clock.lap(kRopeStore);
-      attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
-             rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window,
-             softcap_, L.sinks.defined() ? L.sinks.data_ptr<float>() : nullptr);
-      clock.lap(kAttention);
-      L.o.matmul_into(attp, T, yp);
-      if (!lora.empty()) lora.apply(i, kOutput, attp, q_dim, yp, hidden_);
-      if (L.o_bias.defined()) {
-        const float* b = L.o_bias.data_ptr<float>();
-        for (int64_t t = 0; t < T; ++t) add_rows(yp + t * hidden_, b, hidden_);
+      if (L.delta) {
+        float* r = rec.data_ptr<float>();
+        const int64_t P = recurrent_.width, C = recurrent_.channels;
+        L.delta->forward(attn_in, T, states.slots, states.conv_layer(L.state_layer),
+                         states.ssm_layer(L.state_layer), r, r + T * P, r + T * (P + C), yp);
+        clock.lap(kRecurrent);
+      } else {
+        attention(L, i, attn_in, T, ropes, slots, tables, rows, positions, pool, lora, qkvp,
+                  gated_ ? gated.data_ptr<float>() : nullptr, attp, yp, clock);
       }
-      clock.lap(kProjections);
       if (L.post_attn_norm.defined()) {
         rms_norm_rows(yp, L.post_attn_norm.data_ptr<float>(), T, hidden_, eps_, yp);
       }
@@ -300,7 +338,8 @@ class DecoderStack {
 
   std::map<std::string, double> stage_seconds() const {
     static const char* names[] = {"norms_and_residuals", "projections", "rope_and_kv_write",
-                                  "attention", "activation", "routed_experts"};
+                                  "attention", "activation", "routed_experts",
+                                  "recurrent"};
     std::map<std::string, double> out;
     for (int s = 0; s < kStages; ++s) out[names[s]] = stage_ns_[s] * 1e-9;
     out["calls"] = static_cast<double>(stage_calls_);
@@ -339,7 +378,7 @@ class DecoderStack {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() &&
                     x.scalar_type() == at::kFloat,
                 "DecoderStack: x must be contiguous float32 [T, ", hidden_, "]");
-    TORCH_CHECK(pool.dim() == 6 && pool.size(1) == num_layers() && pool.size(2) == 2 &&
+    TORCH_CHECK(pool.dim() == 6 && pool.size(1) == attention_layers_ && pool.size(2) == 2 &&
                     pool.size(4) == kv_heads_ && pool_head_dim(pool) == head_dim_ &&
                     pool.size(5) == kv_row_width(kv_type_of(pool), head_dim_),
                 "DecoderStack: KV pool shape does not match the model");
@@ -422,6 +461,126 @@ class DecoderStack {
     });
   }
 
+  // yp [T, hidden] = layer i's attention of attn_in: QKV, RoPE and the pool write,
+  // attention, [the output gate,] the output projection. gated: scratch [T, q|gate + k
+  // + v] where the stack has the output gate (null: none).
+  void attention(const LayerWeights& L, int64_t i, const float* attn_in, int64_t T,
+                 const std::vector<at::Tensor>& ropes, const at::Tensor& slots,
+                 const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& positions,
+                 at::Tensor& pool, const LoRAStep& lora, float* qkvp, float* gated,
+                 float* attp, float* yp, Clock& clock) const {
+    const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    const int64_t qkv_n = q_dim + 2 * kv_dim;
+    const PoolLayer kv = pool_layer(pool, L.kv_layer);
+    if (gated != nullptr) {
+      L.qkv->matmul_into(attn_in, T, gated);
+      split_gate(gated, T, qkvp);
+    } else {
+      L.qkv->matmul_into(attn_in, T, qkvp);
+    }
+    if (!lora.empty()) lora.apply(i, kQKV, attn_in, hidden_, qkvp, qkv_n);
+    clock.lap(kProjections);
+    rope_and_store(L, qkvp, T, ropes[L.rope].data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   positions.data_ptr<int64_t>(), kv);
+    clock.lap(kRopeStore);
+    attend(qkvp, qkv_n, attp, T, heads_, kv, tables.data_ptr<int64_t>(), tables.size(1),
+           rows.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), scale_, L.window,
+           softcap_, L.sinks.defined() ? L.sinks.data_ptr<float>() : nullptr);
+    if (gated != nullptr) gate_output(gated, T, attp);
+    clock.lap(kAttention);
+    L.o->matmul_into(attp, T, yp);
+    if (!lora.empty()) lora.apply(i, kOutput, attp, q_dim, yp, hidden_);
+    if (L.o_bias.defined()) {
+      const float* b = L.o_bias.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) add_rows(yp + t * hidden_, b, hidden_);
+    }
+    clock.lap(kProjections);
+  }
+
+  // The gated q projection's rows [q_0 gate_0 q_1 gate_1 ... | k | v] -> qkv [q | k | v];
+  // the gates stay where they are, read by gate_output.
+  void split_gate(const float* gated, int64_t T, float* qkv) const {
+    const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+    const int64_t in = 2 * q_dim + 2 * kv_dim, out = q_dim + 2 * kv_dim;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* g = gated + t * in;
+        float* row = qkv + t * out;
+        for (int64_t hd = 0; hd < heads_; ++hd) {
+          std::memcpy(row + hd * head_dim_, g + 2 * hd * head_dim_, head_dim_ * sizeof(float));
+        }
+        std::memcpy(row + q_dim, g + 2 * q_dim, 2 * kv_dim * sizeof(float));
+      }
+    });
+  }
+
+  // att [T, q_dim] *= sigmoid(each head's gate), the gates in the raw gated rows
+  void gate_output(const float* gated, int64_t T, float* att) const {
+    const int64_t q_dim = heads_ * head_dim_, in = 2 * q_dim + 2 * kv_heads_ * head_dim_;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t hd = 0; hd < heads_; ++hd) {
+          const float* g = gated + t * in + (2 * hd + 1) * head_dim_;
+          float* a = att + t * q_dim + hd * head_dim_;
+          for (int64_t d = 0; d < head_dim_; ++d) a[d] *= 1.0f / (1.0f + exp_scalar(-g[d]));
+        }
+      }
+    });
+  }
+
+  // The recurrent layers' states of a step: conv [Lr, S, taps - 1, channels], ssm
+  // [Lr, S, n_v, k_dim, v_dim] (f32, updated in place) and each token's slot.
+  struct RecurrentStep {
+    float* conv = nullptr;
+    float* ssm = nullptr;
+    const int64_t* slots = nullptr;
+    int64_t conv_stride = 0, ssm_stride = 0;  // floats per layer
+    float* conv_layer(int64_t r) const { return conv + r * conv_stride; }
+    float* ssm_layer(int64_t r) const { return ssm + r * ssm_stride; }
+  };
+
+  RecurrentStep check_states(int64_t T, const std::optional<at::Tensor>& conv,
+                             const std::optional<at::Tensor>& ssm,
+                             const std::optional<at::Tensor>& token_state) const {
+    RecurrentStep step;
+    if (recurrent_layers_ == 0) return step;
+    TORCH_CHECK(conv.has_value() && ssm.has_value() && token_state.has_value(),
+                "DecoderStack: a stack with recurrent layers needs conv_state, ssm_state "
+                "and token_state");
+    const Recurrent& R = recurrent_;
+    TORCH_CHECK(conv->device().is_cpu() && conv->scalar_type() == at::kFloat &&
+                    conv->is_contiguous() && conv->dim() == 4 &&
+                    conv->size(0) == recurrent_layers_ && conv->size(2) == R.taps - 1 &&
+                    conv->size(3) == R.channels,
+                "DecoderStack: conv_state must be contiguous float32 [", recurrent_layers_,
+                ", slots, ", R.taps - 1, ", ", R.channels, "]");
+    const int64_t S = conv->size(1);
+    TORCH_CHECK(ssm->device().is_cpu() && ssm->scalar_type() == at::kFloat &&
+                    ssm->is_contiguous() && ssm->dim() == 5 &&
+                    ssm->size(0) == recurrent_layers_ && ssm->size(1) == S &&
+                    ssm->size(2) == R.n_v && ssm->size(3) == R.k_dim && ssm->size(4) == R.v_dim,
+                "DecoderStack: ssm_state must be contiguous float32 [", recurrent_layers_,
+                ", ", S, ", ", R.n_v, ", ", R.k_dim, ", ", R.v_dim, "]");
+    TORCH_CHECK(token_state->device().is_cpu() && token_state->is_contiguous() &&
+                    token_state->scalar_type() == at::kLong && token_state->numel() == T,
+                "DecoderStack: token_state must be contiguous int64 [T]");
+    const int64_t* ts = token_state->data_ptr<int64_t>();
+    std::vector<bool> seen(S, false);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ts[t] >= 0 && ts[t] < S, "DecoderStack: token state slot out of range");
+      if (t > 0 && ts[t] == ts[t - 1]) continue;
+      // a row's tokens are consecutive (its scan runs them in order): one run per slot
+      TORCH_CHECK(!seen[ts[t]], "DecoderStack: a state slot's tokens are not consecutive");
+      seen[ts[t]] = true;
+    }
+    step.conv = conv->data_ptr<float>();
+    step.ssm = ssm->data_ptr<float>();
+    step.slots = ts;
+    step.conv_stride = S * (R.taps - 1) * R.channels;
+    step.ssm_stride = S * R.n_v * R.k_dim * R.v_dim;
+    return step;
+  }
+
   // y [T, hidden] = the dense FFN of ffn_in (gu, act: scratch [T, 2 ffn], [T, ffn]).
   void dense_ffn(const LayerWeights& L, int64_t i, const float* ffn_in, int64_t T, float* gu,
                  float* act, float* y, const LoRAStep& lora, Clock& clock) const {
@@ -437,6 +596,20 @@ class DecoderStack {
     L.down->matmul_into(act, T, y);
     if (!lora.empty()) lora.apply(i, kDown, act, ffn_, y, hidden_);
     clock.lap(kProjections);
+  }
+
+  // L's FFN (gate_up and down absent: routed experts, given by set_experts next), and
+  // L onto the stack
+  void add_ffn(LayerWeights& L, const std::optional<PackedLinear>& gate_up,
+               const std::optional<PackedLinear>& down) {
+    TORCH_CHECK(gate_up.has_value() == down.has_value(),
+                "DecoderStack: a dense FFN needs both gate_up and down");
+    if (!layers_.empty()) check_ffn(layers_.back());
+    if (gate_up.has_value()) {
+      L.gate_up = linear(*gate_up, hidden_, 2 * ffn_);
+      L.down = linear(*down, ffn_, hidden_);
+    }
+    layers_.push_back(std::move(L));
   }
 
   // a layer added without a dense FFN must have been given experts before the next
@@ -456,7 +629,14 @@ class DecoderStack {
     for (int64_t i = 0; i < n; ++i) x[i] += residual_scale_ * y[i];
   }
 
+  struct Recurrent {  // every recurrent layer's shape (they share one)
+    int64_t channels = 0, taps = 0, n_v = 0, k_dim = 0, v_dim = 0, width = 0;
+  };
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, rope_dim_, ffn_;
+  bool gated_ = false;
+  int64_t attention_layers_ = 0, recurrent_layers_ = 0;
+  Recurrent recurrent_;
   double eps_;
   bool neox_;
   Activation act_;

@@ -11,6 +11,7 @@
 //   row_ops.h         per-row float operations: RMSNorm, gated units, f32 dots
 //   lora_delta.h      low-rank adapter deltas per token, inside the stack
 //   routed_experts.h  a mixture-of-experts layer: routing, experts grouped in one pass
+//   delta_net.h       Qwen 3.5's Gated DeltaNet (linear attention) layer
 //   fused_decoder.h   a whole decoder stack in one call per step
 //
 // Threads: at::parallel_for (follows torch.set_num_threads). SIMD: chosen at compile
@@ -105,6 +106,7 @@ std::string simd() {
 #include "row_ops.h"
 #include "lora_delta.h"
 #include "routed_experts.h"
+#include "delta_net.h"
 #include "fused_decoder.h"
 
 }  // namespace
@@ -272,6 +274,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
              r.forward(h.data_ptr<float>(), h.size(0), y.data_ptr<float>());
              return y;
            }, "the layer's experts of normed h [T, hidden]", release());
+  pybind11::class_<DeltaNet, std::shared_ptr<DeltaNet>>(mod, "DeltaNet")
+      .def(pybind11::init<const PackedLinear&, const PackedLinear&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                          int64_t, int64_t, int64_t, double>(),
+           "in (q|k|v channels, z, b, alpha), out, conv [channels, taps], dt_bias, a, norm, "
+           "n_k_heads, k_dim, n_v_heads, v_dim, eps")
+      .def_property_readonly("width", &DeltaNet::width);
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
                           const std::string&, double>(),
@@ -292,6 +301,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("add_layer", &DecoderStack::add_layer,
            "attn_norm, ffn_norm, then the qkv, o, gate_up and down PackedLinears (gate_up and "
            "down None: routed experts, given by set_experts)")
+      .def("add_delta_net_layer", &DecoderStack::add_delta_net_layer,
+           "attn_norm, ffn_norm, the DeltaNet, then gate_up and down PackedLinears (None: "
+           "routed experts)")
+      .def("set_attn_output_gate", &DecoderStack::set_attn_output_gate,
+           "q heads carry a sigmoid output gate (before adding layers)")
       .def("set_experts", &DecoderStack::set_experts, "the last layer's RoutedExperts")
       .def("set_attention_extras", &DecoderStack::set_attention_extras,
            "the last layer's attention output bias [hidden] and sinks [heads] (empty: none)")
@@ -306,9 +320,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("new_lora", &DecoderStack::new_lora, "an empty LoRAWeights for this stack")
       .def("forward", &DecoderStack::forward,
            "x (in place), pool, ropes (one table per base), slots, tables, rows, positions, "
-           "loras ([LoRAWeights]), token_lora (int64 [T], -1: none)",
+           "loras ([LoRAWeights]), token_lora (int64 [T], -1: none), and for recurrent "
+           "layers conv_state, ssm_state (updated in place) and token_state (int64 [T])",
            pybind11::arg("x"), pybind11::arg("pool"), pybind11::arg("ropes"),
            pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("rows"),
            pybind11::arg("positions"), pybind11::arg("loras") = std::vector<LoRAWeights*>(),
-           pybind11::arg("token_lora") = pybind11::none(), release());
+           pybind11::arg("token_lora") = pybind11::none(),
+           pybind11::arg("conv_state") = pybind11::none(),
+           pybind11::arg("ssm_state") = pybind11::none(),
+           pybind11::arg("token_state") = pybind11::none(), release());
 }

@@ -91,21 +91,28 @@ class DecoderLayer:
 def native_stack_supports(cfg: ModelConfig) -> bool:
     """Whether ``ember/kernels/fused_decoder.h`` implements this configuration: every
     option of the shared block (llama, Qwen 2/3, Gemma 3), routed experts (Qwen3-MoE,
-    gpt-oss with its sinks, output bias and OpenAI's SwiGLU) — not recurrent layers or
-    gated attention outputs (Qwen 3.5)."""
-    return not (cfg.recurrent or cfg.attn_output_gate
-                or cfg.activation not in ("silu", "gelu_tanh", "swiglu_oai"))
+    gpt-oss with its sinks, output bias and OpenAI's SwiGLU), and Qwen 3.5's hybrid of
+    Gated DeltaNet layers and gated attention."""
+    return cfg.activation in ("silu", "gelu_tanh", "swiglu_oai")
 
 
-def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None) -> Any | None:
+def _projections(cfg: ModelConfig, i: int, layer: Any) -> list[Linear]:
+    """Layer ``i``'s matrices the stack multiplies: its mixer's (attention's qkv and o,
+    or a recurrent layer's in_proj and out) and its dense FFN's."""
+    mixer = [layer.in_proj, layer.out] if cfg.recurrent_layers and cfg.recurrent_layers[i] \
+        else [layer.qkv, layer.o]
+    return mixer + ([] if layer.moe else [layer.gate_up, layer.down])
+
+
+def native_decoder(cfg: ModelConfig, layers: list[Any], ext: Any = None) -> Any | None:
     """The layers as one native ``DecoderStack`` (ember/kernels/fused_decoder.h) when
     the stack implements the configuration, every projection (every expert too) is a
     packed quantized matrix and the kernel is built; else None. ``ext``: the compiled
-    extension to build it with (default: this machine's)."""
+    extension to build it with (default: this machine's). ``layers``: DecoderLayers,
+    and Qwen 3.5's DeltaNetLayers where ``cfg.recurrent_layers`` says."""
     if not layers or not native_stack_supports(cfg):
         return None
-    linears = [[layer.qkv, layer.o] + ([] if layer.moe else [layer.gate_up, layer.down])
-               for layer in layers]
+    linears = [_projections(cfg, i, layer) for i, layer in enumerate(layers)]
     if not all(isinstance(p, QuantLinear) for ps in linears for p in ps) or not all(
             layer.moe.native_ready for layer in layers if layer.moe is not None):
         return None
@@ -119,6 +126,7 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
                              cfg.activation, cfg.softmax_scale)
     stack.set_block_options(cfg.pre_norms, cfg.qk_norm_full, cfg.residual_scale,
                             cfg.attn_softcap)
+    stack.set_attn_output_gate(cfg.attn_output_gate)
     if cfg.attn_temperature_scale:
         stack.set_attn_temperature(cfg.attn_temperature_scale, cfg.attn_temperature_floor)
     ropes = rope_keys(cfg)
@@ -127,12 +135,19 @@ def native_decoder(cfg: ModelConfig, layers: list[DecoderLayer], ext: Any = None
         # the stack's own handles on the packed bytes (shared, not copied): ``ext`` may
         # be another build of the kernels than the one that packed them
         packed = [ext.PackedLinear(p.in_features, p.packed.segments) for p in parts]
-        stack.add_layer(none if layer.attn_norm is None else layer.attn_norm,
-                        none if layer.ffn_norm is None else layer.ffn_norm,
-                        *(packed if layer.moe is None else [*packed, None, None]))
+        ffn_parts = packed[2:] if layer.moe is None else [None, None]
+        if cfg.recurrent_layers and cfg.recurrent_layers[i]:
+            stack.add_delta_net_layer(layer.attn_norm, layer.ffn_norm,
+                                      layer.native_mixer(ext, *packed[:2], cfg), *ffn_parts)
+        else:
+            stack.add_layer(none if layer.attn_norm is None else layer.attn_norm,
+                            none if layer.ffn_norm is None else layer.ffn_norm,
+                            *packed[:2], *ffn_parts)
         if layer.moe is not None:
             stack.set_experts(native_experts(ext, layer.moe, cfg.expert_ffn_size,
                                              cfg.activation))
+        if cfg.recurrent_layers and cfg.recurrent_layers[i]:
+            continue
         if layer.o_bias is not None or layer.sinks is not None:
             stack.set_attention_extras(none if layer.o_bias is None else layer.o_bias,
                                        none if layer.sinks is None else layer.sinks)
@@ -369,27 +384,38 @@ class DecoderModel:
     def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:
         """The residual stream (T, hidden) after every layer, from the embeddings ``x``."""
         if self.native is not None:
-            x = x.clone(memory_format=torch.contiguous_format)  # updated in place
-            ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
-                     for rope in self.ropes.values()]  # in rope_keys order
-            adapters, which = ((None, None) if batch.lora is None
-                               else batch.lora.native(self.native, x.shape[0]))
-            # a long step runs the stack over slices of tokens in order, so its scratch
-            # (~130 KB a token at 1B) is a slice's: each slice writes its K/V to the pool
-            # before the next attends to them, and rows are computed alike in any batch,
-            # so the result is the same bits as one call
-            for a in range(0, x.shape[0], NATIVE_SLICE_TOKENS):
-                part = slice(a, a + NATIVE_SLICE_TOKENS)
-                self.native.forward(x[part], kv.pool, [r[part] for r in ropes],
-                                    batch.slot_mapping[part], batch.tables,
-                                    batch.token_rows[part], batch.positions[part],
-                                    *([] if adapters is None else [adapters, which[part]]))
-            return x
+            return self.native_layers(x, batch, kv)
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
         q_scale = attention_temperature(self.cfg, batch.positions)
         slots = (batch.slot_mapping // batch.block_size, batch.slot_mapping % batch.block_size)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, batch, kv, rotations, slots, q_scale)
+        return x
+
+    def native_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage,
+                      **states: torch.Tensor) -> torch.Tensor:
+        """``decode_layers`` by the native stack; ``states``: a hybrid model's recurrent
+        ``conv_state``, ``ssm_state`` (updated in place) and ``token_state``, each
+        token's state slot."""
+        assert self.native is not None
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place
+        ropes = [torch.view_as_real(rope.rotation(batch.positions)).contiguous()
+                 for rope in self.ropes.values()]  # in rope_keys order
+        adapters, which = ((None, None) if batch.lora is None
+                           else batch.lora.native(self.native, x.shape[0]))
+        token_state = states.pop("token_state", None)
+        # a long step runs the stack over slices of tokens in order, so its scratch
+        # (~130 KB a token at 1B) is a slice's: each slice writes its K/V (and its rows'
+        # recurrent states) before the next reads them, and rows are computed alike in
+        # any batch, so the result is the same bits as one call
+        for a in range(0, x.shape[0], NATIVE_SLICE_TOKENS):
+            part = slice(a, a + NATIVE_SLICE_TOKENS)
+            extra = {} if token_state is None else {**states, "token_state": token_state[part]}
+            self.native.forward(x[part], kv.pool, [r[part] for r in ropes],
+                                batch.slot_mapping[part], batch.tables,
+                                batch.token_rows[part], batch.positions[part],
+                                *([] if adapters is None else [adapters, which[part]]),
+                                **extra)
         return x
 
     def _layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch,

@@ -99,15 +99,16 @@ def _native(config: ModelConfig | None, tensors: dict[str, Any]) -> dict[str, An
     if config is None:
         return {"fused_stack": False, "why": "the architecture is refused"}
     if not native_stack_supports(config):
-        what = ("recurrent (linear attention) layers" if config.recurrent else
-                "gated attention outputs")
-        return {"fused_stack": False, "why": f"{what} run op by op"}
+        return {"fused_stack": False,
+                "why": f"the {config.activation} activation runs op by op"}
     dense = sorted(t for t, e in tensors.items()
                    if e["runs"] != "packed, native kernels" and t != "F32")
     if dense:
         return {"fused_stack": False, "why": f"{', '.join(dense)} tensors have no packed "
                 "layout (F32/F16/BF16 and these run op by op)"}
     routed = " (routed experts too, grouped per expert)" if config.n_experts else ""
+    if config.recurrent:
+        routed += " (recurrent layers too, each row's scan token by token)"
     return {"fused_stack": True, "why": "every block option of the family and every "
             f"matrix type runs in one native call per step{routed} (with --weights q4)"}
 

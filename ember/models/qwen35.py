@@ -25,9 +25,10 @@ in ``qwen35moe`` every MLP is a router over experts plus a shared expert whose o
 is scaled by sigmoid(gate · h). A multi-token-prediction head (``nextn_predict_layers``)
 is not run.
 
-This path is PyTorch op by op (the fused native stack has no recurrent layers):
-decode rows share one batched state update per layer; a prefill chunk runs its
-tokens one by one.
+Where every projection is packed (``--weights q4``) the whole stack runs natively
+(``ember/kernels/delta_net.h`` inside ``fused_decoder.h``): one call per step, each
+row's scan token by token. The PyTorch path here is its oracle: decode rows share one
+batched state update per layer; a prefill chunk runs its tokens one by one.
 """
 
 from __future__ import annotations
@@ -89,10 +90,10 @@ def configure(gguf: GGUFFile, base: ModelConfig) -> dict[str, Any]:
 @dataclass
 class DeltaNetLayer:
     attn_norm: torch.Tensor
-    qkv: Linear  # x -> the convolution's q | k | v channels
-    z: Linear  # x -> the output gate (n_v_heads * v_dim)
-    alpha: Linear  # x -> per value head, the decay's input
-    beta: Linear  # x -> per value head, the update's strength (before the sigmoid)
+    # x -> the convolution's q | k | v channels, the output gate z (n_v_heads * v_dim),
+    # then per value head b (the update's strength before the sigmoid) and alpha (the
+    # decay's input): one matrix, as the native stack multiplies it
+    in_proj: Linear
     conv: torch.Tensor  # (channels, taps)
     dt_bias: torch.Tensor  # (n_v_heads,)
     a: torch.Tensor  # (n_v_heads,) = -exp(A_log)
@@ -102,6 +103,15 @@ class DeltaNetLayer:
     gate_up: Linear | None  # None: routed experts (``moe``) instead
     down: Linear | None
     moe: MoEFeedForward | None = None
+
+    def native_mixer(self, ext: Any, in_proj: Any, out: Any, cfg: ModelConfig) -> Any:
+        """This layer's Gated DeltaNet as the native stack's (``ext.DeltaNet``), on the
+        stack's handles ``in_proj`` and ``out`` of its packed matrices."""
+        s = cfg.delta_net
+        assert s is not None
+        return ext.DeltaNet(in_proj, out, self.conv.contiguous(), self.dt_bias.contiguous(),
+                            self.a.contiguous(), self.norm.contiguous(), s.n_k_heads, s.k_dim,
+                            s.n_v_heads, s.v_dim, cfg.norm_eps)
 
 
 def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i: int,
@@ -118,10 +128,8 @@ def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i:
     gate_up, down, moe = load_ffn(gguf, cfg, fmt, i, experts, moe_top_p)
     return DeltaNetLayer(
         attn_norm=load_dense(gguf, p + "attn_norm.weight"),
-        qkv=fmt.linear(gguf, [p + "attn_qkv.weight"]),
-        z=fmt.linear(gguf, [p + "attn_gate.weight"]),
-        alpha=fmt.linear(gguf, [p + "ssm_alpha.weight"]),
-        beta=fmt.linear(gguf, [p + "ssm_beta.weight"]),
+        in_proj=fmt.linear(gguf, [p + f"{x}.weight" for x in (
+            "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]),
         conv=conv,
         dt_bias=load_dense(gguf, p + "ssm_dt.bias"),
         a=load_dense(gguf, p + "ssm_a"),
@@ -198,6 +206,12 @@ class Qwen35Model(DecoderModel):
             raise ValueError("every row of a recurrent model needs a state slot")
         if starting:
             states.reset(starting)
+        if self.native is not None:
+            token_state = torch.repeat_interleave(
+                torch.tensor([row.state for row in batch.rows]),
+                torch.tensor([row.q_len for row in batch.rows]))
+            return self.native_layers(x, batch, kv, conv_state=states.conv,
+                                      ssm_state=states.ssm, token_state=token_state)
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
         slots = (batch.slot_mapping // batch.block_size, batch.slot_mapping % batch.block_size)
         kv_index = {layer: j for j, layer in enumerate(self.cfg.kv_layers)}
@@ -242,9 +256,11 @@ class Qwen35Model(DecoderModel):
         shape = c.delta_net
         assert shape is not None
         h = self.norm(x, layer.attn_norm, c.norm_eps)
-        mixed = layer.qkv(h)  # (T, channels)
-        beta = torch.sigmoid(layer.beta(h))  # (T, n_v)
-        decay = torch.exp(layer.a * F.softplus(layer.alpha(h) + layer.dt_bias))  # (T, n_v)
+        mixed, z, b, alpha = layer.in_proj(h).split(
+            [shape.channels, shape.n_v_heads * shape.v_dim, shape.n_v_heads,
+             shape.n_v_heads], dim=-1)
+        beta = torch.sigmoid(b)  # (T, n_v)
+        decay = torch.exp(layer.a * F.softplus(alpha + layer.dt_bias))  # (T, n_v)
         out = torch.empty(x.shape[0], shape.n_v_heads, shape.v_dim)
         decode, offset = [], 0
         for row in batch.rows:
@@ -260,7 +276,7 @@ class Qwen35Model(DecoderModel):
             out[index] = self._delta_net_decode(layer, mixed[index], beta[index],
                                                 decay[index], states, r,
                                                 torch.tensor([s for _, s in decode]))
-        z = layer.z(h).view(-1, shape.n_v_heads, shape.v_dim)
+        z = z.reshape(-1, shape.n_v_heads, shape.v_dim)
         core = self.norm(out.reshape(-1, shape.v_dim), layer.norm, c.norm_eps)
         core = core.view_as(out) * F.silu(z)
         x = x + layer.out(core.reshape(x.shape[0], -1))
