@@ -351,7 +351,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "and llama.cpp's tensor types, for speed runs")
     b.add_argument("--shape", required=True,
                    help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b, "
-                        "qwen3moe-30b-a3b, gpt-oss-20b, qwen35-4b, qwen35moe-35b-a3b")
+                        "qwen3moe-30b-a3b, gpt-oss-20b, qwen35-0.8b, qwen35-4b, qwen35moe-35b-a3b")
     b.add_argument("--quant", default="Q4_K_M",
                    help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
                         "Q8_0, MXFP4_MOE (experts MXFP4, the rest Q8_0: as gpt-oss ships; "
@@ -419,6 +419,10 @@ def _add_kv_flags(s: argparse.ArgumentParser) -> None:
                         "block served, whatever the choice)")
     s.add_argument("--kv-restore", default="auto", choices=("auto", "always"),
                    help="auto: restore from disk only where faster than recomputing")
+    s.add_argument("--state-snapshot-bytes", type=byte_size, default=256 * 1024**2,
+                   help="hybrid models (Qwen 3.5): room for snapshots of recurrent state, "
+                        "without which their cached prefixes cannot be used (0: no prefix "
+                        "reuse for them; default 256M)")
 
 
 
@@ -437,7 +441,7 @@ def _loras(specs: list[str]) -> dict[str, str]:
 def _kv_options(args: argparse.Namespace) -> dict:
     return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
                 kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
-                kv_restore=args.kv_restore)
+                kv_restore=args.kv_restore, state_snapshot_bytes=args.state_snapshot_bytes)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

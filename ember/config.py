@@ -107,6 +107,9 @@ class EngineConfig:
     moe_pilot: bool = False  # streamed: read the experts guessed for the next layer ahead
     moe_expert_top_p: float = 1.0  # < 1: each token's experts up to this weight (LOSSY)
     moe_pinned_share: float = 0.0  # of moe_cache_bytes, the hottest experts, never evicted
+    # hybrid models (Qwen 3.5): snapshots of recurrent state at block boundaries, so the
+    # prefix cache can serve them (0: no prefix reuse for them); least recently used out
+    state_snapshot_bytes: int = 256 * 1024**2
 
     def limits_for(self, tenant: str | None) -> TenantLimits:
         """The limits of ``tenant``: its own entry, else the one for every tenant."""
@@ -124,6 +127,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "max_queue", "kv_disk_bytes", "moe_cache_bytes"):
             positive(name)
+        if not isinstance(self.state_snapshot_bytes, int) or self.state_snapshot_bytes < 0:
+            raise InvalidConfig(f"state_snapshot_bytes must be a non-negative integer, got "
+                                f"{self.state_snapshot_bytes!r}")
         if not isinstance(self.moe_expert_top_p, int | float) or not (
                 0 < self.moe_expert_top_p <= 1):
             raise InvalidConfig(f"moe_expert_top_p must be in (0, 1], got "

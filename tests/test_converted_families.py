@@ -17,6 +17,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_hybrid_sequences_keep_their_own_recurrent_state(converted) -> None:
     different lengths run together — prefilled in chunks of 5 across steps, two at a
     time so a finished one's state slot is taken by a waiting one, and with so few KV
     blocks that a sequence is preempted and recomputed — each give transformers' own
-    greedy tokens; every slot is given back; prefix reuse and speculation are off."""
+    greedy tokens; every slot is given back; speculation is off."""
     import ember
 
     c = converted["qwen35"]
@@ -134,7 +135,7 @@ def test_hybrid_sequences_keep_their_own_recurrent_state(converted) -> None:
     llm = ember.LLM(str(c.f32), weights="f32", num_kv_blocks=6, block_size=8,
                     max_num_seqs=2, max_prefill_chunk=5)
     engine = llm.engine
-    assert not engine.config.enable_prefix_caching and engine.config.speculation == "off"
+    assert engine.config.speculation == "off"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert [list(o.token_ids) for o in outs] == expected
     assert engine.scheduler.num_preemptions > 0  # the recompute path was taken
@@ -186,6 +187,75 @@ def test_native_hybrid_stack_is_chunk_and_preemption_invariant(converted, name: 
                                torch.zeros(1, dtype=torch.long),
                                torch.zeros(1, 4, dtype=torch.long),
                                torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+def _drain(engine: Any) -> list[Any]:
+    """Step ``engine`` until it is idle: the finished outputs."""
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    return done
+
+
+@pytest.mark.parametrize(("name", "weights"), [("qwen35", "q4"), ("qwen35moe", "q4"),
+                                             ("qwen35", "f32")])
+def test_a_hybrid_follow_up_turn_restores_a_state_snapshot(converted, name: str,
+                                                           weights: str) -> None:
+    """A chat's second turn (the first turn's prompt and answer, then more) finds the
+    first turn's blocks and the recurrent-state snapshot taken at its last boundary,
+    computes only the rest, and answers as a cold engine does: bitwise (tokens and
+    logprobs) on the native stack, the same tokens op by op in f32. With room for one
+    snapshot, turns of two conversations evict each other and stay correct."""
+    from test_batch_invariance import outcomes, params
+
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    if weights == "q4":
+        require_kernels()
+    path = converted[name].q8_0 if weights == "q4" else converted[name].f32
+    q = load_model(str(path), weights)
+    per_state = q.config.state_bytes_per_sequence
+
+    def make(**kw: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), weights=weights, num_kv_blocks=64,
+                                      block_size=8, **kw), loaded=q)
+
+    warm = make()
+    first = [IDS[:30], IDS[20:47]]
+    answers = [o[0] for o in outcomes(warm, first, [params(i, 12) for i in range(2)])]
+    follow = [p + list(a) + IDS[50:55] for p, a in zip(first, answers, strict=True)]
+    sps = [params(10 + i, 10) for i in range(2)]
+    cold = [outcomes(make(enable_prefix_caching=False), [p], [sp])[0]
+            for p, sp in zip(follow, sps, strict=True)]
+    reqs = [warm.add_request(p, sp) for p, sp in zip(follow, sps, strict=True)]
+    done = {o.request_id: o for o in _drain(warm)}
+    # the last boundary the first turn computed past (its last token is not): 30 + 12 - 1
+    # positions → 40; 27 + 12 - 1 → 32 (the follow-up's own 5 blocks reach 40)
+    for req, (tokens, lps), hit in zip(reqs, cold, (40, 32), strict=True):
+        assert req.cached_tokens == hit, req.cached_tokens
+        assert done[req.request_id].token_ids == tokens
+        if weights == "q4":
+            assert [(lp.token, lp.logprob, lp.top) for lp in done[req.request_id].logprobs] \
+                == lps
+    # a branch off the first prompt (another user turn instead of the answer) reaches
+    # the snapshot its prefill took: 30 tokens → the boundary at 24
+    branch, sp = first[0] + IDS[60:66], params(20, 6)
+    (want,) = outcomes(make(enable_prefix_caching=False), [branch], [sp])
+    req = warm.add_request(branch, sp)
+    (got,) = [o for o in _drain(warm) if o.request_id == req.request_id]
+    assert req.cached_tokens == 24 and got.token_ids == want[0]
+    warm.kv.check_no_leaks()
+    # one snapshot's room: each conversation's turns evict the other's
+    tight = make(state_snapshot_bytes=per_state)
+    assert tight.kv.snapshots is not None and tight.kv.snapshots.capacity == 1
+    assert outcomes(tight, first, [params(i, 12) for i in range(2)])[0][0] == answers[0]
+    for p, sp, want in zip(follow, sps, cold, strict=True):
+        assert outcomes(tight, [p], [sp])[0][0] == want[0]
+    tight.kv.check_no_leaks()
+    # no room: no prefix reuse at all
+    none = make(state_snapshot_bytes=0)
+    assert not none.config.enable_prefix_caching and none.kv.snapshots is None
 
 
 def test_hybrid_models_refuse_a_kv_disk_tier(converted, tmp_path: Path) -> None:

@@ -165,6 +165,7 @@ class _Seq:
         self.block_hashes: list[bytes] = []
         self.cached_tokens = 0
         self.state_slot: int | None = None
+        self.state_restore: bytes | None = None
         self.num_output = 0
         self.wants_prompt_logprobs = False
 

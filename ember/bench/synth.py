@@ -6,7 +6,7 @@ and it has to be measured at the sizes people run (1-8B, and mixtures of experts
 engine. No such model ships on PyPI, so this writes them: ``SHAPES`` holds the exact
 hyper-parameters of Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B, Gemma 3 1B, Qwen3-30B-A3B
 (128 experts, 8 per token), gpt-oss-20b (32 experts, 4 per token, sinks and biases) and
-the Qwen 3.5 hybrids 4B and 35B-A3B (three Gated DeltaNet layers to one of gated attention),
+the Qwen 3.5 hybrids 0.8B, 4B and 35B-A3B (three Gated DeltaNet layers to one of gated attention),
 and ``write_synth`` writes one of them at a llama.cpp file type (``Q4_K_M``, ...,
 ``MXFP4_MOE`` as gpt-oss ships) with the per-tensor types llama-quantize would choose
 (``tensor_type``), so ember and llama.cpp read the same bytes per token as they would
@@ -168,6 +168,10 @@ SHAPES: dict[str, Shape] = {
               description="gpt-oss-20b"),
         # Qwen 3.5: RoPE over a quarter of each 256-dim head (interleaved MRoPE sections
         # 11/11/10 in the file; for text one position, plain NEOX), base 1e7
+        Shape("qwen35-0.8b", "qwen35", hidden=1024, n_layers=24, n_heads=8, n_kv_heads=2,
+              head_dim=256, ffn=3584, vocab=248320, tied=True, rope_base=1e7,
+              context=262144, norm_eps=1e-6, delta_net=(4, 16, 128, 16, 128),
+              full_attention_interval=4, rope_dim=64, description="Qwen3.5 0.8B"),
         Shape("qwen35-4b", "qwen35", hidden=2560, n_layers=32, n_heads=16, n_kv_heads=4,
               head_dim=256, ffn=9216, vocab=248320, tied=True, rope_base=1e7,
               context=262144, norm_eps=1e-6, delta_net=(4, 16, 128, 32, 128),

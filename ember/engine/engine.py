@@ -96,13 +96,16 @@ class LLMEngine:
             len(cfg.kv_layers), config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         slots = config.max_num_seqs if cfg.recurrent else 0
+        snapshots = (config.state_snapshot_bytes // cfg.state_bytes_per_sequence
+                     if cfg.recurrent and config.enable_prefix_caching else 0)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 state_slots=slots)
+                                 state_slots=slots, state_snapshots=snapshots)
         if self.kv.prefix is not None:
             self.kv.prefix.cap = lambda scope: config.limits_for(tenant_name(scope)).share(
                 "kv_share", num_blocks)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype,
-                                                   num_seqs=max(1, slots))
+                                                   num_seqs=max(1, slots),
+                                                   num_snapshots=snapshots)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
                  num_blocks, config.block_size, config.kv_dtype,
                  block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
@@ -110,8 +113,9 @@ class LLMEngine:
                                       block_bytes // config.block_size, config.kv_dtype))
         states = getattr(storage, "states", None)
         if states is not None:
-            log.info("recurrent state: %d sequences, %.1f MiB (f32, zeroed on first use)",
-                     slots, states.nbytes / 2**20)
+            log.info("recurrent state: %d sequences, %.1f MiB, and %d snapshots for the "
+                     "prefix cache, %.1f MiB (f32, touched as used)", slots,
+                     states.nbytes / 2**20, snapshots, states.snapshot_nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
         lora_dtype = config.lora_dtype
         if lora_dtype == "auto":
@@ -258,10 +262,14 @@ class LLMEngine:
 
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
         self._zero_new_blocks()
+        if self.kv.state_slots:
+            self._prepare_states(rows)
         try:
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("forward pass failed")
+            if self.kv.snapshots is not None:
+                self.kv.file_snapshots(ok=False)
             for row in rows:
                 finish(row.request, FinishReason.ERROR, f"forward pass failed: {e}")
             return [row.request for row in rows]
@@ -280,11 +288,24 @@ class LLMEngine:
                 sampled.append((row, logits[offset:offset + row.num_sampled]))
                 offset += row.num_sampled
         changed = scored + self._verify(sampled)
+        if self.kv.snapshots is not None:
+            self.kv.file_snapshots()
         for row, row_logits in sampled:
             req = row.request
             if req.forks and req.num_output == 1 and req.finish_reason is not FinishReason.ERROR:
                 changed += self._fork(req, row_logits[0])
         return changed
+
+    def _prepare_states(self, rows: list[ScheduledRow]) -> None:
+        """A hybrid model's rows: a state slot admitted with a cached prefix takes its
+        snapshot; a row crossing a block boundary worth keeping gets a snapshot slot."""
+        states = self.runner.kv.states  # type: ignore[attr-defined]
+        for row in rows:
+            req = row.request
+            snapshot = self.kv.take_restore(req)
+            if snapshot is not None:
+                states.restore(snapshot, req.state_slot)
+            row.snapshot = self.kv.snapshot_point(req, row.start, row.num_tokens)
 
     def _verify(self, sampled: list[tuple[ScheduledRow, torch.Tensor]]) -> list[Request]:
         """Sample every row — plain rows and draft-verify rows alike, in one batch — and
@@ -436,14 +457,15 @@ class LLMEngine:
 
 
 def _for_recurrent(config: EngineConfig) -> EngineConfig:
-    """A hybrid model's engine settings: its recurrent layers' state cannot be rebuilt
-    from a cached prefix nor rewound past rejected draft tokens, so no prefix reuse (nor
-    its disk tier) and no speculation."""
+    """A hybrid model's engine settings: its recurrent layers' state cannot be rewound
+    past rejected draft tokens, so no speculation; cached prefixes are served from state
+    snapshots in RAM (none: no prefix reuse), which the disk tier does not keep."""
     if config.kv_cache_dir is not None:
-        raise InvalidConfig("kv_cache_dir: a model with recurrent layers (a per-sequence "
-                            "state beside its KV) cannot reuse cached prefixes")
-    changed = {k: v for k, v in (("enable_prefix_caching", False), ("speculation", "off"))
-               if getattr(config, k) != v}
+        raise InvalidConfig("kv_cache_dir: the disk tier does not keep the recurrent-state "
+                            "snapshots a model with recurrent layers needs to reuse a prefix")
+    changed = {k: v for k, v in (("speculation", "off"),) if getattr(config, k) != v}
+    if not config.state_snapshot_bytes and config.enable_prefix_caching:
+        changed["enable_prefix_caching"] = False
     if changed:
         log.info("recurrent layers: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))
     return dataclasses.replace(config, **changed)

@@ -85,6 +85,9 @@ class Request:
     error_param: str | None = None  # the request parameter that caused ``error``, if any
     cached_tokens: int = 0
     state_slot: int | None = None  # recurrent-state slot while it holds KV (hybrid models)
+    # the chain key of a cached snapshot its slot takes before its first step (admitted
+    # with a cached prefix; ember.kv.snapshots)
+    state_restore: bytes | None = None
     lora: Any = None  # its LoRA adapter (ember.models.lora.LoRAAdapter); None: the base model
     text: str = ""  # full output text (stop string excluded once found)
     emitted_chars: int = 0  # how much of ``text`` has been streamed out

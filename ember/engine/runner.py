@@ -33,6 +33,8 @@ class ScheduledRow:
     samples: bool = False  # does the row reach the end of the history (→ next token)?
     # prompt positions whose logits give prompt logprobs (the next prompt token's)
     prompt_positions: range = range(0)
+    # hybrid models: (index of a history token, snapshot slot) to copy the state after
+    snapshot: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -77,7 +79,8 @@ class ModelRunner:
             req, start = row.request, row.start
             end = start + row.num_query
             state = -1 if req.state_slot is None else req.state_slot
-            specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query, state))
+            specs.append(RowSpec(req.block_table.block_ids(end), start, row.num_query, state,
+                                 row.snapshot))
             tokens += req.token_ids[start:start + row.num_tokens] + row.draft
             logit_rows += [offset + p - start for p in row.prompt_positions]
             if row.samples:

@@ -16,7 +16,9 @@
 // slot (conv window and one S per value head, f32). Rows and value heads are computed
 // apart, each token with the same code whatever else is in the step, so a row's
 // output is bitwise independent of the batch (and of how its prompt was chunked: the
-// scan runs token by token, so a chunk boundary changes nothing).
+// scan runs token by token, so a chunk boundary changes nothing). A token may also ask
+// for a snapshot: its row's state after it, copied to a snapshot slot (the prefix cache
+// restores it into another row's slot later, the same bits).
 
 class DeltaNet {
  public:
@@ -65,9 +67,12 @@ class DeltaNet {
   // y [T, hidden] = the layer's mixer of normed h [T, hidden]. slots [T]: each token's
   // state slot; conv_state [S, taps - 1, channels] and ssm [S, n_v, k_dim, v_dim]: this
   // layer's states, updated in place. Scratch: proj [T, width()], mixed [T, channels],
-  // core [T, n_v v_dim].
+  // core [T, n_v v_dim]. snaps [T] (null: none): the snapshot slot of the state after
+  // each token (-1: none) in snap_conv / snap_ssm, laid out as conv_state / ssm.
   void forward(const float* h, int64_t T, const int64_t* slots, float* conv_state,
-               float* ssm, float* proj, float* mixed, float* core, float* y) const {
+               float* ssm, float* proj, float* mixed, float* core, float* y,
+               const int64_t* snaps = nullptr, float* snap_conv = nullptr,
+               float* snap_ssm = nullptr) const {
     in_.matmul_into(h, T, proj);
     // runs of consecutive tokens of one row (its slot)
     std::vector<int64_t> starts;
@@ -83,7 +88,8 @@ class DeltaNet {
       for (int64_t rb = b0; rb < b1; ++rb) {
         const int64_t r = rb / blocks, c0 = (rb % blocks) * block;
         convolve(proj, P, starts[r], starts[r + 1], c0, std::min(channels_, c0 + block),
-                 conv_state + slots[starts[r]] * (taps_ - 1) * channels_, mixed);
+                 conv_state + slots[starts[r]] * (taps_ - 1) * channels_, mixed, snaps,
+                 snap_conv);
       }
     });
     // the scan, per row and value head
@@ -91,9 +97,13 @@ class DeltaNet {
       for (int64_t rj = j0; rj < j1; ++rj) {
         const int64_t r = rj / n_v_, head = rj % n_v_;
         float* S = ssm + (slots[starts[r]] * n_v_ + head) * k_dim_ * v_dim_;
+        const int64_t KV = k_dim_ * v_dim_;
         for (int64_t t = starts[r]; t < starts[r + 1]; ++t) {
           scan_token(proj + t * P, mixed + t * channels_, head, S,
                      core + t * n_v_ * v_dim_ + head * v_dim_);
+          if (snaps != nullptr && snaps[t] >= 0) {
+            std::memcpy(snap_ssm + (snaps[t] * n_v_ + head) * KV, S, KV * sizeof(float));
+          }
         }
       }
     });
@@ -104,7 +114,7 @@ class DeltaNet {
   // Channels [c0, c1) of the tokens [t0, t1) of one row: mixed = SiLU(conv), the
   // state's window moved along. proj rows: P wide, q|k|v channels first.
   void convolve(const float* proj, int64_t P, int64_t t0, int64_t t1, int64_t c0, int64_t c1,
-                float* state, float* mixed) const {
+                float* state, float* mixed, const int64_t* snaps, float* snap_conv) const {
     const int64_t K = taps_;
     const float* w = conv_.data_ptr<float>();
     for (int64_t c = c0; c < c1; ++c) {
@@ -117,6 +127,10 @@ class DeltaNet {
         for (int64_t j = 0; j < K; ++j) acc += window[j] * wc[j];
         mixed[t * channels_ + c] = acc / (1.0f + exp_scalar(-acc));
         for (int64_t j = 0; j + 1 < K; ++j) window[j] = window[j + 1];
+        if (snaps != nullptr && snaps[t] >= 0) {
+          float* snap = snap_conv + snaps[t] * (K - 1) * channels_;
+          for (int64_t j = 0; j + 1 < K; ++j) snap[j * channels_ + c] = window[j];
+        }
       }
       for (int64_t j = 0; j + 1 < K; ++j) state[j * channels_ + c] = window[j];
     }

@@ -229,7 +229,10 @@ class DecoderStack {
                const std::optional<at::Tensor>& token_lora,
                const std::optional<at::Tensor>& conv_state = std::nullopt,
                const std::optional<at::Tensor>& ssm_state = std::nullopt,
-               const std::optional<at::Tensor>& token_state = std::nullopt) const {
+               const std::optional<at::Tensor>& token_state = std::nullopt,
+               const std::optional<at::Tensor>& snap_conv = std::nullopt,
+               const std::optional<at::Tensor>& snap_ssm = std::nullopt,
+               const std::optional<at::Tensor>& token_snap = std::nullopt) const {
     const int64_t T = x.size(0);
     TORCH_CHECK(loras.empty() || (!gated_ && recurrent_layers_ == 0),
                 "DecoderStack: adapters are not applied to a hybrid stack");
@@ -244,7 +247,8 @@ class DecoderStack {
                   "DecoderStack: a layer uses RoPE table ", L.rope, " of ", ropes.size());
     }
     for (const at::Tensor& rope : ropes) check_step(x, pool, rope, slots, tables, rows, positions);
-    const RecurrentStep states = check_states(T, conv_state, ssm_state, token_state);
+    RecurrentStep states = check_states(T, conv_state, ssm_state, token_state);
+    check_snapshots(T, states, snap_conv, snap_ssm, token_snap);
     if (T == 0) return;
     const int64_t q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
     const int64_t qkv_n = q_dim + 2 * kv_dim;
@@ -278,8 +282,11 @@ class DecoderStack {
       if (L.delta) {
         float* r = rec.data_ptr<float>();
         const int64_t P = recurrent_.width, C = recurrent_.channels;
-        L.delta->forward(attn_in, T, states.slots, states.conv_layer(L.state_layer),
-                         states.ssm_layer(L.state_layer), r, r + T * P, r + T * (P + C), yp);
+        const int64_t s = L.state_layer;
+        L.delta->forward(attn_in, T, states.slots, states.conv_layer(s), states.ssm_layer(s),
+                         r, r + T * P, r + T * (P + C), yp, states.snaps,
+                         states.snaps ? states.snap_conv + s * states.snap_conv_stride : nullptr,
+                         states.snaps ? states.snap_ssm + s * states.snap_ssm_stride : nullptr);
         clock.lap(kRecurrent);
       } else {
         attention(L, i, attn_in, T, ropes, slots, tables, rows, positions, pool, lora, qkvp,
@@ -535,9 +542,45 @@ class DecoderStack {
     float* ssm = nullptr;
     const int64_t* slots = nullptr;
     int64_t conv_stride = 0, ssm_stride = 0;  // floats per layer
+    // snapshots of states after tokens (token_snap [T], -1: none): [Lr, N, ...] alike
+    const int64_t* snaps = nullptr;
+    float* snap_conv = nullptr;
+    float* snap_ssm = nullptr;
+    int64_t snap_conv_stride = 0, snap_ssm_stride = 0;
     float* conv_layer(int64_t r) const { return conv + r * conv_stride; }
     float* ssm_layer(int64_t r) const { return ssm + r * ssm_stride; }
   };
+
+  void check_snapshots(int64_t T, RecurrentStep& step, const std::optional<at::Tensor>& conv,
+                       const std::optional<at::Tensor>& ssm,
+                       const std::optional<at::Tensor>& token_snap) const {
+    if (!token_snap.has_value()) return;
+    TORCH_CHECK(recurrent_layers_ > 0 && conv.has_value() && ssm.has_value(),
+                "DecoderStack: token_snap needs recurrent layers, snap_conv and snap_ssm");
+    const Recurrent& R = recurrent_;
+    const int64_t N = conv->dim() == 4 ? conv->size(1) : -1;
+    TORCH_CHECK(conv->device().is_cpu() && conv->scalar_type() == at::kFloat &&
+                    conv->is_contiguous() && N >= 0 && conv->size(0) == recurrent_layers_ &&
+                    conv->size(2) == R.taps - 1 && conv->size(3) == R.channels &&
+                    ssm->device().is_cpu() && ssm->scalar_type() == at::kFloat &&
+                    ssm->is_contiguous() && ssm->dim() == 5 &&
+                    ssm->size(0) == recurrent_layers_ && ssm->size(1) == N &&
+                    ssm->size(2) == R.n_v && ssm->size(3) == R.k_dim && ssm->size(4) == R.v_dim,
+                "DecoderStack: snap_conv and snap_ssm must be laid out as the states, with "
+                "one slot per snapshot");
+    TORCH_CHECK(token_snap->device().is_cpu() && token_snap->is_contiguous() &&
+                    token_snap->scalar_type() == at::kLong && token_snap->numel() == T,
+                "DecoderStack: token_snap must be contiguous int64 [T]");
+    const int64_t* ts = token_snap->data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ts[t] >= -1 && ts[t] < N, "DecoderStack: snapshot slot out of range");
+    }
+    step.snaps = ts;
+    step.snap_conv = conv->data_ptr<float>();
+    step.snap_ssm = ssm->data_ptr<float>();
+    step.snap_conv_stride = N * (R.taps - 1) * R.channels;
+    step.snap_ssm_stride = N * R.n_v * R.k_dim * R.v_dim;
+  }
 
   RecurrentStep check_states(int64_t T, const std::optional<at::Tensor>& conv,
                              const std::optional<at::Tensor>& ssm,

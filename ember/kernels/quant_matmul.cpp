@@ -321,12 +321,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("forward", &DecoderStack::forward,
            "x (in place), pool, ropes (one table per base), slots, tables, rows, positions, "
            "loras ([LoRAWeights]), token_lora (int64 [T], -1: none), and for recurrent "
-           "layers conv_state, ssm_state (updated in place) and token_state (int64 [T])",
+           "layers conv_state, ssm_state (updated in place) and token_state (int64 [T]), and "
+           "snap_conv, snap_ssm, token_snap (int64 [T], -1: none): states after tokens",
            pybind11::arg("x"), pybind11::arg("pool"), pybind11::arg("ropes"),
            pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("rows"),
            pybind11::arg("positions"), pybind11::arg("loras") = std::vector<LoRAWeights*>(),
            pybind11::arg("token_lora") = pybind11::none(),
            pybind11::arg("conv_state") = pybind11::none(),
            pybind11::arg("ssm_state") = pybind11::none(),
-           pybind11::arg("token_state") = pybind11::none(), release());
+           pybind11::arg("token_state") = pybind11::none(),
+           pybind11::arg("snap_conv") = pybind11::none(),
+           pybind11::arg("snap_ssm") = pybind11::none(),
+           pybind11::arg("token_snap") = pybind11::none(), release());
 }

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from ember.kv.blocks import BlockAllocator, BlockTable, blocks_for
 from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys, root_key
+from ember.kv.snapshots import StateSnapshots
 from ember.kv.tier import DiskTier
 
 
@@ -28,6 +29,10 @@ class KVSequence(Protocol):
     block_hashes: list[bytes]  # chain keys of the history's full blocks, as far as hashed
     cached_tokens: int  # prompt tokens taken from the cache at admission
     state_slot: int | None  # its recurrent-state slot while it holds KV (hybrid models)
+    state_restore: bytes | None  # the snapshot its slot takes before its first step
+
+    @property
+    def num_prompt(self) -> int: ...
 
     @property
     def kv_len(self) -> int: ...
@@ -42,7 +47,7 @@ class KVSequence(Protocol):
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-        state_slots: int = 0,
+        state_slots: int = 0, state_snapshots: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -60,6 +65,13 @@ class KVCacheManager:
         # may run at once), taken at admission and given back with its blocks
         self._free_slots = list(range(state_slots - 1, -1, -1))
         self.state_slots = state_slots
+        # their states at block boundaries, without which no cached prefix can be used
+        self.snapshots = (StateSnapshots(state_snapshots)
+                          if state_slots and state_snapshots and self.prefix else None)
+        # this step's snapshots being written, per request: (its request, the boundary,
+        # the slot, whether it is past the prompt); and each request's newest one past it
+        self._pending: dict[str, tuple[KVSequence, int, int, bool]] = {}
+        self._latest: dict[str, bytes] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -104,9 +116,11 @@ class KVCacheManager:
         for the rest of the step unless the cache's contents change: the scheduler asks
         about each waiting request several times a step (predictions, prefetch,
         admission)."""
-        if not self.prefix or req.kv_len or req.wants_prompt_logprobs:
+        if not self.prefix or req.kv_len or req.wants_prompt_logprobs or (
+                self.state_slots and self.snapshots is None):
             return [], []
-        version = (self.prefix.version, len(req.token_ids))
+        version = (self.prefix.version, self.snapshots.version if self.snapshots else 0,
+                   len(req.token_ids))
         kept = self._lookups.get(req.request_id)
         if kept is not None and kept[0] == version:
             return kept[1], kept[2]
@@ -114,8 +128,19 @@ class KVCacheManager:
         # the last token is always recomputed for its logits
         tokens = req.token_ids[:-1]
         found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
+        if self.snapshots is not None:
+            found = self._up_to_snapshot(req, found)
         self._lookups[req.request_id] = (version, tokens, found)
         return tokens, found
+
+    def _up_to_snapshot(self, req: KVSequence, found: list[CachedBlock]) -> list[CachedBlock]:
+        """The longest part of a hybrid model's cached prefix whose recurrent state after
+        its last block has a snapshot: without it the blocks are of no use."""
+        assert self.snapshots is not None
+        for n in range(len(found), 0, -1):
+            if self.snapshots.find(req.block_hashes[n - 1], found[n - 1].serial) is not None:
+                return found[:n]
+        return []
 
     def probe_prefix(self, req: KVSequence) -> list[CachedBlock]:
         """Cached blocks covering a prefix of a waiting request's history (no references
@@ -180,8 +205,10 @@ class KVCacheManager:
         if req.num_output == 0:
             req.cached_tokens = req.block_table.kv_len
         if self.state_slots:
-            if found:
-                raise AssertionError("a recurrent model's request found cached blocks")
+            if found:  # its state starts as the snapshot after the last found block
+                assert self.snapshots is not None
+                req.state_restore = req.block_hashes[len(found) - 1]
+                self.snapshots.pin(req.state_restore)
             if not self._free_slots:
                 raise AssertionError(f"no recurrent-state slot left for {req.request_id} "
                                      f"({self.state_slots} in all)")
@@ -209,6 +236,57 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         self._chains[child.request_id] = list(self._chains.get(parent.request_id, [])[:full])
         return copy
+
+    # ------------------------------------------------------------ recurrent-state snapshots
+    def take_restore(self, req: KVSequence) -> int | None:
+        """The snapshot slot a request's state slot must take now, before its first step
+        (None: none); it is no longer held for the request."""
+        key, req.state_restore = req.state_restore, None
+        if key is None:
+            return None
+        assert self.snapshots is not None
+        return self.snapshots.unpin(key)
+
+    def snapshot_point(self, req: KVSequence, start: int, n_tokens: int
+                       ) -> tuple[int, int] | None:
+        """Whether a row computing positions ``start .. start + n_tokens - 1`` should copy
+        its recurrent state after one of them: ``(index in the row, snapshot slot)``, or
+        None. Taken at the last block boundary of the prompt's history that lookups can
+        reach, and at each later boundary (a request keeps its newest one of those)."""
+        if self.snapshots is None or req.request_id in self._pending:
+            return None
+        bs = self.block_size
+        prompt_boundary = (req.num_prompt - 1) // bs * bs
+        if prompt_boundary and start < prompt_boundary <= start + n_tokens:
+            boundary = prompt_boundary
+        else:
+            boundary = (start + n_tokens) // bs * bs
+            if boundary <= max(start, prompt_boundary):
+                return None
+        slot = self.snapshots.take()
+        if slot is None:
+            return None
+        self._pending[req.request_id] = (req, boundary, slot, boundary > prompt_boundary)
+        return boundary - 1 - start, slot
+
+    def file_snapshots(self, ok: bool = True) -> None:
+        """After a step: file each snapshot it wrote under its block, once that block is
+        in the prefix cache (else, or when the step failed, give its slot back)."""
+        assert self.snapshots is not None or not self._pending
+        for rid, (req, boundary, slot, later) in self._pending.items():
+            i = boundary // self.block_size - 1
+            chain = self._chains.get(rid, [])
+            if not ok or len(chain) <= i or chain[i] is None or len(req.block_hashes) <= i:
+                self.snapshots.release(slot)  # type: ignore[union-attr]
+                continue
+            key = req.block_hashes[i]
+            self.snapshots.file(key, chain[i], slot)  # type: ignore[union-attr]
+            if later:
+                previous = self._latest.get(rid)
+                if previous is not None and previous != key:
+                    self.snapshots.drop(previous)  # type: ignore[union-attr]
+                self._latest[rid] = key
+        self._pending.clear()
 
     # ------------------------------------------------------------ prefix registration
     def register_computed(self, req: KVSequence) -> None:
@@ -240,6 +318,12 @@ class KVCacheManager:
         if req.state_slot is not None:
             self._free_slots.append(req.state_slot)
             req.state_slot = None
+        if self.snapshots is not None:
+            self.take_restore(req)
+            self._latest.pop(req.request_id, None)
+            pending = self._pending.pop(req.request_id, None)
+            if pending is not None:
+                self.snapshots.release(pending[2])
         if self.prefix:
             for block in blocks:
                 self.prefix.on_released(block)
@@ -268,6 +352,10 @@ class KVCacheManager:
         if len(self._free_slots) != self.state_slots:
             raise AssertionError(f"{self.state_slots - len(self._free_slots)} recurrent-state "
                                  "slots leaked")
+        if self._pending:
+            raise AssertionError(f"{len(self._pending)} state snapshots pending")
+        if self.snapshots is not None:
+            self.snapshots.check()
         for block, rc in enumerate(self.allocator.refcount):
             cached = bool(self.prefix and self.prefix.is_cached(block))
             if rc != (1 if cached else 0):

@@ -116,8 +116,18 @@ class ModelConfig:
 
     @property
     def recurrent(self) -> bool:
-        """Whether some layer keeps a per-sequence recurrent state (no prefix reuse)."""
+        """Whether some layer keeps a per-sequence recurrent state."""
         return any(self.recurrent_layers)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """A sequence's recurrent state in f32 (a snapshot of it takes as much): every
+        recurrent layer's convolution window and per-value-head matrices."""
+        s = self.delta_net
+        if s is None:
+            return 0
+        return 4 * sum(self.recurrent_layers) * (
+            (s.conv - 1) * s.channels + s.n_v_heads * s.k_dim * s.v_dim)
 
     @property
     def kv_layers(self) -> list[int]:

@@ -321,9 +321,9 @@ class DecoderModel:
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: str | torch.dtype | KVDtype = "f32",
-                       num_seqs: int = 1) -> KVStorage:
+                       num_seqs: int = 1, num_snapshots: int = 0) -> KVStorage:
         """The paged K/V pool (a hybrid model adds recurrent states for ``num_seqs``
-        sequences at once)."""
+        sequences at once and ``num_snapshots`` snapshots of them)."""
         c = self.cfg
         return KVStorage(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype)
 

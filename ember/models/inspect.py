@@ -45,9 +45,7 @@ def inspect_gguf(gguf: GGUFFile) -> dict[str, Any]:
             name: 2 * len(config.kv_layers) * config.n_kv_heads * d.row_bytes(config.head_dim)
             for name, d in KV_DTYPES.items() if d.fits(config.head_dim)}
         if config.delta_net is not None:  # recurrent layers: a fixed state per sequence
-            s = config.delta_net
-            report["state_bytes_per_sequence"] = 4 * sum(config.recurrent_layers) * (
-                (s.conv - 1) * s.channels + s.n_v_heads * s.k_dim * s.v_dim)
+            report["state_bytes_per_sequence"] = config.state_bytes_per_sequence
     report["tensors"] = _tensors(gguf)
     report["native"] = _native(config, report["tensors"])
     tokenizer = _attempt(report, "tokenizer", lambda: Tokenizer.from_gguf(gguf))

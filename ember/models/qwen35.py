@@ -12,9 +12,11 @@ with g = -exp(A_log) softplus(alpha + dt_bias) and beta = sigmoid(b) per head an
 token. The output is RMS-normed per head, gated by SiLU(z) and projected back. The
 state (and the last ``conv - 1`` inputs of the convolution) is the sequence's whole
 memory of those layers: it lives in a slot per running sequence
-(:class:`RecurrentStates`, beside the paged KV of the attention layers), is zeroed
-when a sequence starts at position 0 and cannot be rebuilt from a prefix, so the
-engine runs such models without prefix reuse or speculation.
+(:class:`RecurrentStates`, beside the paged KV of the attention layers) and is zeroed
+when a sequence starts at position 0. It cannot be rebuilt from cached blocks, so a
+step may also copy a row's state after one of its tokens to a snapshot slot, which
+the prefix cache restores into another sequence's slot (ember.kv.snapshots); it cannot
+be rewound either, so the engine runs such models without speculation.
 
 The other layers are Qwen 3's attention (per-head q/k RMSNorm, NEOX RoPE over the
 leading ``rope_dim`` dims) whose q projection also yields a gate: the attention
@@ -141,15 +143,29 @@ def load_delta_net_layer(gguf: GGUFFile, cfg: ModelConfig, fmt: WeightFormat, i:
 
 class RecurrentStates:
     """Every recurrent layer's state for ``slots`` sequences: the convolution's last
-    ``conv - 1`` inputs and the DeltaNet's per-head matrices, in f32."""
+    ``conv - 1`` inputs and the DeltaNet's per-head matrices, in f32; and ``snapshots``
+    slots laid out alike for copies of them (zeroed memory: pages are touched as used)."""
 
-    def __init__(self, n_layers: int, slots: int, shape: DeltaNetShape) -> None:
+    def __init__(self, n_layers: int, slots: int, shape: DeltaNetShape,
+                 snapshots: int = 0) -> None:
         self.conv = torch.zeros(n_layers, slots, shape.conv - 1, shape.channels)
         self.ssm = torch.zeros(n_layers, slots, shape.n_v_heads, shape.k_dim, shape.v_dim)
+        self.snap_conv = torch.zeros(n_layers, snapshots, shape.conv - 1, shape.channels)
+        self.snap_ssm = torch.zeros(n_layers, snapshots, shape.n_v_heads, shape.k_dim,
+                                    shape.v_dim)
 
     @property
     def nbytes(self) -> int:
         return (self.conv.numel() + self.ssm.numel()) * 4
+
+    @property
+    def snapshot_nbytes(self) -> int:
+        return (self.snap_conv.numel() + self.snap_ssm.numel()) * 4
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """A sequence's slot takes a snapshot's state (the prefix it was taken after)."""
+        self.conv[:, slot] = self.snap_conv[:, snapshot]
+        self.ssm[:, slot] = self.snap_ssm[:, snapshot]
 
     def reset(self, slots: list[int]) -> None:
         index = torch.tensor(slots, dtype=torch.long)
@@ -189,10 +205,10 @@ class Qwen35Model(DecoderModel):
 
     def new_kv_storage(self, num_blocks: int, block_size: int,
                        dtype: str | torch.dtype | KVDtype = "f32",
-                       num_seqs: int = 1) -> KVStorage:
+                       num_seqs: int = 1, num_snapshots: int = 0) -> KVStorage:
         c = self.cfg
         assert c.delta_net is not None
-        states = RecurrentStates(sum(c.recurrent_layers), num_seqs, c.delta_net)
+        states = RecurrentStates(sum(c.recurrent_layers), num_seqs, c.delta_net, num_snapshots)
         return HybridKVStorage(len(c.kv_layers), num_blocks, block_size, c.n_kv_heads,
                                c.head_dim, dtype, states)
 
@@ -206,12 +222,15 @@ class Qwen35Model(DecoderModel):
             raise ValueError("every row of a recurrent model needs a state slot")
         if starting:
             states.reset(starting)
+        snaps = batch.token_snapshots()
         if self.native is not None:
             token_state = torch.repeat_interleave(
                 torch.tensor([row.state for row in batch.rows]),
                 torch.tensor([row.q_len for row in batch.rows]))
+            extra = {} if snaps is None else {"snap_conv": states.snap_conv,
+                                              "snap_ssm": states.snap_ssm, "token_snap": snaps}
             return self.native_layers(x, batch, kv, conv_state=states.conv,
-                                      ssm_state=states.ssm, token_state=token_state)
+                                      ssm_state=states.ssm, token_state=token_state, **extra)
         rotations = {key: rope.rotation(batch.positions) for key, rope in self.ropes.items()}
         slots = (batch.slot_mapping // batch.block_size, batch.slot_mapping % batch.block_size)
         kv_index = {layer: j for j, layer in enumerate(self.cfg.kv_layers)}
@@ -269,13 +288,17 @@ class Qwen35Model(DecoderModel):
                 decode.append((offset, row.state))
             else:
                 out[span] = self._delta_net_row(layer, mixed[span], beta[span], decay[span],
-                                                states, r, row.state)
+                                                states, r, row.state, row.snapshot)
             offset += row.q_len
         if decode:
             index = torch.tensor([o for o, _ in decode])
+            slots = torch.tensor([s for _, s in decode])
             out[index] = self._delta_net_decode(layer, mixed[index], beta[index],
-                                                decay[index], states, r,
-                                                torch.tensor([s for _, s in decode]))
+                                                decay[index], states, r, slots)
+            for row in batch.rows:  # a decode row's snapshot: its state after its token
+                if row.q_len == 1 and row.snapshot is not None:
+                    states.snap_conv[r, row.snapshot[1]] = states.conv[r, row.state]
+                    states.snap_ssm[r, row.snapshot[1]] = states.ssm[r, row.state]
         z = z.reshape(-1, shape.n_v_heads, shape.v_dim)
         core = self.norm(out.reshape(-1, shape.v_dim), layer.norm, c.norm_eps)
         core = core.view_as(out) * F.silu(z)
@@ -300,8 +323,9 @@ class Qwen35Model(DecoderModel):
 
     def _delta_net_row(self, layer: DeltaNetLayer, mixed: torch.Tensor, beta: torch.Tensor,
                        decay: torch.Tensor, states: RecurrentStates, r: int,
-                       slot: int) -> torch.Tensor:
-        """One sequence's chunk of tokens, in order, from its slot's state."""
+                       slot: int, snapshot: tuple[int, int] | None = None) -> torch.Tensor:
+        """One sequence's chunk of tokens, in order, from its slot's state (its state
+        after token ``snapshot[0]`` also copied to snapshot slot ``snapshot[1]``)."""
         taps = layer.conv.shape[1]
         seq = torch.cat((states.conv[r, slot], mixed))  # (taps - 1 + n, channels)
         states.conv[r, slot] = seq[seq.shape[0] - (taps - 1):]
@@ -315,6 +339,9 @@ class Qwen35Model(DecoderModel):
             delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t, :, None]
             state += k[t, :, :, None] * delta[:, None, :]
             out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+            if snapshot is not None and snapshot[0] == t:
+                states.snap_ssm[r, snapshot[1]] = state
+                states.snap_conv[r, snapshot[1]] = seq[t + 1:t + taps]
         states.ssm[r, slot] = state
         return out
 

@@ -36,6 +36,9 @@ class RowSpec:
     start: int
     q_len: int
     state: int = -1  # the sequence's recurrent-state slot (hybrid models); -1: none
+    # (index of a query token, snapshot slot): its recurrent state after that token is
+    # copied to the slot (hybrid models' prefix cache); None: no snapshot
+    snapshot: tuple[int, int] | None = None
 
 
 @dataclass
@@ -118,6 +121,23 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return self.positions.numel()
+
+    def token_snapshots(self) -> torch.Tensor | None:
+        """Per token, the snapshot slot its row's recurrent state goes to after it (-1:
+        none); None when no row asks for one."""
+        if all(row.snapshot is None for row in self.rows):
+            return None
+        out = torch.full((self.num_tokens,), -1, dtype=torch.long)
+        offset = 0
+        for row in self.rows:
+            if row.snapshot is not None:
+                index, slot = row.snapshot
+                if not 0 <= index < row.q_len:
+                    raise ValueError(f"snapshot after query token {index} of a row of "
+                                     f"{row.q_len}")
+                out[offset + index] = slot
+            offset += row.q_len
+        return out
 
     @classmethod
     def build(cls, rows: list[RowSpec], block_size: int) -> AttentionBatch:

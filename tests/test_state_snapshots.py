@@ -1,0 +1,47 @@
+"""The recurrent-state snapshots' slots (ember.kv.snapshots): least recently used out,
+never one promised to a waiting request, served only for the block they follow."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.kv.snapshots import StateSnapshots
+
+
+def test_slots_are_reused_least_recently_used_first_but_never_pinned() -> None:
+    snaps = StateSnapshots(2)
+    a, b = snaps.take(), snaps.take()
+    snaps.file(b"A", 1, a)
+    snaps.file(b"B", 2, b)
+    assert snaps.find(b"A", 1) == a  # A is now the most recently used
+    assert snaps.take() == b and snaps.find(b"B", 2) is None  # B went
+    snaps.release(b)
+    assert snaps.pin(b"A") == a
+    c = snaps.take()
+    assert c == b and snaps.take() is None  # A is pinned: nothing left to take
+    snaps.release(c)
+    assert snaps.unpin(b"A") == a
+    snaps.check()
+
+
+def test_a_snapshot_is_served_only_for_the_block_serial_it_follows() -> None:
+    snaps = StateSnapshots(2)
+    slot = snaps.take()
+    snaps.file(b"K", 7, slot)
+    assert snaps.find(b"K", 8) is None and snaps.find(b"K", 7) == slot
+    # filed again under the same key (another computation of the block): replaced
+    other = snaps.take()
+    snaps.file(b"K", 9, other)
+    assert snaps.find(b"K", 7) is None and snaps.find(b"K", 9) == other
+    snaps.check()
+    # but a pinned one stays, and the new slot goes back
+    snaps.pin(b"K")
+    third = snaps.take()
+    snaps.file(b"K", 10, third)
+    assert snaps.find(b"K", 9) == other
+    with pytest.raises(AssertionError, match="pinned"):
+        snaps.check()
+    snaps.unpin(b"K")
+    snaps.drop(b"K")
+    assert len(snaps) == 0
+    snaps.check()
