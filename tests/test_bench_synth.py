@@ -445,10 +445,18 @@ def test_families_load_and_generate(tmp_path: Path, smollm2_file: GGUFFile,
         assert [a.window for a in cfg.layers] == [128, None] * 2
         assert cfg.attn_sinks and cfg.expert_biases and cfg.rope_yarn is not None
     if shape.arch.startswith("qwen35"):
+        from ember.models.inspect import format_report, inspect_gguf
+
         assert cfg.recurrent_layers == tuple((i + 1) % 4 != 0 for i in range(shape.n_layers))
         assert cfg.attn_output_gate and cfg.rope_dim == 16
         assert cfg.delta_net is not None and cfg.delta_net.conv == 4
         assert cfg.shared_expert_ffn_size == shape.shared_expert_ffn
+        # per recurrent layer: 3 conv inputs of 2*2*32 + 4*32 channels, 4 heads of 32x32
+        per_layer = 4 * (3 * 256 + 4 * 32 * 32)
+        assert cfg.state_bytes_per_sequence == per_layer * sum(cfg.recurrent_layers)
+        text = format_report(inspect_gguf(GGUFFile(path)))
+        assert "fused native stack: yes" in text and "recurrent layers too" in text
+        assert f"recurrent state per sequence: {cfg.state_bytes_per_sequence / 2**20:.2f}" in text
     _assert_runs(path)
 
 

@@ -160,5 +160,6 @@ def format_report(report: dict[str, Any]) -> str:
             f"{k} {v / 1024:.1f} KiB" for k, v in report["kv_bytes_per_token"].items()))
     if "state_bytes_per_sequence" in report:
         lines.append(f"recurrent state per sequence: "
-                     f"{report['state_bytes_per_sequence'] / 2**20:.2f} MiB (f32)")
+                     f"{report['state_bytes_per_sequence'] / 2**20:.2f} MiB (f32; each "
+                     "prefix-cache snapshot of it as much, --state-snapshot-bytes)")
     return "\n".join(lines)
