@@ -189,6 +189,36 @@ def test_native_hybrid_stack_is_chunk_and_preemption_invariant(converted, name: 
                                torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
 
 
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
+def test_native_recurrent_state_is_the_same_bits_however_a_prompt_is_chunked(
+        converted, name: str) -> None:
+    """The states themselves (not only the outputs, which int8 activations round), and
+    every logit: a prompt in one call, in chunks of 5, and token by token."""
+    from ember.kv.blocks import BlockAllocator, BlockTable
+    from ember.models.layers.attention import AttentionBatch, RowSpec
+
+    require_kernels()
+    model = load_model(str(converted[name].q8_0), "q4").model
+    assert model.native is not None
+
+    def run(chunk: int) -> tuple[torch.Tensor, ...]:
+        table = BlockTable(BlockAllocator(8), 16)
+        table.reserve(len(IDS))
+        kv = model.new_kv_storage(8, 16, "f32")
+        kv.zero_blocks(table.allocator.take_unzeroed())
+        logits = []
+        for a in range(0, len(IDS), chunk):
+            n = min(chunk, len(IDS) - a)
+            batch = AttentionBatch.build([RowSpec(table.block_ids(a + n), a, n, state=0)], 16)
+            logits.append(model.forward(torch.tensor(IDS[a:a + n]), batch, kv,
+                                        torch.arange(n)))
+        return torch.cat(logits), kv.states.conv.clone(), kv.states.ssm.clone()
+
+    whole = run(len(IDS))
+    for chunk in (5, 1):
+        assert all(torch.equal(x, y) for x, y in zip(run(chunk), whole, strict=True)), chunk
+
+
 def _drain(engine: Any) -> list[Any]:
     """Step ``engine`` until it is idle: the finished outputs."""
     done = []
