@@ -283,9 +283,49 @@ def test_a_hybrid_follow_up_turn_restores_a_state_snapshot(converted, name: str,
     for p, sp, want in zip(follow, sps, cold, strict=True):
         assert outcomes(tight, [p], [sp])[0][0] == want[0]
     tight.kv.check_no_leaks()
-    # no room: no prefix reuse at all
-    none = make(state_snapshot_bytes=0)
-    assert not none.config.enable_prefix_caching and none.kv.snapshots is None
+    # no room for one: no prefix reuse at all
+    for room in (0, per_state - 1):
+        none = make(state_snapshot_bytes=room)
+        assert not none.config.enable_prefix_caching and none.kv.snapshots is None
+
+
+def test_a_snapshot_past_the_stacks_first_slice_of_a_long_step(converted) -> None:
+    """The native stack runs a step in slices of NATIVE_SLICE_TOKENS: a snapshot asked
+    for by a token of a later slice is taken there (two 300-token prompts in one step,
+    the second's boundary at flat token 587), and serves its follow-up as a cold engine
+    would."""
+    from test_batch_invariance import outcomes, params
+
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.models.decoder import NATIVE_SLICE_TOKENS
+
+    require_kernels()
+    path = converted["qwen35"].q8_0
+    q = load_model(str(path), "q4")
+    prompts = [[(7 * i + 5 * j) % 4000 + 5 for i in range(300)] for j in range(2)]
+    assert sum(map(len, prompts)) > NATIVE_SLICE_TOKENS
+
+    def make(**kw: Any) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), weights="q4", num_kv_blocks=96,
+                                      max_num_batched_tokens=1024, max_prefill_chunk=512,
+                                      max_prefill_step_seconds=1e3,
+                                      **kw), loaded=q)
+
+    warm = make()
+    outcomes(warm, prompts, [params(i, 1) for i in range(2)])
+    assert warm.steps == 1  # both prompts in one step of 600 tokens
+    follow = [p + [11, 12, 13] for p in prompts]
+    sps = [params(5 + i, 4) for i in range(2)]
+    cold = [outcomes(make(enable_prefix_caching=False), [f], [sp])[0]
+            for f, sp in zip(follow, sps, strict=True)]
+    reqs = [warm.add_request(f, sp) for f, sp in zip(follow, sps, strict=True)]
+    done = {o.request_id: o for o in _drain(warm)}
+    for req, want in zip(reqs, cold, strict=True):
+        assert req.cached_tokens == 288  # (300 - 1) // 16 * 16
+        got = done[req.request_id]
+        assert (got.token_ids, [(lp.token, lp.logprob, lp.top) for lp in got.logprobs]) == want
+    warm.kv.check_no_leaks()
 
 
 def test_hybrid_models_refuse_a_kv_disk_tier(converted, tmp_path: Path) -> None:

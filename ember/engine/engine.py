@@ -88,7 +88,7 @@ class LLMEngine:
                                                                 moe))
         cfg = self.loaded.config
         if cfg.recurrent:
-            config = self.config = _for_recurrent(config)
+            config = self.config = _for_recurrent(config, cfg.state_bytes_per_sequence)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
         kv_dtype = KV_DTYPES[config.kv_dtype]
@@ -262,9 +262,9 @@ class LLMEngine:
 
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
         self._zero_new_blocks()
-        if self.kv.state_slots:
-            self._prepare_states(rows)
         try:
+            if self.kv.state_slots:
+                self._prepare_states(rows)
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("forward pass failed")
@@ -456,7 +456,7 @@ class LLMEngine:
         return moe_metrics(self.loaded.model.experts)
 
 
-def _for_recurrent(config: EngineConfig) -> EngineConfig:
+def _for_recurrent(config: EngineConfig, state_bytes: int) -> EngineConfig:
     """A hybrid model's engine settings: its recurrent layers' state cannot be rewound
     past rejected draft tokens, so no speculation; cached prefixes are served from state
     snapshots in RAM (none: no prefix reuse), which the disk tier does not keep."""
@@ -464,7 +464,8 @@ def _for_recurrent(config: EngineConfig) -> EngineConfig:
         raise InvalidConfig("kv_cache_dir: the disk tier does not keep the recurrent-state "
                             "snapshots a model with recurrent layers needs to reuse a prefix")
     changed = {k: v for k, v in (("speculation", "off"),) if getattr(config, k) != v}
-    if not config.state_snapshot_bytes and config.enable_prefix_caching:
+    if config.state_snapshot_bytes < state_bytes and config.enable_prefix_caching:
+        # not room for one snapshot of a sequence's state: no prefix can be reused
         changed["enable_prefix_caching"] = False
     if changed:
         log.info("recurrent layers: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))

@@ -6,7 +6,8 @@ token that ends a block is copied to a snapshot slot (the model writes it during
 step, see ``ember/kernels/delta_net.h``), and once that block is in the prefix cache
 the snapshot is filed under the block's chain key and its identity serial. A later
 request whose cached prefix reaches that block restores the snapshot into its own state
-slot and computes only the rest: the same bits as computing it all.
+slot and computes only the rest: on the native stack, whose scan is the same arithmetic
+however a sequence is split into steps, the same bits as computing it all.
 
 A snapshot is served only for the very block it was taken after: the lookup gives the
 serial of the cached block found at that position, and a snapshot filed under another

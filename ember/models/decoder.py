@@ -404,6 +404,7 @@ class DecoderModel:
         adapters, which = ((None, None) if batch.lora is None
                            else batch.lora.native(self.native, x.shape[0]))
         token_state = states.pop("token_state", None)
+        token_snap = states.pop("token_snap", None)
         # a long step runs the stack over slices of tokens in order, so its scratch
         # (~130 KB a token at 1B) is a slice's: each slice writes its K/V (and its rows'
         # recurrent states) before the next reads them, and rows are computed alike in
@@ -411,6 +412,8 @@ class DecoderModel:
         for a in range(0, x.shape[0], NATIVE_SLICE_TOKENS):
             part = slice(a, a + NATIVE_SLICE_TOKENS)
             extra = {} if token_state is None else {**states, "token_state": token_state[part]}
+            if token_snap is not None:
+                extra["token_snap"] = token_snap[part]
             self.native.forward(x[part], kv.pool, [r[part] for r in ropes],
                                 batch.slot_mapping[part], batch.tables,
                                 batch.token_rows[part], batch.positions[part],
