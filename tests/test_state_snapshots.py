@@ -37,11 +37,13 @@ def test_a_snapshot_is_served_only_for_the_block_serial_it_follows() -> None:
     # but a pinned one stays, and the new slot goes back
     snaps.pin(b"K")
     third = snaps.take()
-    snaps.file(b"K", 10, third)
+    assert not snaps.file(b"K", 10, third)
     assert snaps.find(b"K", 9) == other
     with pytest.raises(AssertionError, match="pinned"):
         snaps.check()
     snaps.unpin(b"K")
-    snaps.drop(b"K")
+    snaps.drop(b"K", slot=slot)  # filed in another slot by now: kept
+    assert snaps.find(b"K", 9) == other
+    snaps.drop(b"K", slot=other)
     assert len(snaps) == 0
     snaps.check()

@@ -70,8 +70,9 @@ class KVCacheManager:
                           if state_slots and state_snapshots and self.prefix else None)
         # this step's snapshots being written, per request: (its request, the boundary,
         # the slot, whether it is past the prompt); and each request's newest one past it
+        # (its key and slot)
         self._pending: dict[str, tuple[KVSequence, int, int, bool]] = {}
-        self._latest: dict[str, bytes] = {}
+        self._latest: dict[str, tuple[bytes, int]] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -147,7 +148,8 @@ class KVCacheManager:
         taken, nothing counted), restored from the disk tier where it has more: the
         scheduler decides with it whether to admit."""
         tokens, found = self._lookup(req)
-        if self.tier is not None and self.prefix and tokens:
+        # (a hybrid model has no disk tier: its prefix ends where a snapshot does)
+        if self.tier is not None and self.prefix and tokens and self.snapshots is None:
             ram = len(found)
             found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
             if len(found) > ram:  # once: the next lookup finds them in RAM
@@ -205,14 +207,14 @@ class KVCacheManager:
         if req.num_output == 0:
             req.cached_tokens = req.block_table.kv_len
         if self.state_slots:
-            if found:  # its state starts as the snapshot after the last found block
-                assert self.snapshots is not None
-                req.state_restore = req.block_hashes[len(found) - 1]
-                self.snapshots.pin(req.state_restore)
             if not self._free_slots:
                 raise AssertionError(f"no recurrent-state slot left for {req.request_id} "
                                      f"({self.state_slots} in all)")
             req.state_slot = self._free_slots.pop()
+            if found:  # its state starts as the snapshot after the last found block
+                assert self.snapshots is not None
+                req.state_restore = req.block_hashes[len(found) - 1]
+                self.snapshots.pin(req.state_restore)
         self.reserve(req, n_tokens)
 
     def fork(self, parent: KVSequence, child: KVSequence) -> tuple[int, int] | None:
@@ -280,12 +282,13 @@ class KVCacheManager:
                 self.snapshots.release(slot)  # type: ignore[union-attr]
                 continue
             key = req.block_hashes[i]
-            self.snapshots.file(key, chain[i], slot)  # type: ignore[union-attr]
-            if later:
+            if not self.snapshots.file(key, chain[i], slot):  # type: ignore[union-attr]
+                continue
+            if later:  # the request's previous one past its prompt goes, if still its own
                 previous = self._latest.get(rid)
-                if previous is not None and previous != key:
-                    self.snapshots.drop(previous)  # type: ignore[union-attr]
-                self._latest[rid] = key
+                if previous is not None and previous[0] != key:
+                    self.snapshots.drop(*previous)  # type: ignore[union-attr]
+                self._latest[rid] = (key, slot)
         self._pending.clear()
 
     # ------------------------------------------------------------ prefix registration
@@ -352,8 +355,9 @@ class KVCacheManager:
         if len(self._free_slots) != self.state_slots:
             raise AssertionError(f"{self.state_slots - len(self._free_slots)} recurrent-state "
                                  "slots leaked")
-        if self._pending:
-            raise AssertionError(f"{len(self._pending)} state snapshots pending")
+        if self._pending or self._latest:
+            raise AssertionError(f"{len(self._pending)} state snapshots pending, "
+                                 f"{len(self._latest)} still tied to requests")
         if self.snapshots is not None:
             self.snapshots.check()
         for block, rc in enumerate(self.allocator.refcount):

@@ -64,26 +64,30 @@ class StateSnapshots:
                 return filed.slot
         return None
 
-    def file(self, key: bytes, serial: int, slot: int) -> None:
-        """File a pending slot under a block (replacing what was filed under its key)."""
+    def file(self, key: bytes, serial: int, slot: int) -> bool:
+        """File a pending slot under a block (replacing what was filed under its key);
+        False where the key's snapshot is promised to a waiting request: that one stays,
+        the new slot goes back."""
         old = self._filed.pop(key, None)
         if old is not None:
-            if old.pins:  # promised to a waiting request: keep it, drop the new one
+            if old.pins:
                 self._filed[key] = old
                 self._free.append(slot)
-                return
+                return False
             self._free.append(old.slot)
             self.version += 1
         self._filed[key] = _Filed(slot, serial)
+        return True
 
     def release(self, slot: int) -> None:
         """Give back a pending slot (its step failed, or its block was not cached)."""
         self._free.append(slot)
 
-    def drop(self, key: bytes) -> None:
-        """Forget what is filed under ``key`` unless it is pinned."""
+    def drop(self, key: bytes, slot: int | None = None) -> None:
+        """Forget what is filed under ``key`` (only if in ``slot``, where given) unless it
+        is pinned."""
         filed = self._filed.get(key)
-        if filed is not None and not filed.pins:
+        if filed is not None and not filed.pins and slot in (None, filed.slot):
             del self._filed[key]
             self._free.append(filed.slot)
             self.version += 1
