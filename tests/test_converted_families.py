@@ -258,6 +258,12 @@ def test_a_hybrid_follow_up_turn_restores_a_state_snapshot(converted, name: str,
     sps = [params(10 + i, 10) for i in range(2)]
     cold = [outcomes(make(enable_prefix_caching=False), [p], [sp])[0]
             for p, sp in zip(follow, sps, strict=True)]
+    # what a router is told: only as far as a snapshot reaches (the blocks reach 40 and
+    # 40); and a hybrid's prefix is not exported (its state would not travel)
+    assert [warm.cached_tokens(f) for f in follow] == [40, 32]
+    # blocks reach 32 here, but the answer's snapshot at 32 gave way to the one at 40
+    assert warm.cached_tokens(first[0] + list(answers[0][:3]) + [5, 6, 7, 8, 9]) == 24
+    assert warm.export_prefix(follow[0]) == []
     reqs = [warm.add_request(p, sp) for p, sp in zip(follow, sps, strict=True)]
     done = {o.request_id: o for o in _drain(warm)}
     # the last boundary the first turn computed past (its last token is not): 30 + 12 - 1

@@ -46,9 +46,10 @@ class KVTransfer:
     def export_prefix(self, tokens: Sequence[int], tenant: str | None = None,
                       lora: Any = None) -> list[BlockRecord]:
         """The cached full blocks of ``tokens`` (the longest cached prefix) for
-        ``tenant`` and LoRA adapter ``lora`` (None: the base), as records."""
+        ``tenant`` and LoRA adapter ``lora`` (None: the base), as records; none for a
+        hybrid model (its recurrent-state snapshots are not exported)."""
         prefix = self.kv.prefix
-        if prefix is None:
+        if prefix is None or self.kv.state_slots:  # a hybrid's state does not travel
             return []
         salt = self.salt_for(tenant, lora)
         keys: list[bytes] = []
@@ -63,7 +64,11 @@ class KVTransfer:
         prefix = self.kv.prefix
         if prefix is None:
             return 0
-        return len(prefix.lookup(self.salt_for(tenant, lora), tokens)) * self.config.block_size
+        salt = self.salt_for(tenant, lora)
+        keys: list[bytes] = []
+        extend_keys(keys, salt, tokens, self.config.block_size)
+        found = self.kv.usable(keys, prefix.lookup(salt, tokens, keys))
+        return len(found) * self.config.block_size
 
     def import_prefix(self, records: Sequence[BlockRecord], tenant: str | None = None,
                       lora: Any = None, prompt: Sequence[int] = (), first: int = 0) -> int:

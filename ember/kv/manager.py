@@ -129,17 +129,20 @@ class KVCacheManager:
         # the last token is always recomputed for its logits
         tokens = req.token_ids[:-1]
         found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
-        if self.snapshots is not None:
-            found = self._up_to_snapshot(req, found)
+        found = self.usable(req.block_hashes, found)
         self._lookups[req.request_id] = (version, tokens, found)
         return tokens, found
 
-    def _up_to_snapshot(self, req: KVSequence, found: list[CachedBlock]) -> list[CachedBlock]:
-        """The longest part of a hybrid model's cached prefix whose recurrent state after
-        its last block has a snapshot: without it the blocks are of no use."""
-        assert self.snapshots is not None
+    def usable(self, keys: list[bytes], found: list[CachedBlock]) -> list[CachedBlock]:
+        """What of a cached prefix (``found`` for chain ``keys``) a request can use: all
+        of it, but for a hybrid model only as far as the last block whose recurrent
+        state has a snapshot (without one the blocks are of no use)."""
+        if not self.state_slots:
+            return found
+        if self.snapshots is None:
+            return []
         for n in range(len(found), 0, -1):
-            if self.snapshots.find(req.block_hashes[n - 1], found[n - 1].serial) is not None:
+            if self.snapshots.find(keys[n - 1], found[n - 1].serial) is not None:
                 return found[:n]
         return []
 
