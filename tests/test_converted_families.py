@@ -282,6 +282,11 @@ def test_a_hybrid_follow_up_turn_restores_a_state_snapshot(converted, name: str,
     (got,) = [o for o in _drain(warm) if o.request_id == req.request_id]
     assert req.cached_tokens == 24 and got.token_ids == want[0]
     warm.kv.check_no_leaks()
+    # a tenant's purge takes its snapshots with its blocks
+    assert warm.kv.snapshots is not None and len(warm.kv.snapshots)
+    warm.purge_cache(None)
+    assert len(warm.kv.snapshots) == 0 and warm.cached_tokens(follow[0]) == 0
+    warm.kv.check_no_leaks()
     # one snapshot's room: each conversation's turns evict the other's
     tight = make(state_snapshot_bytes=per_state)
     assert tight.kv.snapshots is not None and tight.kv.snapshots.capacity == 1

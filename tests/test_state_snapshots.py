@@ -47,3 +47,15 @@ def test_a_snapshot_is_served_only_for_the_block_serial_it_follows() -> None:
     snaps.drop(b"K", slot=other)
     assert len(snaps) == 0
     snaps.check()
+
+
+def test_a_tenant_purge_forgets_its_snapshots_but_not_a_pinned_one() -> None:
+    snaps = StateSnapshots(3)
+    for key, salt in ((b"a1", b"A"), (b"a2", b"A"), (b"b1", b"B")):
+        snaps.file(key, 1, snaps.take(), salt)
+    snaps.pin(b"a2")
+    assert snaps.purge(lambda salt: salt == b"A") == 1
+    assert snaps.find(b"a1", 1) is None
+    assert snaps.find(b"a2", 1) is not None and snaps.find(b"b1", 1) is not None
+    snaps.unpin(b"a2")
+    snaps.check()

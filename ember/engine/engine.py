@@ -393,6 +393,8 @@ class LLMEngine:
         the disk part may run anywhere (:meth:`purge_disk`)."""
         match = tenant_scope(self.intake.model_salt, tenant)
         ram = self.kv.prefix.purge(match) if self.kv.prefix else 0
+        if self.kv.snapshots is not None:  # a hybrid model's states of those prefixes
+            self.kv.snapshots.purge(match)
         if self.kv.tier is not None:
             self.kv.tier.forget_reads()
         return {"ram_blocks": ram}

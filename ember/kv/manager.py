@@ -285,7 +285,7 @@ class KVCacheManager:
                 self.snapshots.release(slot)  # type: ignore[union-attr]
                 continue
             key = req.block_hashes[i]
-            if not self.snapshots.file(key, chain[i], slot):  # type: ignore[union-attr]
+            if not self.snapshots.file(key, chain[i], slot, req.salt):  # type: ignore[union-attr]
                 continue
             if later:  # the request's previous one past its prompt goes, if still its own
                 previous = self._latest.get(rid)

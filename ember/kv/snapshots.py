@@ -21,6 +21,7 @@ request's previous one, so a long answer does not fill the budget with its own p
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 class _Filed:
     slot: int
     serial: int  # the prefix cache's identity of the block the state follows
+    salt: bytes  # the prefix-cache scope (tenant) it was computed under
     pins: int = 0
 
 
@@ -64,7 +66,7 @@ class StateSnapshots:
                 return filed.slot
         return None
 
-    def file(self, key: bytes, serial: int, slot: int) -> bool:
+    def file(self, key: bytes, serial: int, slot: int, salt: bytes = b"") -> bool:
         """File a pending slot under a block (replacing what was filed under its key);
         False where the key's snapshot is promised to a waiting request: that one stays,
         the new slot goes back."""
@@ -76,7 +78,7 @@ class StateSnapshots:
                 return False
             self._free.append(old.slot)
             self.version += 1
-        self._filed[key] = _Filed(slot, serial)
+        self._filed[key] = _Filed(slot, serial, salt)
         return True
 
     def release(self, slot: int) -> None:
@@ -91,6 +93,14 @@ class StateSnapshots:
             del self._filed[key]
             self._free.append(filed.slot)
             self.version += 1
+
+    def purge(self, match: Callable[[bytes], bool]) -> int:
+        """Forget every unpinned snapshot whose salt ``match`` accepts (a tenant's, as the
+        prefix cache's purge); returns how many."""
+        keys = [k for k, f in self._filed.items() if match(f.salt) and not f.pins]
+        for key in keys:
+            self.drop(key)
+        return len(keys)
 
     def pin(self, key: bytes) -> int:
         filed = self._filed[key]
