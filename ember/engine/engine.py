@@ -268,8 +268,7 @@ class LLMEngine:
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("forward pass failed")
-            if self.kv.snapshots is not None:
-                self.kv.file_snapshots(ok=False)
+            self.kv.file_snapshots(ok=False)
             for row in rows:
                 finish(row.request, FinishReason.ERROR, f"forward pass failed: {e}")
             return [row.request for row in rows]
@@ -288,8 +287,7 @@ class LLMEngine:
                 sampled.append((row, logits[offset:offset + row.num_sampled]))
                 offset += row.num_sampled
         changed = scored + self._verify(sampled)
-        if self.kv.snapshots is not None:
-            self.kv.file_snapshots()
+        self.kv.file_snapshots()
         for row, row_logits in sampled:
             req = row.request
             if req.forks and req.num_output == 1 and req.finish_reason is not FinishReason.ERROR:

@@ -117,8 +117,7 @@ class KVCacheManager:
         for the rest of the step unless the cache's contents change: the scheduler asks
         about each waiting request several times a step (predictions, prefetch,
         admission)."""
-        if not self.prefix or req.kv_len or req.wants_prompt_logprobs or (
-                self.state_slots and self.snapshots is None):
+        if not self.prefix or req.kv_len or req.wants_prompt_logprobs:
             return [], []
         version = (self.prefix.version, self.snapshots.version if self.snapshots else 0,
                    len(req.token_ids))
@@ -277,20 +276,22 @@ class KVCacheManager:
     def file_snapshots(self, ok: bool = True) -> None:
         """After a step: file each snapshot it wrote under its block, once that block is
         in the prefix cache (else, or when the step failed, give its slot back)."""
-        assert self.snapshots is not None or not self._pending
+        snapshots = self.snapshots
+        if snapshots is None:
+            return
         for rid, (req, boundary, slot, later) in self._pending.items():
             i = boundary // self.block_size - 1
             chain = self._chains.get(rid, [])
             if not ok or len(chain) <= i or chain[i] is None or len(req.block_hashes) <= i:
-                self.snapshots.release(slot)  # type: ignore[union-attr]
+                snapshots.release(slot)
                 continue
             key = req.block_hashes[i]
-            if not self.snapshots.file(key, chain[i], slot, req.salt):  # type: ignore[union-attr]
+            if not snapshots.file(key, chain[i], slot, req.salt):
                 continue
             if later:  # the request's previous one past its prompt goes, if still its own
                 previous = self._latest.get(rid)
                 if previous is not None and previous[0] != key:
-                    self.snapshots.drop(*previous)  # type: ignore[union-attr]
+                    snapshots.drop(*previous)
                 self._latest[rid] = (key, slot)
         self._pending.clear()
 
