@@ -129,11 +129,14 @@ class ModelConfig:
         return 4 * sum(self.recurrent_layers) * (
             (s.conv - 1) * s.channels + s.n_v_heads * s.k_dim * s.v_dim)
 
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` keeps a recurrent state instead of K/V (a hybrid's)."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
     @property
     def kv_layers(self) -> list[int]:
         """The layers that keep K/V in the paged cache, in order."""
-        return [i for i in range(self.n_layers)
-                if not (self.recurrent_layers and self.recurrent_layers[i])]
+        return [i for i in range(self.n_layers) if not self.is_recurrent(i)]
 
     @property
     def kv_dim(self) -> int:

@@ -99,8 +99,7 @@ def native_stack_supports(cfg: ModelConfig) -> bool:
 def _projections(cfg: ModelConfig, i: int, layer: Any) -> list[Linear]:
     """Layer ``i``'s matrices the stack multiplies: its mixer's (attention's qkv and o,
     or a recurrent layer's in_proj and out) and its dense FFN's."""
-    mixer = [layer.in_proj, layer.out] if cfg.recurrent_layers and cfg.recurrent_layers[i] \
-        else [layer.qkv, layer.o]
+    mixer = [layer.in_proj, layer.out] if cfg.is_recurrent(i) else [layer.qkv, layer.o]
     return mixer + ([] if layer.moe else [layer.gate_up, layer.down])
 
 
@@ -136,7 +135,7 @@ def native_decoder(cfg: ModelConfig, layers: list[Any], ext: Any = None) -> Any 
         # be another build of the kernels than the one that packed them
         packed = [ext.PackedLinear(p.in_features, p.packed.segments) for p in parts]
         ffn_parts = packed[2:] if layer.moe is None else [None, None]
-        if cfg.recurrent_layers and cfg.recurrent_layers[i]:
+        if cfg.is_recurrent(i):
             stack.add_delta_net_layer(layer.attn_norm, layer.ffn_norm,
                                       layer.native_mixer(ext, *packed[:2], cfg), *ffn_parts)
         else:
@@ -146,7 +145,7 @@ def native_decoder(cfg: ModelConfig, layers: list[Any], ext: Any = None) -> Any 
         if layer.moe is not None:
             stack.set_experts(native_experts(ext, layer.moe, cfg.expert_ffn_size,
                                              cfg.activation))
-        if cfg.recurrent_layers and cfg.recurrent_layers[i]:
+        if cfg.is_recurrent(i):
             continue
         if layer.o_bias is not None or layer.sinks is not None:
             stack.set_attention_extras(none if layer.o_bias is None else layer.o_bias,

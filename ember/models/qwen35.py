@@ -194,7 +194,7 @@ class Qwen35Model(DecoderModel):
         experts = expert_store(gguf, cfg, fmt, moe) if cfg.n_experts else None
         layers: list[Any] = []
         for i in range(cfg.n_layers):
-            load = load_delta_net_layer if cfg.recurrent_layers[i] else load_layer
+            load = load_delta_net_layer if cfg.is_recurrent(i) else load_layer
             layers.append(load(gguf, cfg, fmt, i, experts, moe.top_p))
             gguf.release_pages()
         embed = fmt.embedding(gguf, "token_embd.weight", tied=cfg.tied_embeddings)
