@@ -121,7 +121,7 @@ def test_hybrid_sequences_keep_their_own_recurrent_state(converted) -> None:
     different lengths run together — prefilled in chunks of 5 across steps, two at a
     time so a finished one's state slot is taken by a waiting one, and with so few KV
     blocks that a sequence is preempted and recomputed — each give transformers' own
-    greedy tokens; every slot is given back; speculation is off."""
+    greedy tokens; every slot is given back."""
     import ember
 
     c = converted["qwen35"]
@@ -135,7 +135,6 @@ def test_hybrid_sequences_keep_their_own_recurrent_state(converted) -> None:
     llm = ember.LLM(str(c.f32), weights="f32", num_kv_blocks=6, block_size=8,
                     max_num_seqs=2, max_prefill_chunk=5)
     engine = llm.engine
-    assert engine.config.speculation == "off"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert [list(o.token_ids) for o in outs] == expected
     assert engine.scheduler.num_preemptions > 0  # the recompute path was taken
@@ -225,6 +224,80 @@ def _drain(engine: Any) -> list[Any]:
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     return done
+
+
+@pytest.mark.parametrize(("name", "weights"), [("qwen35", "q4"), ("qwen35moe", "q4"),
+                                             ("qwen35", "f32")])
+def test_hybrid_speculation_rewinds_the_state_and_commits_what_plain_decoding_does(
+        converted, name: str, weights: str) -> None:
+    """Drafts verified on a hybrid: a rejected draft token has entered the recurrent
+    state, so the row's state goes back to its snapshot after the history and the
+    accepted drafts run again next step. The committed streams (tokens and every
+    logprob, greedy and seeded) equal speculation off; verifies with none, some and
+    all of the draft accepted all happen; with a prefix cache of blocks of 4 (a verify
+    row's snapshot is often the prefix cache's too) and in a batch."""
+    from test_batch_invariance import outcomes, params
+
+    from ember.config import EngineConfig
+    from ember.engine.costs import Coefficients, StepCostModel
+    from ember.engine.engine import LLMEngine
+
+    path = converted[name].q8_0 if weights == "q4" else converted[name].f32
+    loaded = load_model(str(path), weights)
+    if weights == "q4":
+        require_kernels()
+        assert loaded.model.native is not None
+    prompts = [IDS[:12], IDS[20:30], IDS[:5]]
+    sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+           params(1, max_tokens=24), params(2, max_tokens=24)]
+    verifies: list[tuple[int, int]] = []
+
+    def run(speculation: str, references: tuple[str, ...] = ()) -> list[Any]:
+        engine = LLMEngine(EngineConfig(model=str(path), weights=weights, num_kv_blocks=96,
+                                        block_size=4, speculation=speculation,
+                                        spec_references=references), loaded=loaded)
+        # every draft priced to pay: as many verifies as the drafts allow, on any machine
+        engine.scheduler.costs = StepCostModel(Coefficients(0.01, 1e-5, 0.0, 0.0, 0.0),
+                                               learn=False)
+        sampled = engine.commit.sampled
+
+        def counted(row: Any, results: Any) -> list[int]:
+            committed = sampled(row, results)
+            if row.draft:
+                verifies.append((len(committed), len(row.draft)))
+            return committed
+
+        engine.commit.sampled = counted  # type: ignore[method-assign]
+        got = outcomes(engine, prompts, sps)
+        engine.purge_cache(None)
+        engine.kv.check_no_leaks()
+        return got
+
+    plain = run("off")
+    # a random model copies nothing: drafts come from texts of the streams plain decoding
+    # commits; in the first 24 tokens, wrong ones put after two of every 7 (x2 J x3 J x4):
+    # a draft runs into the first J, the next starts with the second
+    vocab = loaded.config.vocab_size
+
+    def reference(tokens: list[int]) -> str:
+        out: list[int] = []
+        for i, t in enumerate(tokens):
+            out += [t, (t + 1) % vocab] if i % 7 in (2, 3) and i < 24 else [t]
+        return loaded.tokenizer.decode(out)
+
+    references = tuple(reference([*p, *out]) for p, (out, _) in zip(prompts, plain,
+                                                                      strict=True))
+    drafted = run("auto", references)
+    if weights == "q4":  # the native stack is batch- and chunk-invariant: the same bits
+        assert drafted == plain
+    else:  # op by op, a verify row's matmul shapes round the last bits differently
+        for (tokens, lps), (want, want_lps) in zip(drafted, plain, strict=True):
+            assert tokens == want
+            got = torch.tensor([lp for _, lp, _ in lps])
+            assert torch.allclose(got, torch.tensor([lp for _, lp, _ in want_lps]), atol=1e-4)
+    assert any(c == 1 for c, _ in verifies), verifies  # all rejected: restore only
+    assert any(1 < c <= d for c, d in verifies), verifies  # some accepted: replayed
+    assert any(c == d + 1 for c, d in verifies), verifies  # all accepted: no rewind
 
 
 @pytest.mark.parametrize(("name", "weights"), [("qwen35", "q4"), ("qwen35moe", "q4"),

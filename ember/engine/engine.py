@@ -98,6 +98,9 @@ class LLMEngine:
         slots = config.max_num_seqs if cfg.recurrent else 0
         snapshots = (config.state_snapshot_bytes // cfg.state_bytes_per_sequence
                      if cfg.recurrent and config.enable_prefix_caching else 0)
+        # a speculating hybrid's verify row keeps its state after its history in the
+        # snapshot slot after the prefix cache's that belongs to its state slot
+        self._rewinds = snapshots if cfg.recurrent and config.speculation != "off" else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  state_slots=slots, state_snapshots=snapshots)
         if self.kv.prefix is not None:
@@ -105,7 +108,9 @@ class LLMEngine:
                 "kv_share", num_blocks)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype,
                                                    num_seqs=max(1, slots),
-                                                   num_snapshots=snapshots)
+                                                   num_snapshots=snapshots + (
+                                                       slots if self._rewinds is not None
+                                                       else 0))
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
                  num_blocks, config.block_size, config.kv_dtype,
                  block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
@@ -114,8 +119,10 @@ class LLMEngine:
         states = getattr(storage, "states", None)
         if states is not None:
             log.info("recurrent state: %d sequences, %.1f MiB, and %d snapshots for the "
-                     "prefix cache, %.1f MiB (f32, touched as used)", slots,
-                     states.nbytes / 2**20, snapshots, states.snapshot_nbytes / 2**20)
+                     "prefix cache%s, %.1f MiB (f32, touched as used)", slots,
+                     states.nbytes / 2**20, snapshots,
+                     " and one per sequence for speculation" if self._rewinds is not None
+                     else "", states.snapshot_nbytes / 2**20)
         self.runner = ModelRunner(self.loaded.model, storage)
         lora_dtype = config.lora_dtype
         if lora_dtype == "auto":
@@ -132,7 +139,7 @@ class LLMEngine:
                              lambda shape: self.scheduler.costs.fastest(shape))
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)
-        self.commit = Commit(self.kv)
+        self.commit = Commit(self.kv, recurrent=cfg.recurrent)
         self.transfer = KVTransfer(config, cfg, self.loaded.fingerprint(), self.kv, storage,
                                    self.intake.salt_for)
         if config.kv_cache_dir is not None:
@@ -287,6 +294,8 @@ class LLMEngine:
                 sampled.append((row, logits[offset:offset + row.num_sampled]))
                 offset += row.num_sampled
         changed = scored + self._verify(sampled)
+        if self._rewinds is not None:
+            self._rewind_states(sampled)
         self.kv.file_snapshots()
         for row, row_logits in sampled:
             req = row.request
@@ -304,6 +313,20 @@ class LLMEngine:
             if snapshot is not None:
                 states.restore(snapshot, req.state_slot)
             row.snapshot = self.kv.snapshot_point(req, row.start, row.num_tokens)
+            if row.draft and row.snapshot is None:  # the state to go back to on a rejection
+                assert self._rewinds is not None and req.state_slot is not None
+                row.snapshot = (row.num_tokens - 1, self._rewinds + req.state_slot)
+
+    def _rewind_states(self, sampled: list[tuple[ScheduledRow, torch.Tensor]]) -> None:
+        """A verify row whose draft was not all accepted took rejected tokens into its
+        recurrent state: its slot goes back to the snapshot after the row's history (the
+        commit has cached no more than that; the accepted drafts run again next step)."""
+        states = self.runner.kv.states  # type: ignore[attr-defined]
+        for row, _ in sampled:
+            req = row.request
+            if row.draft and not req.is_finished and req.kv_len < row.start + row.num_query:
+                assert row.snapshot is not None and row.snapshot[0] == row.num_tokens - 1
+                states.restore(row.snapshot[1], req.state_slot)
 
     def _verify(self, sampled: list[tuple[ScheduledRow, torch.Tensor]]) -> list[Request]:
         """Sample every row — plain rows and draft-verify rows alike, in one batch — and
@@ -457,19 +480,17 @@ class LLMEngine:
 
 
 def _for_recurrent(config: EngineConfig, state_bytes: int) -> EngineConfig:
-    """A hybrid model's engine settings: its recurrent layers' state cannot be rewound
-    past rejected draft tokens, so no speculation; cached prefixes are served from state
-    snapshots in RAM (none: no prefix reuse), which the disk tier does not keep."""
+    """A hybrid model's engine settings: cached prefixes are served from recurrent-state
+    snapshots in RAM (no room for one: no prefix reuse), which the disk tier does not
+    keep."""
     if config.kv_cache_dir is not None:
         raise InvalidConfig("kv_cache_dir: the disk tier does not keep the recurrent-state "
                             "snapshots a model with recurrent layers needs to reuse a prefix")
-    changed = {k: v for k, v in (("speculation", "off"),) if getattr(config, k) != v}
     if config.state_snapshot_bytes < state_bytes and config.enable_prefix_caching:
-        # not room for one snapshot of a sequence's state: no prefix can be reused
-        changed["enable_prefix_caching"] = False
-    if changed:
-        log.info("recurrent layers: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))
-    return dataclasses.replace(config, **changed)
+        log.info("recurrent layers: enable_prefix_caching=False (state_snapshot_bytes has "
+                 "no room for one snapshot of a sequence's state)")
+        return dataclasses.replace(config, enable_prefix_caching=False)
+    return config
 
 
 def _record_step(rows: Sequence[ScheduledRow], began: float, ended: float) -> None:

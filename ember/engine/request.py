@@ -139,12 +139,13 @@ class Request:
         """Tokens still to run before the next sample (1 when decoding)."""
         return len(self.token_ids) - self.kv_len
 
-    def check_invariant(self) -> None:
-        """Right after a token is committed, exactly that token is not yet cached."""
-        if len(self.token_ids) != self.kv_len + 1:
+    def check_invariant(self, uncomputed: int = 1) -> None:
+        """Right after a token is committed, exactly that token is not yet cached (a
+        hybrid model's rewound verify: also the accepted drafts it recomputes)."""
+        if len(self.token_ids) != self.kv_len + uncomputed:
             raise InvalidDecodeState(
                 f"request {self.request_id}: history {len(self.token_ids)} != "
-                f"kv_len {self.kv_len} + 1"
+                f"kv_len {self.kv_len} + {uncomputed}"
             )
 
     # ------------------------------------------------------------ streaming

@@ -161,5 +161,6 @@ def format_report(report: dict[str, Any]) -> str:
     if "state_bytes_per_sequence" in report:
         lines.append(f"recurrent state per sequence: "
                      f"{report['state_bytes_per_sequence'] / 2**20:.2f} MiB (f32; each "
-                     "prefix-cache snapshot of it as much, --state-snapshot-bytes)")
+                     "prefix-cache snapshot of it as much, --state-snapshot-bytes; and "
+                     "one more per sequence while speculation is on)")
     return "\n".join(lines)
