@@ -142,6 +142,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-api-key",
                    help="bearer key for POST /v1/load_lora_adapter and "
                         "/v1/unload_lora_adapter (without it they are refused)")
+    s.add_argument("--lora-dir", metavar="DIR",
+                   help="adapters loaded at run time must lie under DIR (a relative "
+                        "lora_path resolves against it); without it, absolute paths only")
     s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get 413 before being read (default 4 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,
@@ -499,7 +502,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                           tenant_weights=weights, loras=_loras(args.lora),
-                          admin_api_key=args.admin_api_key, chat_page=not args.no_ui,
+                          admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
+                          chat_page=not args.no_ui,
                           otlp_traces_endpoint=args.otlp_traces_endpoint,
                           trace_content=args.trace_content, request_log=args.request_log)
     if args.replicas < 0 or (args.ray_address and not args.replicas):

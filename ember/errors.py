@@ -33,6 +33,10 @@ class ChatTemplateError(EmberError):
     """The chat template failed to render (syntax error or raise_exception)."""
 
 
+class NonFiniteLogits(EmberError):
+    """A forward pass gave a request NaN or infinite logits (no token can be drawn)."""
+
+
 class InvalidDecodeState(EmberError):
     """The history/KV invariant ``len(history) == kv_len + 1`` was violated."""
 

@@ -560,3 +560,39 @@ def test_a_skewed_step_cost_fit_neither_refuses_nor_strands_requests(make_tiny_e
             break
     assert [done[i].finish_reason for i in ids] == ["length", "length"]
     assert len(done[ids[0]].token_ids) == GREEDY.max_tokens
+
+
+def test_a_row_with_non_finite_logits_fails_alone(make_tiny_engine):
+    """A step whose logits come out NaN or infinite for one request ends that request
+    with an error that says so; the step's other requests commit and finish as they
+    would have (the same tokens as a run without the fault); no block is leaked."""
+    prompts = [[5, 9, 13, 21], [7, 11, 17], [30, 31, 32, 33, 34]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(poison: int | None) -> list:
+        engine = make_tiny_engine()
+        reqs = [engine.add_request(p, greedy) for p in prompts]
+        execute = engine.runner.execute
+
+        def faulty(rows):
+            logits = execute(rows).clone()
+            offset = 0
+            for row in rows:
+                if row.request is reqs[poison] and row.request.num_output == 2:
+                    logits[offset + row.num_logits - 1, 3] = float("nan")
+                offset += row.num_logits
+            return logits
+
+        if poison is not None:
+            engine.runner.execute = faulty
+        while engine.has_unfinished():
+            engine.step()
+        engine.kv.check_no_leaks()
+        return [(r.finish_reason.value if r.finish_reason else None, r.error, r.output_ids)
+                for r in reqs]
+
+    clean, faulted = run(None), run(1)
+    assert faulted[0] == clean[0] and faulted[2] == clean[2]
+    reason, error, tokens = faulted[1]
+    assert reason == "error" and "non-finite" in error
+    assert tokens == clean[1][2][:2]  # what it had committed before the fault

@@ -541,3 +541,21 @@ def test_a_split_models_fingerprint_covers_every_part(split_and_whole, tmp_path:
     data[-10] ^= 0xFF  # a weight of the last part, not the first file's bytes
     last.write_bytes(bytes(data))
     assert loaded.fingerprint() != before
+
+
+@pytest.mark.parametrize("tensor", ["output_norm.weight", "blk.1.attn_norm.weight"])
+def test_a_model_whose_norm_holds_a_nan_is_refused_naming_it(tiny_gguf, tmp_path,
+                                                              tensor: str) -> None:
+    """A NaN in a norm's weights would make every logit of every request NaN: the load
+    refuses the file, naming the tensor."""
+    from ember.models.loader import load_model
+
+    with GGUFFile(tiny_gguf) as g:
+        info = g.tensors[tensor]
+        assert info.type_name == "F32"
+    data = bytearray(tiny_gguf.read_bytes())
+    data[info.offset + 4:info.offset + 8] = np.float32("nan").tobytes()
+    bad = tmp_path / "nan-norm.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=f"'{tensor}' holds non-finite values"):
+        load_model(str(bad), "f32")

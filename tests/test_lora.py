@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from lora_adapters import IDS
@@ -300,6 +301,84 @@ def test_adapters_that_do_not_fit_are_refused_naming_why(adapters, base_f32, tmp
     (bad / "adapter_config.json").unlink()
     with pytest.raises(LoRAError, match="adapter_config.json"):
         load_lora(bad, "x", cfg)
+
+
+def _with_nan(src: Path, dst: Path, tensor: str) -> Path:
+    """A copy of GGUF adapter ``src`` with the first value of ``tensor`` set to NaN."""
+    import numpy as np
+
+    from ember.models.gguf import GGUFFile
+
+    with GGUFFile(src) as g:
+        info = g.tensors[tensor]
+        offset = info.offset
+        assert info.type_name == "F32", info.type_name
+    data = bytearray(src.read_bytes())
+    data[offset:offset + 4] = np.float32("nan").tobytes()
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_a_path_that_is_no_regular_file_is_refused_before_it_is_read(
+        adapters, base_f32, tmp_path) -> None:
+    """/dev/zero (never ends), a FIFO (blocks the open) and a sparse file larger than any
+    adapter of this base are refused at once, naming the path; a file that is not a
+    GGUF is refused without a byte of it in the message."""
+    cfg = base_f32.config
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "peft").mkdir()
+    os.mkfifo(tmp_path / "peft" / "adapter_config.json")
+    (tmp_path / "peft" / "adapter_model.safetensors").write_bytes(b"")
+    for path in ("/dev/zero", fifo, tmp_path / "peft"):
+        with pytest.raises(LoRAError, match="not a regular file"):
+            load_lora(path, "x", cfg)
+    huge = tmp_path / "huge.gguf"
+    with open(huge, "wb") as f:
+        f.truncate(64 << 30)  # sparse: nothing written
+    with pytest.raises(LoRAError, match="more than an adapter of this base model can be"):
+        load_lora(huge, "x", cfg)
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(LoRAError, match="not a GGUF file") as e:
+        load_lora(secret, "x", cfg)
+    assert "root" not in str(e.value).replace(str(tmp_path), "")
+
+
+def test_non_finite_adapters_are_refused_naming_the_tensor(adapters, base_f32,
+                                                            tmp_path) -> None:
+    """A NaN in a GGUF adapter's lora_a, a NaN in a PEFT adapter's lora_B, and a NaN or
+    infinite alpha: each refused at load, naming what holds it."""
+    from gguf import GGUFReader, GGUFWriter
+    from safetensors.torch import load_file, save_file
+
+    cfg = base_f32.config
+    tensor = "blk.0.attn_q.weight.lora_a"
+    with pytest.raises(Exception, match=f"{tensor}.*non-finite"):
+        load_lora(_with_nan(adapters["gguf"], tmp_path / "nan.gguf", tensor), "x", cfg)
+    peft = tmp_path / "peft-nan"
+    shutil.copytree(adapters["peft"], peft)
+    tensors = load_file(peft / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".v_proj.lora_B." in k)
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, peft / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="attn_v: lora_b holds non-finite"):
+        load_lora(peft, "x", cfg)
+    reader = GGUFReader(adapters["gguf"])
+    for alpha in (float("nan"), float("inf")):
+        out = tmp_path / f"alpha-{alpha}.gguf"
+        w = GGUFWriter(out, "llama")
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", alpha)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=None)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(LoRAError, match="scale \\(alpha\\) holds non-finite"):
+            load_lora(out, "x", cfg)
 
 
 def test_a_moe_base_takes_attention_adapters_and_refuses_ffn_targets(

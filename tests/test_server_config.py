@@ -95,3 +95,80 @@ def test_the_server_takes_its_port_before_the_backend_starts_loading(tmp_path: P
         proc.terminate()
         proc.wait(timeout=30)
     assert "PORT ALREADY TAKEN" in seen and "PORT FREE" not in seen, seen + proc.stderr.read()
+
+
+def test_admin_work_runs_off_the_prep_pool_with_a_deadline_on_a_daemon_thread() -> None:
+    """A load that never ends: the caller gets a 504 at the deadline; meanwhile the
+    pool that tokenizes generation requests is free; the work's thread is a daemon (it
+    cannot keep the process alive past SIGTERM); the next admin call waits its turn."""
+    import asyncio
+    import threading
+
+    from ember.server.app import Server, ServerConfig
+    from ember.server.errors import APIError
+
+    server = Server(ServerConfig(admin_timeout=0.2))
+    release, seen = threading.Event(), []
+
+    def hung() -> None:
+        seen.append(threading.current_thread())
+        release.wait(30)
+
+    async def go() -> None:
+        with pytest.raises(APIError) as e:
+            await server.run_admin(hung)
+        assert e.value.status == 504
+        # generation's pool answers while the admin work hangs
+        assert server.prep_pool.submit(lambda: 7).result(timeout=5) == 7
+        second = asyncio.ensure_future(server.run_admin(lambda: "next"))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # one admin call at a time
+        release.set()
+        assert await second == "next"
+
+    asyncio.run(go())
+    assert seen[0].daemon and seen[0] is not threading.main_thread()
+
+
+@pytest.mark.parametrize(("lora_dir", "path", "ok"), [
+    (None, "adapters/a.gguf", False), (None, "/srv/a.gguf", True),
+    ("DIR", "a.gguf", True), ("DIR", "sub/../a.gguf", True), ("DIR", "../a.gguf", False),
+    ("DIR", "/etc/passwd", False), ("DIR", "link/passwd", False)])
+def test_an_adapter_path_is_absolute_or_under_the_lora_dir(tmp_path: Path, lora_dir, path,
+                                                            ok) -> None:
+    from ember.server.app import Server, ServerConfig
+    from ember.server.errors import APIError
+
+    root = tmp_path / "adapters"
+    root.mkdir()
+    (root / "link").symlink_to("/etc")  # a symlink out of the directory
+    server = Server(ServerConfig(lora_dir=None if lora_dir is None else str(root)))
+    if ok:
+        assert Path(server.adapter_path(path)).is_absolute()
+    else:
+        with pytest.raises(APIError) as e:
+            server.adapter_path(path)
+        assert e.value.status == 400 and e.value.param == "lora_path"
+
+
+def test_no_response_writes_a_non_finite_number() -> None:
+    """Every route's body goes through ``dumps`` (JSON responses and each SSE event):
+    NaN and infinities never reach the wire as the bare tokens RFC 8259 forbids."""
+    import json
+    import math
+
+    from ember.server.render import sse_data as sse
+    from ember.server.transport import LOGPROB_FLOOR, JSONBody
+
+    def strict(text: str) -> object:
+        def refuse(token: str) -> None:
+            raise AssertionError(f"non-JSON number {token} on the wire")
+        return json.loads(text, parse_constant=refuse)
+
+    body = {"logprob": float("-inf"), "top": [{"logprob": float("nan")}],
+            "nested": ({"x": float("inf")}, 1.5), "ok": -0.25}
+    want = {"logprob": LOGPROB_FLOOR, "top": [{"logprob": None}],
+            "nested": [{"x": -LOGPROB_FLOOR}, 1.5], "ok": -0.25}
+    assert strict(JSONBody(body).body.decode()) == want
+    assert strict(sse(body).removeprefix("data: ").strip()) == want
+    assert not math.isnan(strict(JSONBody({"a": 1.0}).body.decode())["a"])

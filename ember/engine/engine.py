@@ -57,7 +57,7 @@ from ember.engine.verify import (
     recycling_feed,
     stacked,
 )
-from ember.errors import InvalidDecodeState
+from ember.errors import InvalidDecodeState, NonFiniteLogits
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_name, tenant_scope
@@ -279,7 +279,8 @@ class LLMEngine:
             for row in rows:
                 finish(row.request, FinishReason.ERROR, f"forward pass failed: {e}")
             return [row.request for row in rows]
-        sampled, scored, offset = [], [], 0
+        rows, logits, scored = self._finite_rows(rows, logits)
+        sampled, offset = [], 0
         for row in rows:
             if row.prompt_positions:
                 n = len(row.prompt_positions)
@@ -302,6 +303,28 @@ class LLMEngine:
             if req.forks and req.num_output == 1 and req.finish_reason is not FinishReason.ERROR:
                 changed += self._fork(req, row_logits[0])
         return changed
+
+    def _finite_rows(self, rows: list[ScheduledRow], logits: torch.Tensor
+                     ) -> tuple[list[ScheduledRow], torch.Tensor, list[Request]]:
+        """The rows whose logits are all finite, and their logits; a row given a NaN or
+        an infinity fails alone (its request ends with an error that says so, its cache
+        rewound) while the step's other rows go on. Returns those failed too."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return rows, logits, []
+        kept, index, failed, offset = [], [], [], 0
+        for row in rows:
+            n = row.num_logits
+            if bool(finite[offset:offset + n].all()):
+                kept.append(row)
+                index += range(offset, offset + n)
+            else:
+                self.commit.fail(row.request, NonFiniteLogits(
+                    "the model's logits for this request came out non-finite (NaN or "
+                    "infinity): no token can be drawn from them"))
+                failed.append(row.request)
+            offset += n
+        return kept, logits[torch.tensor(index, dtype=torch.long)], failed
 
     def _prepare_states(self, rows: list[ScheduledRow]) -> None:
         """A hybrid model's rows: a state slot admitted with a cached prefix takes its

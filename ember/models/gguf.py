@@ -363,7 +363,8 @@ class GGUFFile:
         mm, path = self._parts[part].mmap, self._parts[part].path
         cur = _Cursor(mm, path)
         if mm[:4] != GGUF_MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (bad magic {bytes(mm[:4])!r})")
+            # (nothing of the file in the message: a server may be asked to open any path)
+            raise GGUFError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
         cur.pos = 4
         version = cur.scalar("<I")
         if version not in (2, 3):

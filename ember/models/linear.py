@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ember import kernels
-from ember.errors import UnsupportedModelError
+from ember.errors import GGUFError, UnsupportedModelError
 from ember.models.gguf import GGMLType, GGUFFile, TensorInfo
 from ember.models.quant import block_view, dequantize
 
@@ -442,6 +442,12 @@ def weight_format(name: str) -> WeightFormat:
 
 
 def load_dense(gguf: GGUFFile, name: str) -> torch.Tensor:
-    """A GGUF tensor dequantized to float32 in PyTorch shape order."""
+    """A GGUF tensor dequantized to float32 in PyTorch shape order; refused, by name,
+    when it holds a NaN or an infinity (a norm, bias or scale like that would turn every
+    logit of every request into NaN)."""
     info = gguf.tensor(name)
-    return dequantize(gguf.tensor_bytes(name), info.ggml_type, info.shape, name=name)
+    t = dequantize(gguf.tensor_bytes(name), info.ggml_type, info.shape, name=name)
+    if not bool(torch.isfinite(t).all()):
+        raise GGUFError(f"{gguf.path.name}: tensor {name!r} holds non-finite values "
+                        "(NaN or infinity)")
+    return t

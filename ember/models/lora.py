@@ -36,6 +36,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import stat
 import struct
 import threading
 from collections import Counter, OrderedDict
@@ -153,9 +155,14 @@ def load_lora(path: str | Path, name: str, cfg: ModelConfig,
     held = LORA_DTYPES[dtype]
     check_base(cfg)
     p = Path(path)
-    if not p.exists():
-        raise LoRAError(f"LoRA adapter {name!r}: {p} does not exist")
-    raw, identity = (_peft(p, cfg) if p.is_dir() else _gguf(p, cfg))
+    try:
+        is_dir = stat.S_ISDIR(p.stat().st_mode)
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter {name!r}: {p} does not exist") from None
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {p} cannot be read ({e.strerror})") from None
+    limit = max_adapter_bytes(cfg, max_rank)
+    raw, identity = _peft(p, cfg, limit) if is_dir else _gguf(p, cfg, limit)
     shapes, columns = projection_shapes(cfg), fused_columns(cfg)
     deltas, rank = {}, 0
     for (layer, target), (a, b, scale) in raw.items():
@@ -176,6 +183,9 @@ def load_lora(path: str | Path, name: str, cfg: ModelConfig,
                             f"not fit the base projection ({out} x {inp}): another base model?")
         if r > max_rank:
             raise LoRAError(f"{where}: rank {r} is above max_lora_rank {max_rank}")
+        for part, value in (("lora_a", a), ("lora_b", b), ("scale (alpha)", torch.tensor(scale))):
+            if not bool(torch.isfinite(value).all()):
+                raise LoRAError(f"{where}: {part} holds non-finite values (NaN or infinity)")
         rank = max(rank, r)
         deltas[(layer, target)] = LoRADelta(a.to(held).contiguous(),
                                             (b.float() * scale).T.to(held).contiguous(),
@@ -185,9 +195,31 @@ def load_lora(path: str | Path, name: str, cfg: ModelConfig,
     return LoRAAdapter(name, p, identity, rank, deltas)
 
 
+def max_adapter_bytes(cfg: ModelConfig, max_rank: int) -> int:
+    """The largest file an adapter of rank ``max_rank`` on every supported projection of
+    every layer of this base can be (f32 tensors, plus room for its header)."""
+    per_layer = sum(out + inp for out, inp in projection_shapes(cfg).values())
+    return 4 * max_rank * per_layer * cfg.n_layers + (16 << 20)
+
+
+def _regular_file(path: Path, max_bytes: int) -> None:
+    """Refuse, before anything opens it, what is not a regular file — a FIFO blocks the
+    open, /dev/zero never ends — or is larger than any adapter this base can take."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise LoRAError(f"{path}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LoRAError(f"{path}: not a regular file")
+    if st.st_size > max_bytes:
+        raise LoRAError(f"{path}: {st.st_size} bytes, more than an adapter of this base "
+                        f"model can be ({max_bytes})")
+
+
 # ------------------------------------------------------------------ GGUF adapters
-def _gguf(path: Path, cfg: ModelConfig
+def _gguf(path: Path, cfg: ModelConfig, max_bytes: int
           ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], bytes]:
+    _regular_file(path, max_bytes)
     identity = _file_hash([path])
     try:
         g = GGUFFile(path)
@@ -229,12 +261,13 @@ def _gguf_target(path: Path, name: str) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------ PEFT directories
-def _peft(path: Path, cfg: ModelConfig
+def _peft(path: Path, cfg: ModelConfig, max_bytes: int
           ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], bytes]:
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
+    for f, limit in ((config_file, 1 << 20), (weights_file, max_bytes)):
+        if not f.exists():
             raise LoRAError(f"{path}: a PEFT adapter directory needs {f.name}")
+        _regular_file(f, limit)
     identity = _file_hash([config_file, weights_file])
     try:
         config = json.loads(config_file.read_text())
@@ -320,11 +353,22 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _file_hash(files: Sequence[Path]) -> bytes:
+    """sha256 of the files' bytes, each read only as far as the size it had when checked
+    (opened without blocking and checked again: a FIFO swapped in reads as nothing)."""
     h = hashlib.sha256()
     for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
+        fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise LoRAError(f"{f}: not a regular file")
+            left = st.st_size
+            while left > 0:
+                chunk = fh.read(min(left, 1 << 20))
+                if not chunk:
+                    break
                 h.update(chunk)
+                left -= len(chunk)
     return h.digest()
 
 

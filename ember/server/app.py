@@ -93,6 +93,8 @@ class ServerConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
     loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH, every tenant's
     admin_api_key: str | None = None  # runtime adapter (un)loading needs it
+    lora_dir: str | None = None  # runtime adapters must lie under it (else: absolute paths)
+    admin_timeout: float = 120.0  # seconds an admin call (an adapter load) may take (504)
     chat_page: bool = True  # the chat page at / (--no-ui: off)
     otlp_traces_endpoint: str | None = None  # export one trace per request (OTLP/HTTP)
     trace_content: bool = False  # prompt and completion text in the traces
@@ -276,6 +278,7 @@ class Server:
         # LoRA adapters served, by name: the tenants that may use each (None: every one)
         self.adapters: dict[str, frozenset[str] | None] = {}
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
+        self._admin = threading.Lock()  # admin work, one call at a time, off the prep pool
 
     # ------------------------------------------------------------ lifecycle
     def start_loading(self) -> threading.Thread:
@@ -490,9 +493,61 @@ class Server:
         if not hmac.compare_digest(self._bearer(request), self._admin_key):
             raise APIError(401, "invalid admin API key", code="invalid_api_key")
 
+    async def run_admin(self, work: Callable[..., Any], *args: Any) -> Any:
+        """Admin work (reading, hashing and packing an adapter; purging a cache) on a
+        thread of its own, one call at a time, never on the pool that generation requests
+        need: a slow or hostile load cannot starve them. Past ``admin_timeout`` the caller
+        gets a 504 (the work runs on; the next admin call waits for it). The thread is a
+        daemon: it never keeps the process from ending on SIGTERM."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+        def run() -> None:
+            with self._admin:
+                try:
+                    outcome: tuple[Any, BaseException | None] = (work(*args), None)
+                except BaseException as e:  # handed to the caller's coroutine
+                    outcome = (None, e)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        threading.Thread(target=run, name="ember-admin", daemon=True).start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.config.admin_timeout)
+        except TimeoutError:
+            raise APIError(504, f"the admin call took more than {self.config.admin_timeout:g}"
+                           " s; it goes on in the background", code="admin_timeout") from None
+
+    def adapter_path(self, raw: str) -> str:
+        """The file a request's ``lora_path`` names: under ``--lora-dir`` when the server
+        has one (a relative path resolves against it; nothing outside it, through a
+        symlink either), else an absolute path (never the server's working directory)."""
+        path = Path(raw)
+        if self.config.lora_dir is None:
+            if not path.is_absolute():
+                raise APIError(400, "'lora_path' must be an absolute path (or the server "
+                               "started with --lora-dir DIR, and a path under DIR)",
+                               param="lora_path")
+            return raw
+        root = Path(self.config.lora_dir).resolve()
+        full = (root / path).resolve()
+        if not full.is_relative_to(root):
+            raise APIError(400, "'lora_path' must name a file under the server's --lora-dir",
+                           param="lora_path")
+        return str(full)
+
     def load_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Runs in a preparation thread (reading an adapter takes a while)."""
+        """Runs on the admin thread (reading an adapter takes a while)."""
         name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+        path = self.adapter_path(path)
         tenants = body.get("tenants")
         if tenants is not None and not (isinstance(tenants, list)
                                         and all(isinstance(t, str) for t in tenants)):
@@ -870,9 +925,7 @@ def create_app(server: Server) -> FastAPI:
         server.model_names()  # 503 while the model loads
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
-        loop = asyncio.get_running_loop()
-        return _ok(request, server,
-                   await loop.run_in_executor(server.prep_pool, server.load_adapter, body))
+        return _ok(request, server, await server.run_admin(server.load_adapter, body))
 
     @app.post("/v1/unload_lora_adapter", responses=openapi.LORA_ADMIN)
     async def unload_lora_adapter(request: Request) -> Response:
@@ -890,9 +943,8 @@ def create_app(server: Server) -> FastAPI:
         if not tenant:
             raise APIError(400, "name the tenant whose cache to purge: "
                            "DELETE /v1/cache?tenant=NAME", param="tenant")
-        loop = asyncio.get_running_loop()
         with as_api_errors({}):
-            removed = await loop.run_in_executor(server.prep_pool, thread.purge_cache, tenant)
+            removed = await server.run_admin(thread.purge_cache, tenant)
         log.info("purged the cached prefixes of tenant %r: %s", tenant, removed)
         return _ok(request, server, {"tenant": tenant, **removed})
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -207,14 +208,35 @@ def disconnected(request: Request) -> asyncio.Future[None]:
     return asyncio.ensure_future(watch())
 
 
+# what a logprob of minus infinity (a token no processor allows) is written as: the
+# number OpenAI's API and vLLM answer with, as RFC 8259 JSON has no infinities
+LOGPROB_FLOOR = -9999.0
+
+
 def dumps(obj: Any) -> str:
-    """JSON text that always encodes as UTF-8 (lone surrogates, if any, are escaped)."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """JSON text that always encodes as UTF-8 (lone surrogates, if any, are escaped) and
+    is always valid JSON: a non-finite number is never written (``-inf`` becomes
+    ``LOGPROB_FLOOR``, ``inf`` its opposite, ``NaN`` null)."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere: the rare path
+        obj = _finite(obj)
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+        text = json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
     return text
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else math.copysign(-LOGPROB_FLOOR, obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class JSONBody(JSONResponse):

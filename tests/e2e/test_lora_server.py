@@ -10,6 +10,7 @@ one that does not exist; unloading lets running requests finish.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,6 +108,36 @@ def test_models_lists_what_the_tenant_may_use_and_admin_loads_for_one_tenant(
             _complete(b, name, "Hi")
         assert e.value.body["code"] == "model_not_found"
         assert name in e.value.body["message"]
+
+
+def test_hostile_adapter_paths_are_400s_in_bounded_time_while_chats_run(
+        lora_server, tmp_path) -> None:
+    """/dev/zero (never ends) and a FIFO (blocks its open), loaded twice at once while a
+    chat completion runs: each load is a 400 naming lora_path within the client's 30 s,
+    the chat answers; a relative path is refused (it would resolve against the server's
+    working directory); a file that is not a GGUF is refused without its content."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    client = _client(lora_server, KEY_A)
+
+    def load(path: str) -> httpx.Response:
+        return httpx.post(f"{lora_server.url}/v1/load_lora_adapter", timeout=30,
+                          json={"lora_name": "x", "lora_path": path},
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+
+    with ThreadPoolExecutor(5) as pool:
+        loads = [pool.submit(load, p) for p in ("/dev/zero", str(fifo)) * 2]
+        chat = pool.submit(_complete, client, lora_server.model_id, "Once upon a time")
+        for r in (f.result() for f in loads):
+            assert_error(r, 400, "lora_path")
+            assert "not a regular file" in r.json()["error"]["message"]
+        assert isinstance(chat.result(timeout=60), str)
+    assert_error(load("adapters/x.gguf"), 400, "lora_path")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2:x:0:0\n")
+    r = load(str(secret))
+    assert_error(r, 400, "lora_path")
+    assert "hunter2" not in r.text
 
 
 def test_unloading_lets_running_requests_finish(lora_server, smollm2_gguf,
