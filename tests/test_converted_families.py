@@ -412,13 +412,68 @@ def test_a_snapshot_past_the_stacks_first_slice_of_a_long_step(converted) -> Non
     warm.kv.check_no_leaks()
 
 
-def test_hybrid_models_refuse_a_kv_disk_tier(converted, tmp_path: Path) -> None:
-    from ember.config import EngineConfig, InvalidConfig
-    from ember.engine.engine import LLMEngine
+def test_a_hybrid_follow_up_after_a_restart_restores_blocks_and_snapshot_from_disk(
+        converted, tmp_path: Path) -> None:
+    """With the disk tier, a request's blocks and the state snapshots it filed go to disk
+    when it ends; a new engine on the same directory (a restart) answers the chat's next
+    turn from them — the same prefix as in RAM, bitwise what a cold engine answers. A
+    snapshot file that fails its checksum is deleted and that turn recomputed (still
+    right); a tenant's disk purge takes its snapshots."""
+    from test_batch_invariance import outcomes, params
 
-    with pytest.raises(InvalidConfig, match="kv_cache_dir"):
-        LLMEngine(EngineConfig(model=str(converted["qwen35"].f32), weights="f32",
-                               kv_cache_dir=str(tmp_path)))
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.kv.disk import SUFFIX
+    from ember.kv.tier import state_key
+
+    require_kernels()
+    path = converted["qwen35"].q8_0
+    q = load_model(str(path), "q4")
+
+    def make(**kw: Any) -> LLMEngine:
+        kw.setdefault("kv_cache_dir", str(tmp_path))
+        return LLMEngine(EngineConfig(model=str(path), weights="q4", num_kv_blocks=64,
+                                      block_size=8, kv_restore="always", **kw), loaded=q)
+
+    first = [IDS[:30], IDS[20:47]]
+    before = make()
+    answers = [o[0] for o in outcomes(before, first, [params(i, 12) for i in range(2)])]
+    before.close()
+    follow = [p + list(a) + IDS[50:55] for p, a in zip(first, answers, strict=True)]
+    sps = [params(10 + i, 10) for i in range(2)]
+    cold = [outcomes(make(enable_prefix_caching=False, kv_cache_dir=None), [p], [sp])[0]
+            for p, sp in zip(follow, sps, strict=True)]
+    after = make()
+    assert after.kv.snapshots is not None and len(after.kv.snapshots) == 0  # RAM is empty
+    reqs = [after.add_request(p, sp) for p, sp in zip(follow, sps, strict=True)]
+    done = {o.request_id: o for o in _drain(after)}
+    for req, (tokens, lps), hit in zip(reqs, cold, (40, 32), strict=True):
+        assert req.cached_tokens == hit, req.cached_tokens  # as the RAM test's
+        got = done[req.request_id]
+        assert got.token_ids == tokens
+        assert [(lp.token, lp.logprob, lp.top) for lp in got.logprobs] == lps
+    assert after.kv.tier is not None and after.kv.tier.restored_snapshots == 2
+    after.close()
+    # a snapshot file corrupted on disk: not served, the turn recomputed
+    keys: list[bytes] = []
+    salt = make().intake.salt_for(None, None)
+    from ember.kv.prefix import extend_keys
+
+    extend_keys(keys, salt, follow[0], 8)
+    snapshot_file = next(tmp_path.rglob(state_key(keys[4]).hex() + SUFFIX))
+    data = bytearray(snapshot_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snapshot_file.write_bytes(bytes(data))
+    again = make()
+    req = again.add_request(follow[0], sps[0])
+    (got,) = [o for o in _drain(again) if o.request_id == req.request_id]
+    assert got.token_ids == cold[0][0] and req.cached_tokens < 40
+    assert not snapshot_file.exists()
+    # the tenant's disk purge deletes its snapshot files with its blocks
+    again.purge_cache(None)
+    again.purge_disk(None)
+    again.close()
+    assert not any(tmp_path.rglob("*" + SUFFIX))
 
 
 @pytest.mark.parametrize(("name", "change", "named"), [

@@ -504,12 +504,12 @@ class LLMEngine:
 
 def _for_recurrent(config: EngineConfig, state_bytes: int) -> EngineConfig:
     """A hybrid model's engine settings: cached prefixes are served from recurrent-state
-    snapshots in RAM (no room for one: no prefix reuse), which the disk tier does not
-    keep."""
-    if config.kv_cache_dir is not None:
-        raise InvalidConfig("kv_cache_dir: the disk tier does not keep the recurrent-state "
-                            "snapshots a model with recurrent layers needs to reuse a prefix")
+    snapshots (no room for one in RAM: no prefix reuse)."""
     if config.state_snapshot_bytes < state_bytes and config.enable_prefix_caching:
+        if config.kv_cache_dir is not None:
+            raise InvalidConfig("kv_cache_dir: a model with recurrent layers reuses a "
+                                "prefix only through a state snapshot, and "
+                                "state_snapshot_bytes has no room for one")
         log.info("recurrent layers: enable_prefix_caching=False (state_snapshot_bytes has "
                  "no room for one snapshot of a sequence's state)")
         return dataclasses.replace(config, enable_prefix_caching=False)

@@ -121,4 +121,5 @@ class KVTransfer:
         return {**dataclasses.asdict(self.disk.stats), "blocks": len(self.disk),
                 "bytes": self.disk.size_bytes, "decisions": dict(tier.decisions),
                 "restored_blocks": tier.restored_blocks,
+                "restored_snapshots": tier.restored_snapshots,
                 "read_bytes_per_second": tier.read_bps}

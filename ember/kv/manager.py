@@ -10,6 +10,7 @@ either free or held only by the prefix cache (``check_no_leaks``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ember.kv.blocks import BlockAllocator, BlockTable, blocks_for
@@ -73,6 +74,9 @@ class KVCacheManager:
         # (its key and slot)
         self._pending: dict[str, tuple[KVSequence, int, int, bool]] = {}
         self._latest: dict[str, tuple[bytes, int]] = {}
+        # per request, the snapshots it filed: (block index, chain key, serial); those
+        # still filed when it is freed go to the disk tier, as its blocks do
+        self._filed_by: dict[str, list[tuple[int, bytes, int]]] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -128,37 +132,57 @@ class KVCacheManager:
         # the last token is always recomputed for its logits
         tokens = req.token_ids[:-1]
         found = self.prefix.lookup(req.salt, tokens, req.block_hashes)
-        found = self.usable(req.block_hashes, found)
         self._lookups[req.request_id] = (version, tokens, found)
         return tokens, found
 
-    def usable(self, keys: list[bytes], found: list[CachedBlock]) -> list[CachedBlock]:
+    def usable(self, keys: list[bytes], found: list[CachedBlock],
+               disk: tuple[bytes, Sequence[int]] | None = None) -> list[CachedBlock]:
         """What of a cached prefix (``found`` for chain ``keys``) a request can use: all
         of it, but for a hybrid model only as far as the last block whose recurrent
-        state has a snapshot (without one the blocks are of no use)."""
+        state has a snapshot (without one the blocks are of no use). ``disk``: the
+        request's (salt, tokens), to read a snapshot the disk tier holds into RAM."""
         if not self.state_slots:
             return found
         if self.snapshots is None:
             return []
         for n in range(len(found), 0, -1):
-            if self.snapshots.find(keys[n - 1], found[n - 1].serial) is not None:
+            key, serial = keys[n - 1], found[n - 1].serial
+            if self.snapshots.find(key, serial) is not None or (
+                    disk is not None and self._snapshot_from_disk(key, serial, n, *disk)):
                 return found[:n]
         return []
+
+    def _snapshot_from_disk(self, key: bytes, serial: int, n: int, salt: bytes,
+                            tokens: Sequence[int]) -> bool:
+        """File the disk tier's snapshot after block ``n - 1`` (chain ``key``, cached
+        as ``serial``) in a RAM slot; False if it has none (or no slot is free)."""
+        if self.tier is None or self.snapshots is None or not self.tier.snapshot_on_disk(key):
+            return False
+        slot = self.snapshots.take()
+        if slot is None:
+            return False
+        bs = self.block_size
+        if not self.tier.load_snapshot(key, salt, tokens[(n - 1) * bs:n * bs], slot):
+            self.snapshots.release(slot)
+            return False
+        self.snapshots.file(key, serial, slot, salt)
+        return True
 
     def probe_prefix(self, req: KVSequence) -> list[CachedBlock]:
         """Cached blocks covering a prefix of a waiting request's history (no references
         taken, nothing counted), restored from the disk tier where it has more: the
-        scheduler decides with it whether to admit."""
+        scheduler decides with it whether to admit. A hybrid model's prefix ends at
+        the last block with a state snapshot, in RAM or on disk."""
         tokens, found = self._lookup(req)
-        # (a hybrid model has no disk tier: its prefix ends where a snapshot does)
-        if self.tier is not None and self.prefix and tokens and self.snapshots is None:
+        if self.tier is not None and self.prefix and tokens:
             ram = len(found)
-            found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes, found)
+            found = self.tier.extend(self.prefix, req.salt, tokens, req.block_hashes,
+                                     list(found))
             if len(found) > ram:  # once: the next lookup finds them in RAM
                 self._restored[req.request_id] = (
                     self._restored.get(req.request_id, 0)
                     + (len(found) - ram) * self.tier.storage.bytes_per_block)
-        return found
+        return self.usable(req.block_hashes, found, (req.salt, tokens))
 
     def take_restored(self, request_id: str) -> int:
         """Bytes the disk tier restored for a request's prefix (counted once)."""
@@ -181,7 +205,19 @@ class KVCacheManager:
             n += self.tier.blocks_on_disk(req.block_hashes, n,
                                           min(len(req.block_hashes),
                                               len(tokens) // self.block_size))
+        if self.state_slots:  # a hybrid's: as far as a snapshot reaches (none is read)
+            while n and not self._snapshot_known(req.block_hashes, found, n):
+                n -= 1
         return n * self.block_size
+
+    def _snapshot_known(self, keys: list[bytes], found: list[CachedBlock], n: int) -> bool:
+        """Whether the state after block ``n - 1`` has a snapshot in RAM (for a block
+        found there) or on the disk tier (nothing is read)."""
+        if self.snapshots is None:
+            return False
+        if n <= len(found) and self.snapshots.find(keys[n - 1], found[n - 1].serial) is not None:
+            return True
+        return self.tier is not None and self.tier.snapshot_on_disk(keys[n - 1])
 
     def attach_tier(self, tier: DiskTier) -> None:
         """Back the prefix cache with a disk tier (spill on release, restore on lookup)."""
@@ -288,6 +324,8 @@ class KVCacheManager:
             key = req.block_hashes[i]
             if not snapshots.file(key, chain[i], slot, req.salt):
                 continue
+            if self.tier is not None:
+                self._filed_by.setdefault(rid, []).append((i, key, chain[i]))
             if later:  # the request's previous one past its prompt goes, if still its own
                 previous = self._latest.get(rid)
                 if previous is not None and previous[0] != key:
@@ -327,6 +365,7 @@ class KVCacheManager:
             req.state_slot = None
         if self.snapshots is not None:
             self.take_restore(req)
+            self._spill_snapshots(req)
             self._latest.pop(req.request_id, None)
             pending = self._pending.pop(req.request_id, None)
             if pending is not None:
@@ -334,6 +373,18 @@ class KVCacheManager:
         if self.prefix:
             for block in blocks:
                 self.prefix.on_released(block)
+
+    def _spill_snapshots(self, req: KVSequence) -> None:
+        """Hand the disk tier the snapshots a request filed that are still in RAM."""
+        filed = self._filed_by.pop(req.request_id, [])
+        if self.tier is None or self.snapshots is None:
+            return
+        bs = self.block_size
+        for i, key, serial in filed:
+            slot = self.snapshots.find(key, serial)
+            if slot is not None:
+                self.tier.spill_snapshot(key, req.salt, req.token_ids[i * bs:(i + 1) * bs],
+                                         slot)
 
     def truncate(self, req: KVSequence, keep_len: int) -> None:
         """Rewind a request's cache; forget registrations past the kept full blocks."""

@@ -28,6 +28,7 @@ prefetch reads synchronously (the Python API's single-threaded use, tests).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +55,22 @@ class BlockBytes(Protocol):
     def bytes_per_block(self) -> int: ...
 
 
+class SnapshotBytes(Protocol):
+    """A hybrid model's storage: one recurrent-state snapshot slot's bytes out and in."""
+
+    def snapshot_bytes(self, slot: int) -> bytes: ...
+
+    def load_snapshot(self, slot: int, data: bytes) -> None: ...
+
+    @property
+    def bytes_per_snapshot(self) -> int: ...
+
+
+def state_key(block_key: bytes) -> bytes:
+    """The store's key for the recurrent-state snapshot taken after a block."""
+    return hashlib.blake2b(b"recurrent state\0" + block_key, digest_size=len(block_key)).digest()
+
+
 class DiskTier:
     def __init__(self, store: DiskStore, storage: BlockBytes,
                  recompute_seconds: Callable[[int, int], float], policy: str = "auto") -> None:
@@ -67,6 +84,7 @@ class DiskTier:
         self.read_bps = READ_BPS_PRIOR
         self.decisions = {"restore": 0, "recompute": 0}
         self.restored_blocks = 0
+        self.restored_snapshots = 0
         # first key of a run -> its read in flight or done (None: recompute was decided)
         self._fetches: OrderedDict[bytes, Future[tuple[list[BlockRecord], float]] | None] = (
             OrderedDict())
@@ -78,6 +96,38 @@ class DiskTier:
         if key not in self.store:
             self.store.put(BlockRecord(key, parent_key, salt, tokens,
                                        self.storage.block_bytes(block)))
+
+    # ------------------------------------------------------------ snapshots (hybrids)
+    def spill_snapshot(self, key: bytes, salt: bytes, tokens: Sequence[int],
+                       slot: int) -> None:
+        """Store the snapshot in ``slot``, taken after the block with chain key ``key``
+        (and these ``tokens``), once; it verifies as that block's records do."""
+        stored = state_key(key)
+        if stored not in self.store:
+            storage: SnapshotBytes = self.storage  # type: ignore[assignment]
+            self.store.put(BlockRecord(stored, key, salt, tuple(tokens),
+                                       storage.snapshot_bytes(slot)))
+
+    def snapshot_on_disk(self, key: bytes) -> bool:
+        return state_key(key) in self.store
+
+    def load_snapshot(self, key: bytes, salt: bytes, tokens: Sequence[int],
+                      slot: int) -> bool:
+        """Read the snapshot stored after block ``key`` into ``slot``; False if there is
+        none or it does not verify (salt, block, tokens; a wrong size also deletes it)."""
+        stored = state_key(key)
+        rec = self.store.get(stored)
+        if rec is None:
+            return False
+        storage: SnapshotBytes = self.storage  # type: ignore[assignment]
+        if rec.parent != key or rec.salt != salt or rec.tokens != tuple(tokens):
+            return False  # another chain's under this key: a miss
+        if len(rec.payload) != storage.bytes_per_snapshot:
+            self.store.discard(stored)
+            return False
+        storage.load_snapshot(slot, rec.payload)
+        self.restored_snapshots += 1
+        return True
 
     # ------------------------------------------------------------ restore
     def blocks_on_disk(self, keys: Sequence[bytes], start: int, stop: int) -> int:

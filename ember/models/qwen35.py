@@ -183,6 +183,25 @@ class HybridKVStorage(KVStorage):
                          dtype)
         self.states = states
 
+    @property
+    def bytes_per_snapshot(self) -> int:
+        s = self.states
+        return (s.snap_conv[:, 0].numel() + s.snap_ssm[:, 0].numel()) * 4
+
+    def snapshot_bytes(self, slot: int) -> bytes:
+        """A snapshot slot's state (every recurrent layer's conv window, then matrices)."""
+        s = self.states
+        return torch.cat((s.snap_conv[:, slot].flatten(),
+                          s.snap_ssm[:, slot].flatten())).numpy().tobytes()
+
+    def load_snapshot(self, slot: int, data: bytes) -> None:
+        """Fill a snapshot slot with what :meth:`snapshot_bytes` gave."""
+        s = self.states
+        flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        n = s.snap_conv[:, 0].numel()
+        s.snap_conv[:, slot] = flat[:n].view_as(s.snap_conv[:, slot])
+        s.snap_ssm[:, slot] = flat[n:].view_as(s.snap_ssm[:, slot])
+
 
 class Qwen35Model(DecoderModel):
     """Qwen 3.5's hybrid stack (see module doc), PyTorch op by op."""

@@ -217,6 +217,8 @@ _DISK_COUNTERS = (
     ("corrupt", "KV disk blocks that failed to verify (deleted)."),
     ("evicted", "KV disk blocks deleted to stay within --kv-disk-bytes."),
     ("dropped", "KV blocks not written because the write queue was full."),
+    ("restored_snapshots", "Recurrent-state snapshots read from the KV disk tier (hybrid "
+                           "models)."),
 )
 
 
