@@ -380,7 +380,8 @@ def peft_to_gguf(peft_dir: str | Path, cfg: ModelConfig, out: str | Path) -> Pat
     from ember.models.gguf import TensorToWrite, write_gguf
 
     check_base(cfg)
-    raw, _ = _peft(Path(peft_dir), cfg)
+    # (no rank is above the hidden size: a wider one adds nothing a full one would not)
+    raw, _ = _peft(Path(peft_dir), cfg, max_adapter_bytes(cfg, cfg.hidden_size))
     alphas = {round(scale * a.shape[0], 6) for a, _, scale in raw.values()}
     if len(alphas) != 1:
         raise LoRAError(f"{peft_dir}: modules scale differently (alpha_pattern or "
