@@ -59,3 +59,23 @@ def test_a_tenant_purge_forgets_its_snapshots_but_not_a_pinned_one() -> None:
     assert snaps.find(b"a2", 1) is not None and snaps.find(b"b1", 1) is not None
     snaps.unpin(b"a2")
     snaps.check()
+
+
+def test_a_step_refuses_a_snapshot_slot_two_rows_would_write() -> None:
+    """Each token that asks for a snapshot names its slot; two rows naming one slot in
+    a step would race (the native stack writes rows in parallel): refused, as is an
+    index past the row."""
+    import torch
+
+    from ember.models.layers.attention import AttentionBatch, RowSpec
+
+    def batch(*snapshots: tuple[int, int] | None) -> AttentionBatch:
+        return AttentionBatch.build([RowSpec(torch.tensor([i]), 0, 3, state=i, snapshot=s)
+                                     for i, s in enumerate(snapshots)], 16)
+
+    assert batch((2, 5), None, (0, 6)).token_snapshots().tolist() == [
+        -1, -1, 5, -1, -1, -1, 6, -1, -1]
+    with pytest.raises(ValueError, match="slot 5 asked for by two rows"):
+        batch((2, 5), (0, 5)).token_snapshots()
+    with pytest.raises(ValueError, match="after query token 3 of a row of 3"):
+        batch((3, 1)).token_snapshots()

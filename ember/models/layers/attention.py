@@ -128,13 +128,16 @@ class AttentionBatch:
         if all(row.snapshot is None for row in self.rows):
             return None
         out = torch.full((self.num_tokens,), -1, dtype=torch.long)
-        offset = 0
+        offset, slots = 0, set()
         for row in self.rows:
             if row.snapshot is not None:
                 index, slot = row.snapshot
                 if not 0 <= index < row.q_len:
                     raise ValueError(f"snapshot after query token {index} of a row of "
                                      f"{row.q_len}")
+                if slot in slots:  # two rows would write one slot in the same step
+                    raise ValueError(f"snapshot slot {slot} asked for by two rows")
+                slots.add(slot)
                 out[offset + index] = slot
             offset += row.q_len
         return out
