@@ -305,6 +305,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="drop the page cache before the restart run (needs root)")
     b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
     b.set_defaults(func=cmd_bench_kv)
+    b = bench.add_parser("isolation", help="can one tenant time another's prefix cache "
+                                           "(timing AUC, 0.5: no signal)")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--trials", type=int, default=300)
+    b.add_argument("--out", type=Path, default=Path("bench-results/isolation.json"))
+    b.set_defaults(func=cmd_bench_isolation)
     b = bench.add_parser("lora", help="streams with a different LoRA adapter each vs the "
                                       "base model alone")
     b.add_argument("--model", "-m", default=DEFAULT_MODEL)
@@ -628,6 +636,17 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
         raise ValueError("--reps must be at least 1 and --history at least 32")
     bench_main(args.model, args.weights, args.threads, args.history, args.reps,
                [d for d in args.kv_dtype.split(",") if d], args.drop_caches, args.out)
+    return 0
+
+
+def cmd_bench_isolation(args: argparse.Namespace) -> int:
+    from ember.bench.isolation import main as bench_main
+    from ember.models.registry import ensure_model
+
+    if args.trials < 2:
+        raise ValueError("--trials must be at least 2")
+    bench_main(str(ensure_model(args.model)), args.weights, args.threads, args.trials,
+               args.out)
     return 0
 
 

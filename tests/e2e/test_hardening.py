@@ -388,15 +388,16 @@ def _route_status(route: str, status: int) -> str:
 
 def test_a_non_streamed_request_is_aborted_as_soon_as_its_client_leaves(hard):
     """Output flows the whole time (no idle gap to notice the disconnect in)."""
-    wait_for_metrics(hard, IDLE)
-    aborts = hard.metrics()[ABORTS]
+    before = wait_for_metrics(hard, IDLE)
+    aborts = before[ABORTS]
     body = chat(hard, max_tokens=1800, ignore_eos=True)  # ~10 s of decoding
     with pytest.raises(httpx.TimeoutException):
         post(hard, "/v1/chat/completions", body, timeout=0.8)
-    left = time.monotonic()
+    # (the wait raises if the abort is not seen within 5 s)
     m = wait_for_metrics(hard, {**IDLE, ABORTS: aborts + 1}, timeout=5)
-    assert time.monotonic() - left < 5
-    assert m["ember_generation_tokens_total"] < 1800 * 10  # never counted as finished
+    # it stopped early: far fewer than its 1,800 tokens were generated
+    generated = m["ember_generation_tokens_total"] - before["ember_generation_tokens_total"]
+    assert generated < 1800 // 2, generated
     no_server_errors(hard)
 
 

@@ -726,15 +726,13 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_gguf, e2e_l
             assert r.status_code == 200
             it = r.iter_lines()
             lines += [next(it) for _ in range(6)]
-            sent = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             lines += list(it)  # a truncated chunked body would raise RemoteProtocolError
         data = sse_data(lines)
         assert data[-1] == "[DONE]", data[-3:]
         finish = json.loads(data[-2])["choices"][0]  # the finish chunk, then [DONE]
         assert finish["delta"] == {}
-        assert server.proc.wait(15) == 0, server.log()
-        assert time.monotonic() - sent < 15
+        assert server.proc.wait(15) == 0, server.log()  # (raises past 15 s)
         assert "Traceback" not in server.log(), server.log()
         # the stream was cut at the end of the grace period, not run to its 2000 tokens
         assert finish["finish_reason"] == "abort" and len(data) < 2000
