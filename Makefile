@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: install run test lint browser bench clean
+.PHONY: install run test check oracle lint browser bench clean
 
 install: $(VENV)/.installed
 
@@ -33,10 +33,31 @@ browser:
 
 # Two pytest-xdist workers, each test file whole on one of them (its module fixtures
 # load once), each worker on its own core (tests/conftest.py); TEST_WORKERS=0 runs
-# the suite in this one process.
+# the suite in this one process. Each run stores its tests' durations and fails when it
+# passes but takes longer than its budget (seconds, on a 2-core machine under load).
 TEST_WORKERS ?= 2
+TEST_BUDGET ?= 1800
+CHECK_BUDGET ?= 300
 test: install lint browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	EMBER_TEST_DURATIONS=bench-results/test-durations.json EMBER_SUITE_BUDGET=$(TEST_BUDGET) \
+	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The edit loop's tier: every test that is not marked slow and starts no server process
+# (tests/e2e: sockets, signals, Ray, the browser). `make test` runs them all.
+check: install lint
+	EMBER_TEST_DURATIONS=bench-results/check-durations.json EMBER_SUITE_BUDGET=$(CHECK_BUDGET) \
+	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --ignore=tests/e2e
+
+# The checks against llama.cpp itself, which `make test` skips (they need llama-cpp-python,
+# built from source: several minutes): every converted family's logits, a LoRA adapter's
+# tokens and the pre-tokenizer goldens. LLAMA_PYTHON: an interpreter that has it already.
+LLAMA_PYTHON ?= $(VENV)-llamacpp/bin/python
+oracle: install
+	@[ -x $(LLAMA_PYTHON) ] || { $(PYTHON) -m venv $(VENV)-llamacpp \
+	  && $(VENV)-llamacpp/bin/python -m pip install --quiet 'llama-cpp-python==0.3.36'; }
+	EMBER_LLAMA_PYTHON=$(LLAMA_PYTHON) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	  --dist loadfile -k "llama_cpp" tests/test_converted_families.py tests/test_lora.py \
+	  tests/test_tokenizer_vocabs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,4 +1,4 @@
-"""The ``ember`` command: pull, models, tokenize, generate, chat.
+"""The ``ember`` command: pull, models, inspect, tokenize, generate, chat, serve, eval, bench.
 
 Every expected failure (missing or corrupt file, unknown alias, bad option) ends as
 one ``ember: error: ...`` line on stderr and exit status 1 — never a traceback.

@@ -398,14 +398,6 @@ class Tokenizer:
             raise TokenizerError(f"token id {token_id} outside vocabulary of {len(self._tokens)}")
         return token_id
 
-    @property
-    def hf_tokenizer(self) -> Any:
-        """The underlying ``tokenizers.Tokenizer`` for BPE vocabularies, else ``None``.
-
-        It has no added tokens: it knows nothing of special-token splitting.
-        """
-        return getattr(self._backend, "hf", None)
-
     # ----------------------------------------------------------------- encode
     def encode(
         self,

@@ -2,13 +2,50 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 from native import require_kernels
 
 from ember.models.gguf import GGUFFile
+
+# ---- the suite's time: each test's durations stored, and a budget the run must keep ----
+_durations: dict[str, float] = {}
+_began = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every phase of every test (under xdist the controller sees the workers' reports)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the durations to ``EMBER_TEST_DURATIONS`` (JSON, slowest first), and fail a
+    run that passed but took longer than ``EMBER_SUITE_BUDGET`` seconds (``make test``
+    and ``make check`` set both): a suite that grows slow is caught when it does."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    wall = time.monotonic() - _began
+    out = os.environ.get("EMBER_TEST_DURATIONS")
+    if out and _durations:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        ranked = dict(sorted(_durations.items(), key=lambda kv: -kv[1]))
+        Path(out).write_text(json.dumps({"wall_seconds": round(wall, 1),
+                                         "tests": {k: round(v, 3) for k, v in ranked.items()}},
+                                        indent=1))
+    budget = os.environ.get("EMBER_SUITE_BUDGET")
+    if budget and exitstatus == 0 and wall > float(budget):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"the suite took {wall:.0f} s, over its budget of {budget} s "
+                                f"(EMBER_SUITE_BUDGET); the slowest tests are in "
+                                f"{out or 'EMBER_TEST_DURATIONS'}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -45,6 +45,7 @@ def random_prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     return [[rng.randrange(3, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_tiny_q4_alone_equals_every_batch_size_and_budget(make_tiny_engine):
     prompts = random_prompts(32, seed=7, lo=1, hi=120)
     sps = [params(i) for i in range(32)]

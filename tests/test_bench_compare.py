@@ -585,6 +585,7 @@ def test_spec_rows_refused_for_a_synth_model(smollm2_file: GGUFFile, tmp_path: P
     assert f"spec on: not measured: {reason}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_spec_rows_on_a_model_with_a_chat_template(tiny_gguf: Path, tmp_path: Path) -> None:
     """The qa and code tasks, speculation on and off, in a worker of their own: the rows
     carry tok/s both ways and the same tokens both ways (greedy speculation is lossless)."""

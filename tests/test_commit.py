@@ -129,9 +129,9 @@ def test_the_engine_stops_on_an_invalid_decode_state_instead_of_failing_a_reques
     engine, req = _decoding(make_tiny_engine)
     real = engine.commit.sampled
 
-    def stale(row, results):
+    def stale(row, results, *rest):
         row.start -= 1
-        return real(row, results)
+        return real(row, results, *rest)
 
     monkeypatch.setattr(engine.commit, "sampled", stale)
     with pytest.raises(InvalidDecodeState):

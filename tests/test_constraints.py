@@ -141,6 +141,7 @@ def test_lark_outputs_parse_with_the_same_grammar(llm):
         parser.parse(out.text)
 
 
+@pytest.mark.slow
 def test_batched_requests_with_different_grammars_each_respect_their_own(llm):
     specs = [StructuredOutput.json_schema(SCHEMAS["enum_and_numbers"]),
              StructuredOutput.regex(r"\d{3}-\d{4}"), StructuredOutput.lark(LARK_GRAMMAR),

@@ -261,8 +261,8 @@ def test_hybrid_speculation_rewinds_the_state_and_commits_what_plain_decoding_do
                                                learn=False)
         sampled = engine.commit.sampled
 
-        def counted(row: Any, results: Any) -> list[int]:
-            committed = sampled(row, results)
+        def counted(row: Any, results: Any, *rest: Any) -> list[int]:
+            committed = sampled(row, results, *rest)
             if row.draft:
                 verifies.append((len(committed), len(row.draft)))
             return committed
@@ -511,13 +511,20 @@ def test_logits_match_llama_cpp(converted, loaded_f32, tmp_path: Path, name: str
     """llama.cpp on the same f32 file: the two implementations read the converter's
     output the same way. Observed max |Δlogit| ≤ 1.4e-5, except 2.1e-3 for Gemma 2:
     ggml's CPU GELU reads an f16 lookup table (ember computes it in f32, as
-    transformers does, 4e-6 away); the top token agrees at every position."""
+    transformers does, 4e-6 away); and Qwen 3.5 MoE, where a router near-tie at one
+    position (49) puts llama.cpp 2.0e-3 from transformers (ember: 3.1e-4 from
+    transformers, 1.7e-3 from llama.cpp there, ~1e-5 elsewhere). So ember may be as far
+    from llama.cpp as transformers is (the two references bound each other), never
+    further; the top token agrees at every position."""
     theirs = _llama_cpp_logits(converted[name].f32, tmp_path)
     ours = loaded_f32[name].model.score(IDS)
+    with torch.no_grad():
+        reference = converted[name].hf(torch.tensor([IDS])).logits[0]
+    apart = (theirs - reference).abs().max().item()  # llama.cpp vs transformers
     err = (ours - theirs).abs().max().item()
-    print(f"{name}: max |Δlogit| vs llama.cpp {err:.1e}")
+    print(f"{name}: max |Δlogit| vs llama.cpp {err:.1e} (transformers: {apart:.1e})")
     assert err < (1e-2 if loaded_f32[name].config.activation == "gelu_tanh"
-                  else FAMILIES[name].atol)
+                  else max(FAMILIES[name].atol, 1.25 * apart))
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 

@@ -86,6 +86,7 @@ def test_fused_stack_end_to_end_against_f32(models):
     assert kl < 0.02 and top1 > 0.9, (kl, top1)
 
 
+@pytest.mark.slow
 def test_a_long_step_in_slices_of_tokens_is_the_same_bits_as_one_call(models, monkeypatch):
     """Two prompts of 700 and 520 tokens in one step: the stack run over 512-token
     slices (the default), over 100-token slices (cuts inside both rows), and in one

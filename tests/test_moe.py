@@ -205,6 +205,7 @@ def test_k_quant_experts_in_the_native_stack(kquant_moe: Path) -> None:
     streamed.model.experts.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pilot", [False, True])
 def test_a_layer_routed_to_every_expert_is_computed_in_chunks(
         tmp_path: Path, smollm2_file, monkeypatch, pilot: bool) -> None:

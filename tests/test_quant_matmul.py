@@ -457,6 +457,7 @@ SMOLLM2_LAYERS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", SMOLLM2_LAYERS, ids=lambda n: "+".join(n))
 def test_smollm2_tensors(ext, smollm2_file: GGUFFile, names: list[str]) -> None:
     lin = QuantFormat().linear(smollm2_file, names)

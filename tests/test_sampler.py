@@ -183,5 +183,5 @@ def test_the_committed_token_at_position_i_uses_draw_i():
     sampler = S.Sampler(SamplingParams(temperature=1.0, seed=99), V)
     probs = reference_probs(LOGITS.numpy(), sampler.params)
     for i in (0, 1, 17, 400):
-        token, _ = sampler.sample(LOGITS, [], i)
+        token, _ = sampler.pick(LOGITS, [], i)
         assert token == reference_pick(probs, S.draw(99, i))

@@ -7,7 +7,7 @@ results here; nothing else writes them. The KV manager's ``admit``, ``fork``,
 ``truncate`` and ``free`` place and release a request's blocks; they are the only
 other writers of KV state.
 
-The invariant (DESIGN.md) after every commit of a sampled token:
+The invariant (docs/architecture.md) after every commit of a sampled token:
 ``len(token_ids) == kv_len + 1`` — the newest token is not yet cached. A commit
 that would break it raises :class:`~ember.errors.InvalidDecodeState`: an engine
 bug, never one request's failure.
@@ -18,8 +18,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from ember.engine.request import FinishReason, Request, RequestStatus
 from ember.engine.runner import ScheduledRow
+from ember.engine.verify import feed_speculator
 from ember.errors import InvalidDecodeState
 from ember.kv.manager import KVCacheManager
 from ember.sampling.sampler import TokenLogprobs
@@ -57,12 +60,18 @@ class Commit:
         self.computed(row)
         finish(row.request, FinishReason.LENGTH)
 
-    def sampled(self, row: ScheduledRow, results: list[tuple[int, TokenLogprobs | None]]
-                ) -> list[int]:
+    def prompt_logprobs(self, row: ScheduledRow, logprobs: list[TokenLogprobs]) -> None:
+        """The logprobs of the prompt tokens after the row's prompt positions."""
+        row.request.prompt_logprobs.extend(logprobs)
+
+    def sampled(self, row: ScheduledRow, results: list[tuple[int, TokenLogprobs | None]],
+                topk: torch.Tensor | None = None) -> list[int]:
         """Commit a row's sampled tokens: while they equal its draft, then the first that
         differs (the correction) or, after a fully accepted draft, the bonus; a token
         that ends the request ends the commit. The history and the accepted drafts are
-        cached; the KV of rejected draft positions is dropped. Returns the tokens."""
+        cached; the KV of rejected draft positions is dropped; the request's draft
+        sources learn what was committed (``topk``: the verification's, for recycling).
+        Returns the tokens."""
         self._count_prompt(row)
         req, draft = row.request, row.draft
         committed: list[int] = []
@@ -82,13 +91,22 @@ class Commit:
         self.kv.trim(req)
         req.check_invariant(uncomputed=1 + replay)
         self.generation_tokens += len(committed)
+        feed_speculator(row, committed, topk)
         return committed
 
-    def first_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
-        """A forked sibling's first token, sampled from its parent's logits row."""
+    def first_token(self, req: Request, parent: Request, token: int,
+                    lp: TokenLogprobs | None) -> None:
+        """A forked sibling's first token, sampled from its parent's logits row: its
+        processors advance, it takes the parent's prompt logprobs (the same prompt), and
+        its draft sources learn the token."""
+        req.sampler.commit(token)
+        if parent.params.prompt_logprobs is not None:
+            req.prompt_logprobs = list(parent.prompt_logprobs)
         self._append(req, token, lp)
         req.check_invariant()
         self.generation_tokens += 1
+        if req.speculator is not None:
+            req.speculator.observe([token])
 
     def fail(self, req: Request, e: Exception) -> None:
         """End one request with an error, its cache rewound to its committed history.

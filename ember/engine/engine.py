@@ -51,9 +51,8 @@ from ember.engine.served import served_model
 from ember.engine.transfer import KVTransfer
 from ember.engine.verify import (
     FEED_ROWS,
-    feed_speculator,
     processed,
-    record_prompt_logprobs,
+    prompt_logprobs_of,
     recycling_feed,
     stacked,
 )
@@ -284,7 +283,7 @@ class LLMEngine:
         for row in rows:
             if row.prompt_positions:
                 n = len(row.prompt_positions)
-                record_prompt_logprobs(row, logits[offset:offset + n])
+                self.commit.prompt_logprobs(row, prompt_logprobs_of(row, logits[offset:offset + n]))
                 offset += n
             if not row.samples:
                 self.commit.computed(row)
@@ -375,13 +374,12 @@ class LLMEngine:
             topk = recycling_feed(plans, raw, self._feeds, FEED_ROWS if drafting else 1)
         for row, _, start in plans:
             try:
-                committed = self.commit.sampled(row, results[start:start + len(row.draft) + 1])
+                self.commit.sampled(row, results[start:start + len(row.draft) + 1],
+                                    topk.get(row.request))
             except InvalidDecodeState:
                 raise  # an engine bug: fail loudly, not as one request's error
             except Exception as e:
                 self.commit.fail(row.request, e)
-                continue
-            feed_speculator(row, committed, topk.get(row.request))
         return [row.request for row, _ in sampled]
 
     def _fork(self, parent: Request, logits: torch.Tensor) -> list[Request]:
@@ -401,10 +399,8 @@ class LLMEngine:
             if copy is not None:
                 self._zero_new_blocks()  # before the copy fills one of them
                 self.runner.kv.copy_block(*copy)
-            if parent.params.prompt_logprobs is not None:
-                child.prompt_logprobs = list(parent.prompt_logprobs)
             self.scheduler.start_running(child)
-            self._first_token(child, logits)
+            self._first_token(child, parent, logits)
             started.append(child)
         self.scheduler.requeue(fallback)
         return started
@@ -416,18 +412,15 @@ class LLMEngine:
         if blocks:
             self.runner.kv.zero_blocks(blocks)
 
-    def _first_token(self, req: Request, logits: torch.Tensor) -> None:
+    def _first_token(self, req: Request, parent: Request, logits: torch.Tensor) -> None:
         """Sample and commit a forked sibling's first token from its parent's row."""
         try:
-            token, lp = req.sampler.sample(logits, req.token_ids, req.num_output)
-            self.commit.first_token(req, token, lp)
+            token, lp = req.sampler.pick(logits, req.token_ids, req.num_output)
+            self.commit.first_token(req, parent, token, lp)
         except InvalidDecodeState:
             raise
         except Exception as e:
             self.commit.fail(req, e)
-            return
-        if req.speculator is not None:
-            req.speculator.observe([token])
 
     # ---------------------------------------------------------------- KV in and out
     def purge_cache(self, tenant: str | None) -> dict[str, int]:

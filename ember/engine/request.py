@@ -1,6 +1,6 @@
 """A request's state: its committed tokens, its KV blocks, its sampler and its text.
 
-Invariant (DESIGN.md): once a request is decoding, ``len(token_ids) == kv_len + 1``
+Invariant (docs/architecture.md): once a request is decoding, ``len(token_ids) == kv_len + 1``
 — the newest committed token is not yet in the cache. While its prompt is being
 prefilled, ``kv_len < len(token_ids) - 1``. ``kv_len`` is the block table's.
 

@@ -63,7 +63,6 @@ SEAT_MARGIN = 0.7  # fraction of it the decode rows alone may take (room for pre
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
     shape: StepShape = field(default_factory=lambda: StepShape(0, 0, 0))
 
     @property
@@ -433,7 +432,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.running.remove(req)
         self.waiting.append(req)  # its arrival time keeps it at the front of its tenant
-        out.preempted.append(req)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------ predictions

@@ -3,8 +3,9 @@
 A row that samples — a plain decode row, or one that verifies a draft — is sampled
 position by position on the hypothetical prefix its draft makes, through the request's
 processors (which look ahead and roll back); the recycling tables get a few rows'
-top-k; the draft sources learn what was accepted. Prompt logprobs are read from the
-raw distribution. The engine runs these in :meth:`LLMEngine._verify`.
+top-k; the draft sources learn what was accepted (the commit tells them). Prompt
+logprobs are read from the raw distribution. The engine runs these in
+:meth:`LLMEngine._verify`; nothing here writes a request's progress.
 """
 
 from __future__ import annotations
@@ -104,15 +105,18 @@ def feed_speculator(row: ScheduledRow, committed: list[int], topk: torch.Tensor 
                       bonus=len(committed) == len(row.draft) + 1)
 
 
-def record_prompt_logprobs(row: ScheduledRow, logits: torch.Tensor) -> None:
+def prompt_logprobs_of(row: ScheduledRow, logits: torch.Tensor) -> list[TokenLogprobs]:
     """Logprobs of the prompt tokens after ``row.prompt_positions``, from the model's
-    raw distribution (no sampling parameters apply to a prompt)."""
+    raw distribution (no sampling parameters apply to a prompt); the commit records
+    them."""
     req, n_top = row.request, row.request.params.prompt_logprobs or 0
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     following = torch.tensor([req.prompt_ids[p + 1] for p in row.prompt_positions])
     chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
     top = logprobs.topk(n_top) if n_top else None
+    out = []
     for i, token in enumerate(following.tolist()):
         alternatives = (list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
                         if top is not None else [])
-        req.prompt_logprobs.append(TokenLogprobs(token, chosen[i], alternatives))
+        out.append(TokenLogprobs(token, chosen[i], alternatives))
+    return out

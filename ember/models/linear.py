@@ -93,7 +93,7 @@ class MappedEmbedding:
 
 
 class WeightFormat(Protocol):
-    """How weights are stored and multiplied, and the norm kernel that goes with them."""
+    """How weights are stored and multiplied: the layers a GGUF's matrices load as."""
 
     name: str
 

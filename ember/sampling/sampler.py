@@ -113,13 +113,12 @@ class Sampler:
             x = proc.process(x, history)
         return x
 
-    def sample(self, logits: torch.Tensor, history: Sequence[int], position: int
-               ) -> tuple[int, TokenLogprobs | None]:
-        """Sample and commit one token from one logits row (the plain, one-row case)."""
+    def pick(self, logits: torch.Tensor, history: Sequence[int], position: int
+             ) -> tuple[int, TokenLogprobs | None]:
+        """Sample one token from one logits row (the plain, one-row case). Nothing is
+        committed: the engine's commit advances the processors with the token."""
         row = SampleRow(self, logits, self.process(logits, history), (), position)
-        token, lp = sample_rows([row])[0]
-        self.commit(token)
-        return token, lp
+        return sample_rows([row])[0]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """OpenAI request bodies: parsing, validation, and translation to SamplingParams.
 
 Every field the server understands is declared; any other field, or a declared one
-the server cannot honour (tools, logit_bias, audio, ...), is refused with an
+the server cannot honour (logit_bias, audio, a 'function' role, ...), is refused with an
 :class:`APIError` whose ``param`` names it — nothing is silently ignored.
 """
 
