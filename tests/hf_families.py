@@ -23,6 +23,8 @@ import torch
 from hf_gguf import rewrite_gguf
 from llamacpp_source import Converter
 
+from ember import filelock
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -203,19 +205,79 @@ class ConvertedFamily:
 
 
 def convert_families(names: list[str], root: Path, tokenizer_source: Path,
-                     converter: Converter) -> dict[str, ConvertedFamily]:
-    """Each family as a checkpoint and its two GGUFs under ``root``: llama.cpp's
-    converter writes the f32 file (``converter``: two at a time, each in a fork of one
-    process that imported it, which does so while the checkpoints are made here),
-    gguf-py quantizes its matrices to Q8_0 for the native stack (as the converter's
-    ``--outtype q8_0`` does, without a second conversion)."""
+                     converter: Callable[[], Converter]) -> dict[str, ConvertedFamily]:
+    """Each family as a checkpoint and its two GGUFs: llama.cpp's converter writes the
+    f32 file (two at a time, each in a fork of one process that imported it, which does
+    so while the checkpoints are made here), gguf-py quantizes its matrices to Q8_0 for
+    the native stack (as the converter's ``--outtype q8_0`` does, without a second
+    conversion).
+
+    Kept on disk under ``$EMBER_HOME/test-families/<key>`` and reused while the key holds:
+    it hashes everything the files depend on — this module and the GGUF rewriter, the
+    families' specs, the versions of transformers, torch and llama.cpp's converter source,
+    and the tokenizer's source file. On a miss the files are made under ``root`` and
+    moved there whole (``converter()`` is then started; a hit never starts it)."""
+    cached = _family_cache(names, tokenizer_source)
+    if not (cached / "done").exists():
+        made = _convert(names, root, tokenizer_source, converter())
+        with filelock.exclusive(cached.with_name(cached.name + ".lock")):
+            if not (cached / "done").exists():
+                staging = cached.with_name(cached.name + ".staging")
+                shutil.rmtree(staging, ignore_errors=True)
+                shutil.copytree(made, staging)
+                (staging / "done").write_text("")
+                shutil.rmtree(cached, ignore_errors=True)
+                staging.rename(cached)
+    return {n: ConvertedFamily(
+        n, _load_checkpoint(n, cached / f"{n}-hf"), cached / f"tiny-{n}-f32.gguf",
+        cached / f"tiny-{n}-q8_0.gguf",
+        cached / f"tiny-{n}-mxfp4.gguf" if FAMILIES[n].moe else None)
+        for n in names}
+
+
+def _family_cache(names: list[str], tokenizer_source: Path) -> Path:
+    import hashlib
+
+    import transformers
+    from llamacpp_source import SDIST_VERSION, llamacpp_source
+
+    from ember.models.registry import ember_home
+
+    here = Path(__file__).parent
+    source = os.environ.get("EMBER_LLAMA_CPP_SOURCE") or SDIST_VERSION
+    converter = llamacpp_source() / "convert_hf_to_gguf.py"
+    parts = [(here / "hf_families.py").read_bytes(), (here / "hf_gguf.py").read_bytes(),
+             repr(sorted(names)).encode(), transformers.__version__.encode(),
+             torch.__version__.encode(), source.encode(), converter.read_bytes(),
+             f"{tokenizer_source.stat().st_size}:{tokenizer_source.name}".encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+    return ember_home() / "test-families" / key
+
+
+def _load_checkpoint(name: str, path: Path) -> torch.nn.Module:
+    """A family's transformers model as it was made: built from its own config class and
+    given its saved state dict (``oracle.pt``) — not ``from_pretrained``, whose checkpoint
+    conversions follow the model_type config.json names for the converter's sake."""
+    import transformers
+
+    config = getattr(transformers, FAMILIES[name].config_class).from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict(torch.load(path / "oracle.pt"))
+    return model.eval()
+
+
+def _convert(names: list[str], root: Path, tokenizer_source: Path,
+             converter: Converter) -> Path:
     tokenizer = tokenizer_files(root / "tokenizers", tokenizer_source)
-    models = {name: random_checkpoint(name, root / f"{name}-hf", tokenizer) for name in names}
+    for name in names:
+        model = random_checkpoint(name, root / f"{name}-hf", tokenizer)
+        torch.save(model.state_dict(), root / f"{name}-hf" / "oracle.pt")
     f32 = dict(zip(names, converter.convert(
         [(root / f"{n}-hf", root / f"tiny-{n}-f32.gguf", FAMILIES[n].convert_args)
          for n in names]), strict=True))
-    return {n: ConvertedFamily(
-        n, models[n], f32[n], rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True),
-        rewrite_gguf(f32[n], root / f"tiny-{n}-mxfp4.gguf", mxfp4_experts=True)
-        if FAMILIES[n].moe else None)
-        for n in names}
+    for n in names:
+        rewrite_gguf(f32[n], root / f"tiny-{n}-q8_0.gguf", q8_0=True)
+        if FAMILIES[n].moe:
+            rewrite_gguf(f32[n], root / f"tiny-{n}-mxfp4.gguf", mxfp4_experts=True)
+    return root

@@ -39,19 +39,31 @@ stack_families = pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.i
 
 @pytest.fixture(scope="module")
 def converter() -> Iterator[Converter]:
-    """llama.cpp's converter, imported once for this module's conversions."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("sentencepiece")
+    """llama.cpp's converter, for the tests that convert a checkpoint of their own."""
     started = Converter()
     yield started
     started.close()
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path,
-              converter: Converter) -> dict[str, ConvertedFamily]:
+def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path
+              ) -> Iterator[dict[str, ConvertedFamily]]:
+    """Every family converted (cached on disk across runs: ``hf_families``); llama.cpp's
+    converter is started only when the cache misses."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    started: list[Converter] = []
+
+    def converter() -> Converter:
+        started.append(Converter())
+        return started[0]
+
     root = tmp_path_factory.mktemp("families")
-    return convert_families(sorted(FAMILIES), root, smollm2_gguf, converter)
+    try:
+        yield convert_families(sorted(FAMILIES), root, smollm2_gguf, converter)
+    finally:
+        for c in started:
+            c.close()
 
 
 @pytest.fixture(scope="module")
