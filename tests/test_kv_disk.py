@@ -171,3 +171,33 @@ def test_kill_9_the_writer_at_random_instants(tmp_path, fsync):
         first += 1_000_000
         store.close()
     assert served > 30, "the writer hardly wrote anything: the trials tested nothing"
+
+
+def test_a_purge_while_the_writer_holds_the_tenants_block_leaves_nothing(tmp_path):
+    """The writer took a batch off the queue and is writing it when the tenant is purged:
+    the purge waits for that batch to land, then deletes it (it used to drop the queued
+    copy only, and the file appeared after the purge had looked)."""
+    import threading
+
+    store = open_store(tmp_path)
+    writing, release = threading.Event(), threading.Event()
+    real = store._write
+
+    def slow(batch):
+        writing.set()
+        release.wait(10)
+        real(batch)
+
+    store._write = slow
+    store.put(record(1, salt=b"tenant-a"))
+    assert writing.wait(10)  # the batch is in the writer's hands
+    done = []
+    purge = threading.Thread(target=lambda: done.append(
+        store.purge(lambda salt: salt == b"tenant-a")))
+    purge.start()
+    time.sleep(0.2)
+    release.set()
+    purge.join(10)
+    assert done and done[0][0] >= 1
+    store.close()
+    assert key_of(1) not in store and not list(tmp_path.rglob("*.kvb"))

@@ -22,7 +22,6 @@ any finished request's.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineConfig, InvalidConfig
+from ember.config import EngineConfig
 from ember.engine.admission import Admission
 from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
@@ -44,6 +43,7 @@ from ember.engine.metrics import (
     snapshot,
 )
 from ember.engine.output import RequestOutput, output
+from ember.engine.recurrent import RecurrentSteps, StateLayout, for_recurrent
 from ember.engine.request import FinishReason, Request
 from ember.engine.runner import ModelRunner, ScheduledRow
 from ember.engine.scheduler import Scheduler
@@ -51,12 +51,13 @@ from ember.engine.served import served_model
 from ember.engine.transfer import KVTransfer
 from ember.engine.verify import (
     FEED_ROWS,
+    finite_rows,
     processed,
     prompt_logprobs_of,
     recycling_feed,
     stacked,
 )
-from ember.errors import InvalidDecodeState, NonFiniteLogits
+from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_name, tenant_scope
@@ -87,41 +88,31 @@ class LLMEngine:
                                                                 moe))
         cfg = self.loaded.config
         if cfg.recurrent:
-            config = self.config = _for_recurrent(config, cfg.state_bytes_per_sequence)
+            config = self.config = for_recurrent(config, cfg.state_bytes_per_sequence)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
         kv_dtype = KV_DTYPES[config.kv_dtype]
         block_bytes = KVStorage.bytes_per_block_of(
             len(cfg.kv_layers), config.block_size, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
-        slots = config.max_num_seqs if cfg.recurrent else 0
-        snapshots = (config.state_snapshot_bytes // cfg.state_bytes_per_sequence
-                     if cfg.recurrent and config.enable_prefix_caching else 0)
-        # a speculating hybrid's verify row keeps its state after its history in the
-        # snapshot slot after the prefix cache's that belongs to its state slot
-        self._rewinds = snapshots if cfg.recurrent and config.speculation != "off" else None
+        layout = StateLayout.of(config, cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 state_slots=slots, state_snapshots=snapshots)
+                                 state_slots=layout.slots, state_snapshots=layout.snapshots)
         if self.kv.prefix is not None:
             self.kv.prefix.cap = lambda scope: config.limits_for(tenant_name(scope)).share(
                 "kv_share", num_blocks)
         storage = self.loaded.model.new_kv_storage(num_blocks, config.block_size, kv_dtype,
-                                                   num_seqs=max(1, slots),
-                                                   num_snapshots=snapshots + (
-                                                       slots if self._rewinds is not None
-                                                       else 0))
+                                                   num_seqs=max(1, layout.slots),
+                                                   num_snapshots=layout.snapshot_slots)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB per token, %.0f MiB",
                  num_blocks, config.block_size, config.kv_dtype,
                  block_bytes / config.block_size / 1024, num_blocks * block_bytes / 2**20)
         log.info("%s", memory_summary(self.loaded.model, num_blocks * block_bytes,
                                       block_bytes // config.block_size, config.kv_dtype))
         states = getattr(storage, "states", None)
+        self.recurrent = None if states is None else RecurrentSteps(layout, self.kv, states)
         if states is not None:
-            log.info("recurrent state: %d sequences, %.1f MiB, and %d snapshots for the "
-                     "prefix cache%s, %.1f MiB (f32, touched as used)", slots,
-                     states.nbytes / 2**20, snapshots,
-                     " and one per sequence for speculation" if self._rewinds is not None
-                     else "", states.snapshot_nbytes / 2**20)
+            log.info("%s", layout.describe(states))
         self.runner = ModelRunner(self.loaded.model, storage)
         lora_dtype = config.lora_dtype
         if lora_dtype == "auto":
@@ -269,8 +260,8 @@ class LLMEngine:
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
         self._zero_new_blocks()
         try:
-            if self.kv.state_slots:
-                self._prepare_states(rows)
+            if self.recurrent is not None:
+                self.recurrent.before(rows)
             logits = self.runner.execute(rows)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("forward pass failed")
@@ -278,7 +269,7 @@ class LLMEngine:
             for row in rows:
                 finish(row.request, FinishReason.ERROR, f"forward pass failed: {e}")
             return [row.request for row in rows]
-        rows, logits, scored = self._finite_rows(rows, logits)
+        rows, logits, scored = finite_rows(rows, logits, self.commit.fail)
         sampled, offset = [], 0
         for row in rows:
             if row.prompt_positions:
@@ -294,61 +285,14 @@ class LLMEngine:
                 sampled.append((row, logits[offset:offset + row.num_sampled]))
                 offset += row.num_sampled
         changed = scored + self._verify(sampled)
-        if self._rewinds is not None:
-            self._rewind_states(sampled)
+        if self.recurrent is not None:
+            self.recurrent.after(sampled)
         self.kv.file_snapshots()
         for row, row_logits in sampled:
             req = row.request
             if req.forks and req.num_output == 1 and req.finish_reason is not FinishReason.ERROR:
                 changed += self._fork(req, row_logits[0])
         return changed
-
-    def _finite_rows(self, rows: list[ScheduledRow], logits: torch.Tensor
-                     ) -> tuple[list[ScheduledRow], torch.Tensor, list[Request]]:
-        """The rows whose logits are all finite, and their logits; a row given a NaN or
-        an infinity fails alone (its request ends with an error that says so, its cache
-        rewound) while the step's other rows go on. Returns those failed too."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):
-            return rows, logits, []
-        kept, index, failed, offset = [], [], [], 0
-        for row in rows:
-            n = row.num_logits
-            if bool(finite[offset:offset + n].all()):
-                kept.append(row)
-                index += range(offset, offset + n)
-            else:
-                self.commit.fail(row.request, NonFiniteLogits(
-                    "the model's logits for this request came out non-finite (NaN or "
-                    "infinity): no token can be drawn from them"))
-                failed.append(row.request)
-            offset += n
-        return kept, logits[torch.tensor(index, dtype=torch.long)], failed
-
-    def _prepare_states(self, rows: list[ScheduledRow]) -> None:
-        """A hybrid model's rows: a state slot admitted with a cached prefix takes its
-        snapshot; a row crossing a block boundary worth keeping gets a snapshot slot."""
-        states = self.runner.kv.states  # type: ignore[attr-defined]
-        for row in rows:
-            req = row.request
-            snapshot = self.kv.take_restore(req)
-            if snapshot is not None:
-                states.restore(snapshot, req.state_slot)
-            row.snapshot = self.kv.snapshot_point(req, row.start, row.num_tokens)
-            if row.draft and row.snapshot is None:  # the state to go back to on a rejection
-                assert self._rewinds is not None and req.state_slot is not None
-                row.snapshot = (row.num_tokens - 1, self._rewinds + req.state_slot)
-
-    def _rewind_states(self, sampled: list[tuple[ScheduledRow, torch.Tensor]]) -> None:
-        """A verify row whose draft was not all accepted took rejected tokens into its
-        recurrent state: its slot goes back to the snapshot after the row's history (the
-        commit has cached no more than that; the accepted drafts run again next step)."""
-        states = self.runner.kv.states  # type: ignore[attr-defined]
-        for row, _ in sampled:
-            req = row.request
-            if row.draft and not req.is_finished and req.kv_len < row.start + row.num_query:
-                assert row.snapshot is not None and row.snapshot[0] == row.num_tokens - 1
-                states.restore(row.snapshot[1], req.state_slot)
 
     def _verify(self, sampled: list[tuple[ScheduledRow, torch.Tensor]]) -> list[Request]:
         """Sample every row — plain rows and draft-verify rows alike, in one batch — and
@@ -493,20 +437,6 @@ class LLMEngine:
 
     def moe_metrics(self) -> dict[str, Any] | None:
         return moe_metrics(self.loaded.model.experts)
-
-
-def _for_recurrent(config: EngineConfig, state_bytes: int) -> EngineConfig:
-    """A hybrid model's engine settings: cached prefixes are served from recurrent-state
-    snapshots (no room for one in RAM: no prefix reuse)."""
-    if config.state_snapshot_bytes < state_bytes and config.enable_prefix_caching:
-        if config.kv_cache_dir is not None:
-            raise InvalidConfig("kv_cache_dir: a model with recurrent layers reuses a "
-                                "prefix only through a state snapshot, and "
-                                "state_snapshot_bytes has no room for one")
-        log.info("recurrent layers: enable_prefix_caching=False (state_snapshot_bytes has "
-                 "no room for one snapshot of a sequence's state)")
-        return dataclasses.replace(config, enable_prefix_caching=False)
-    return config
 
 
 def _record_step(rows: Sequence[ScheduledRow], began: float, ended: float) -> None:

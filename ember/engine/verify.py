@@ -10,14 +10,41 @@ logprobs are read from the raw distribution. The engine runs these in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ember.engine.request import Request
 from ember.engine.runner import ScheduledRow
+from ember.errors import NonFiniteLogits
 from ember.sampling.sampler import TokenLogprobs
 from ember.spec.speculator import TOPK
 
 FEED_ROWS = 4  # requests per step whose verification logits feed the recycling tables
+
+
+def finite_rows(rows: list[ScheduledRow], logits: torch.Tensor,
+                fail: Callable[[Request, Exception], None]
+                ) -> tuple[list[ScheduledRow], torch.Tensor, list[Request]]:
+    """The rows whose logits are all finite, and their logits; a row given a NaN or an
+    infinity fails alone (``fail``: its request ends with an error that says so, its
+    cache rewound) while the step's other rows go on. Returns those failed too."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return rows, logits, []
+    kept, index, failed, offset = [], [], [], 0
+    for row in rows:
+        n = row.num_logits
+        if bool(finite[offset:offset + n].all()):
+            kept.append(row)
+            index += range(offset, offset + n)
+        else:
+            fail(row.request, NonFiniteLogits(
+                "the model's logits for this request came out non-finite (NaN or "
+                "infinity): no token can be drawn from them"))
+            failed.append(row.request)
+        offset += n
+    return kept, logits[torch.tensor(index, dtype=torch.long)], failed
 
 
 def processed(req: Request, row_logits: torch.Tensor, draft: list[int]

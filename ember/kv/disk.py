@@ -150,6 +150,7 @@ class DiskStore:
         self._pending: OrderedDict[bytes, BlockRecord] = OrderedDict()
         self._pending_bytes = 0
         self._wake = threading.Condition(self._lock)
+        self._writing = False  # the writer holds a batch it has not indexed yet
         self._closed = False
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="ember-kv-disk",
@@ -344,9 +345,10 @@ class DiskStore:
         return True
 
     def flush(self) -> None:
-        """Wait until every queued block is on disk."""
+        """Wait until every queued block is on disk, and the batch being written (which
+        may hold blocks a purge took off the queue meanwhile) is indexed."""
         with self._lock:
-            while self._pending:
+            while self._pending or self._writing:
                 self._wake.wait(0.05)
 
     def close(self) -> None:
@@ -364,6 +366,7 @@ class DiskStore:
                 if self._closed and not self._pending:
                     return
                 batch = list(self._pending.items())
+                self._writing = True
             try:
                 self._write(batch)
             except OSError as e:  # a full disk, say: these blocks are simply not stored
@@ -372,6 +375,7 @@ class DiskStore:
                 for key, rec in batch:
                     if self._pending.pop(key, None) is not None:
                         self._pending_bytes -= len(rec.payload)
+                self._writing = False
                 self._wake.notify_all()
 
     def _write(self, batch: Sequence[tuple[bytes, BlockRecord]]) -> None:
