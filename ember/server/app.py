@@ -44,14 +44,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ember.config import EngineConfig, InvalidConfig, TenantLimits
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
-from ember.engine.request import Request as EngineRequest
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import open_in_prompt
 from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
-from ember.server.backend import Backend, EngineView, Submission
+from ember.server.backend import Backend, EngineView, Handle, PreparedGroup, Submission
 from ember.server.chat_page import basic_password, mount_chat_page
 from ember.server.errors import (
     APIError,
@@ -227,7 +226,7 @@ class Prepared:
     """What preparation made of a request; its parsed body stays as the client sent it."""
 
     req: Any  # the protocol body
-    groups: list[list[EngineRequest]]  # one per prompt: its n choices
+    groups: list[PreparedGroup]  # one per prompt: its n choices
     reasoning: R.Reasoning | None = None
     adapter: str | None = None  # the LoRA adapter it runs with
 
@@ -237,10 +236,10 @@ class Admitted:
     """A validated, prepared generation request holding its places in the queue."""
 
     req: Any  # the protocol body
-    groups: list[list[EngineRequest]]  # one per prompt: its n choices
+    groups: list[PreparedGroup]  # one per prompt: its n choices
     slots: list[Submission]
     names: dict[str, str]
-    discard: Callable[[list[EngineRequest]], None] = lambda group: None
+    discard: Callable[[list[Any]], None] = lambda work: None
     reasoning: R.Reasoning | None = None
     record: RequestRecord | None = None  # for its trace and log line
 
@@ -248,7 +247,7 @@ class Admitted:
         """Give back the queue places, and the groups never handed over."""
         for group, slot in zip(self.groups, self.slots, strict=False):
             if slot.open:
-                self.discard(group)
+                self.discard(group.work)
         for slot in self.slots:
             slot.release()
 
@@ -413,7 +412,7 @@ class Server:
                     slots += [thread.slot(tenant) for _ in groups[1:]]
             except BaseException:
                 for group in groups:
-                    thread.discard(group)
+                    thread.discard(group.work)
                 for slot in slots[1:]:
                     slot.release()
                 raise
@@ -447,18 +446,18 @@ class Server:
         names = route.names(req)
         with as_api_errors({}):
             slo = self._slo(req)
-        groups: list[list[EngineRequest]] = []
+        groups: list[PreparedGroup] = []
         built = route.build(self, req)
         try:
             for prompt_ids, params in built.prompts:
                 with as_api_errors(names):
-                    groups.append(self.engine.prepare(
+                    groups.append(PreparedGroup.of(self.engine.prepare(
                         prompt_ids, params, tenant=tenant, priority=req.priority or 0,
                         slo=slo, weight=self.config.tenant_weights.get(tenant, 1.0),
-                        arrival=arrival, references=req.references or (), lora=lora))
+                        arrival=arrival, references=req.references or (), lora=lora)))
         except BaseException:
             for group in groups:  # a later prompt failed: the earlier ones never run
-                self._thread().discard(group)
+                self._thread().discard(group.work)
             raise
         return Prepared(req, groups, built.reasoning, lora)
 
@@ -654,19 +653,19 @@ class Server:
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        reqs = [r for group in adm.groups for r in group]
+        reqs = [h for group in adm.groups for h in group.handles]
         where = {r.request_id: i for i, r in enumerate(reqs)}
 
         def deliver(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (where[out.request_id], out))
 
         thread = self._thread()
-        submitted: list[EngineRequest] = []
+        submitted: list[Handle] = []
         try:
             with as_api_errors(adm.names):
                 for group, slot in zip(adm.groups, adm.slots, strict=True):
-                    slot.submit(group, deliver)
-                    submitted += group
+                    slot.submit(group.work, deliver)
+                    submitted += group.handles
         except BaseException:
             adm.release()
             for r in submitted:
@@ -674,7 +673,7 @@ class Server:
             raise
         return self._outputs(reqs, queue, thread, adm.names, disconnected(request), adm.record)
 
-    async def _outputs(self, reqs: list[EngineRequest], queue: asyncio.Queue,
+    async def _outputs(self, reqs: list[Handle], queue: asyncio.Queue,
                        thread: Backend, names: dict[str, str], gone: asyncio.Future,
                        record: RequestRecord | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -717,7 +716,7 @@ class Server:
                 self.telemetry.finished(record, [latest.get(i) for i in range(len(reqs))],
                                         status, error_type, end)
 
-    def _observe(self, t: _Timing, out: RequestOutput, req: EngineRequest) -> None:
+    def _observe(self, t: _Timing, out: RequestOutput, req: Handle) -> None:
         self.metrics.observe_request(t.ttft, t.itls, time.monotonic() - t.start,
                                      out.prompt_tokens, out.completion_tokens,
                                      out.finish_reason or "error", out.queued_seconds)
@@ -728,10 +727,10 @@ class Server:
 def _discard_prepared(done: Any, thread: Any) -> None:
     if not done.cancelled() and done.exception() is None:
         for group in done.result().groups:
-            thread.discard(group)
+            thread.discard(group.work)
 
 
-def _met(t: _Timing, out: RequestOutput, req: EngineRequest) -> bool:
+def _met(t: _Timing, out: RequestOutput, req: Handle) -> bool:
     """Whether a finished request met its objectives, as its client saw them."""
     if out.finish_reason not in ("stop", "length") or t.ttft is None:
         return False

@@ -9,6 +9,7 @@ only these two protocols, so it never imports the cluster that builds on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ember.config import EngineConfig
@@ -19,6 +20,33 @@ from ember.models.loader import LoadedModel
 from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import ThinkingTags
 from ember.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What the server knows of one prepared choice: its id, its prompt's length and
+    its objectives (the same whichever backend prepared it)."""
+
+    request_id: str
+    num_prompt: int
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+
+
+@dataclass(frozen=True)
+class PreparedGroup:
+    """One prompt's prepared choices: the server reads their ``handles``; the backend
+    that prepared them takes ``work`` back whole, to submit or discard it."""
+
+    handles: tuple[Handle, ...]
+    work: list[Any]
+
+    @classmethod
+    def of(cls, work: list[Any]) -> PreparedGroup:
+        """``work`` as a backend's ``prepare`` returned it (engine requests, or a
+        replica front's stand-ins): objects with the fields a Handle copies."""
+        return cls(tuple(Handle(r.request_id, r.num_prompt, r.slo_ttft, r.slo_tpot)
+                         for r in work), work)
 
 
 class EngineView(Protocol):
