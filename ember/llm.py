@@ -10,6 +10,7 @@ from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.kv import conversation
+from ember.models.loader import LoadedModel
 from ember.models.registry import DEFAULT_MODEL
 from ember.sampling.params import SamplingParams
 
@@ -26,10 +27,11 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, loras: dict[str, str | Path] | None = None,
-                 **options: Any) -> None:
+                 loaded: LoadedModel | None = None, **options: Any) -> None:
         """``loras``: LoRA adapters to load, by name (GGUF files or PEFT directories);
-        a request uses one with ``lora="NAME"``."""
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        a request uses one with ``lora="NAME"``. ``loaded``: the model ``model`` names,
+        already loaded (:func:`ember.models.loader.load_model`) — engines may share one."""
+        self.engine = LLMEngine(EngineConfig(model=model, **options), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self.chat_template = self.engine.loaded.chat_template
         for name, path in (loras or {}).items():

@@ -232,11 +232,11 @@ def _packed(ext, n: int, k: int):
     return ext.PackedLinear(k, packed.segments)
 
 
-def test_unknown_adapter_and_unload(adapters, smollm2_gguf) -> None:
+def test_unknown_adapter_and_unload(adapters, smollm2_gguf, base_f32) -> None:
     import ember
     from ember.engine.intake import InvalidRequest
 
-    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64,
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", loaded=base_f32, num_kv_blocks=64,
                     loras={"peft": adapters["peft"]})
     with pytest.raises(InvalidRequest, match="'nope'") as e:
         llm.generate(["Hi"], SamplingParams(max_tokens=2), lora="nope")
@@ -247,7 +247,7 @@ def test_unknown_adapter_and_unload(adapters, smollm2_gguf) -> None:
 
 
 def test_resident_adapters_are_bounded_and_reloaded_from_their_files(
-        adapters, smollm2_gguf, tmp_path) -> None:
+        adapters, smollm2_gguf, base_f32, tmp_path) -> None:
     """--max-loras 1: loading a second adapter evicts the first; a request for it reads
     it again (same tokens as before), and a file changed meanwhile is refused."""
     import ember
@@ -255,8 +255,8 @@ def test_resident_adapters_are_bounded_and_reloaded_from_their_files(
 
     copy = tmp_path / "copy"
     shutil.copytree(adapters["peft"], copy)
-    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64, max_loras=1,
-                    loras={"peft": copy})
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", loaded=base_f32, num_kv_blocks=64,
+                    max_loras=1, loras={"peft": copy})
     greedy = SamplingParams(temperature=0, max_tokens=6)
     before = llm.generate(["Once upon a time"], greedy, lora="peft")[0].token_ids
     llm.load_lora("gguf", adapters["gguf"])  # evicts "peft"
@@ -447,24 +447,25 @@ def test_llama_cpp_with_the_same_gguf_adapter_picks_the_same_tokens(
 
 
 def test_saved_kv_is_reused_only_with_the_adapter_it_was_computed_with(
-        adapters, smollm2_gguf, tmp_path) -> None:
+        adapters, smollm2_gguf, base_f32, tmp_path) -> None:
     """A conversation file's blocks are keyed with the adapter's identity: loaded for
     the base model or another adapter they cover nothing, for the same adapter all."""
     import ember
 
-    llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+    llm = ember.LLM(str(smollm2_gguf), weights="f32", loaded=base_f32, num_kv_blocks=128,
                     loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
     text = "A long shared preamble about the weather in several cities, " * 3
     path = tmp_path / "kv.ember"
     saved = llm.save_prefix(text, path, lora="peft")
     assert saved > 0
-    fresh = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=128,
+    fresh = ember.LLM(str(smollm2_gguf), weights="f32", loaded=base_f32, num_kv_blocks=128,
                       loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
     assert fresh.load_prefix(path) == [] and fresh.load_prefix(path, lora="gguf") == []
     assert len(fresh.load_prefix(path, lora="peft")) == saved
 
 
-def test_speculation_and_grammars_work_with_an_adapter(adapters, smollm2_gguf) -> None:
+def test_speculation_and_grammars_work_with_an_adapter(adapters, smollm2_gguf,
+                                                     base_f32) -> None:
     """Drafts are verified with the request's adapter (the same tokens with speculation
     on and off), and a grammar constrains an adapter's reply as any other."""
     import ember
@@ -474,8 +475,8 @@ def test_speculation_and_grammars_work_with_an_adapter(adapters, smollm2_gguf) -
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for spec in ("auto", "off"):
-        llm = ember.LLM(str(smollm2_gguf), weights="f32", num_kv_blocks=64, speculation=spec,
-                        loras={"peft": adapters["peft"]})
+        llm = ember.LLM(str(smollm2_gguf), weights="f32", loaded=base_f32, num_kv_blocks=64,
+                        speculation=spec, loras={"peft": adapters["peft"]})
         outs[spec] = llm.generate([text], greedy, lora="peft")[0]
     assert outs["auto"].token_ids == outs["off"].token_ids
     assert outs["auto"].spec is not None and outs["auto"].spec.accepted > 0
