@@ -42,11 +42,8 @@ def finish(req: Request, reason: FinishReason, error: str | None = None,
 class Commit:
     """Advances requests after a forward pass; counts the tokens it commits."""
 
-    def __init__(self, kv: KVCacheManager, recurrent: bool = False) -> None:
+    def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        # a hybrid model's recurrent state cannot drop rejected draft tokens: it goes back
-        # to its snapshot after the row's history and the accepted drafts are recomputed
-        self.recurrent = recurrent
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -82,10 +79,11 @@ class Commit:
             if req.is_finished or j == len(draft) or token != draft[j]:
                 break
         # everything before the newest committed token: the row's history and the
-        # drafts it accepted — but a recurrent state took every draft token: it goes
-        # back to its snapshot after the history and the accepted drafts run again
+        # drafts it accepted — but a hybrid model's recurrent state (its KV holds state
+        # slots) took every draft token: it goes back to its snapshot after the history
+        # and the accepted drafts run again
         replay = 0
-        if self.recurrent and len(committed) <= len(draft) and not req.is_finished:
+        if self.kv.state_slots and len(committed) <= len(draft) and not req.is_finished:
             replay = len(committed) - 1
         self._cached(req, row.start + row.num_tokens + len(committed) - 1 - replay)
         self.kv.trim(req)

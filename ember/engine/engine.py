@@ -129,7 +129,7 @@ class LLMEngine:
                              lambda shape: self.scheduler.costs.fastest(shape))
         self.thinking_tags = self.intake.thinking_tags
         self.admission = Admission(self.scheduler, config.max_queue)
-        self.commit = Commit(self.kv, recurrent=cfg.recurrent)
+        self.commit = Commit(self.kv)
         self.transfer = KVTransfer(config, cfg, self.loaded.fingerprint(), self.kv, storage,
                                    self.intake.salt_for)
         if config.kv_cache_dir is not None:

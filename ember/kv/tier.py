@@ -120,10 +120,8 @@ class DiskTier:
         if rec is None:
             return False
         storage: SnapshotBytes = self.storage  # type: ignore[assignment]
-        if rec.parent != key or rec.salt != salt or rec.tokens != tuple(tokens):
-            return False  # another chain's under this key: a miss
-        if len(rec.payload) != storage.bytes_per_snapshot:
-            self.store.discard(stored)
+        if not _fits(rec, stored, key, salt, tuple(tokens), storage.bytes_per_snapshot,
+                     self.store.discard):
             return False
         storage.load_snapshot(slot, rec.payload)
         self.restored_snapshots += 1
@@ -238,13 +236,9 @@ def restore_chain(cache: PrefixCache, storage: BlockBytes, salt: bytes, tokens: 
         for i in range(start, stop):
             rec = fetch(i)
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            if rec is None or rec.key != keys[i] or rec.salt != salt or (
-                    rec.tokens != chunk or rec.parent != parent_key):
-                break  # another chain's block under this key: a miss, recompute
-            if len(rec.payload) != storage.bytes_per_block:
-                if discard is not None:
-                    discard(keys[i])
-                break
+            if rec is None or not _fits(rec, keys[i], parent_key, salt, chunk,
+                                        storage.bytes_per_block, discard):
+                break  # a miss: recompute from here
             if allocator.num_free == 0 and cache.evict(1) == 0:
                 break
             block = allocator.allocate()
@@ -260,3 +254,17 @@ def restore_chain(cache: PrefixCache, storage: BlockBytes, salt: bytes, tokens: 
     finally:
         cache.unpin(held + restored)  # restored blocks: the cache's reference remains
     return nbytes
+
+
+def _fits(rec: BlockRecord, key: bytes, parent: bytes, salt: bytes, tokens: tuple[int, ...],
+          size: int, discard: Callable[[bytes], None] | None) -> bool:
+    """Whether a stored record is the one a lookup asked for: its key, parent, salt and
+    tokens (else it is another chain's under this key: a miss), and its size (else it
+    is not ours to keep: deleted, where ``discard`` is given)."""
+    if rec.key != key or rec.parent != parent or rec.salt != salt or rec.tokens != tokens:
+        return False
+    if len(rec.payload) != size:
+        if discard is not None:
+            discard(key)
+        return False
+    return True
