@@ -923,7 +923,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     saved = _ConversationFile(llm, args.conversation, lora) if args.conversation else None
     if saved is not None and saved.state.messages:
         messages = saved.state.messages
-        warm = llm.engine.import_prefix(saved.state.blocks, lora=lora)
+        warm = llm.engine.import_prefix(saved.state.records, lora=lora)
         print(f"[resumed {len(messages)} messages from {args.conversation}, "
               f"{warm} tokens of KV restored]", file=sys.stderr)
     print("ember chat — empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
@@ -974,13 +974,8 @@ class _ConversationFile:
         from ember.kv import conversation
 
         history = self.llm.encode_chat(messages, add_generation_prompt=False)
-        blocks = self.llm.engine.export_prefix(history, lora=self.lora)
-        have = self.state.blocks
-        if [b.key for b in blocks[:len(have)]] != [b.key for b in have]:
-            self.state = conversation.Conversation()  # history rewritten: start over
-            have = []
-        self.state = conversation.append(self.path, self.fp, self.state, messages,
-                                         blocks[len(have):])
+        records = self.llm.engine.export_prefix(history, lora=self.lora)
+        self.state = conversation.save_turn(self.path, self.fp, self.state, messages, records)
 
 
 def _stream_reply(llm, prompt_ids: list[int], params, verbose: bool,

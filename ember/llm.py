@@ -10,6 +10,7 @@ from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.kv import conversation
+from ember.kv.tier import is_state
 from ember.models.loader import LoadedModel
 from ember.models.registry import DEFAULT_MODEL
 from ember.sampling.params import SamplingParams
@@ -116,11 +117,10 @@ class LLM:
         ids = self.encode(tokens)
         # computes what the cache lacks (a hit costs the last token) and caches it
         self._run([ids], SamplingParams(max_tokens=1), tenant, lora)
-        blocks = self.engine.export_prefix(ids, tenant, lora)
+        records = self.engine.export_prefix(ids, tenant, lora)
         Path(path).unlink(missing_ok=True)
-        conversation.append(path, self.engine.kv_fingerprint(), conversation.Conversation(),
-                            None, blocks)
-        return sum(len(b.tokens) for b in blocks)
+        return conversation.append(path, self.engine.kv_fingerprint(),
+                                   conversation.Conversation(), None, records).num_tokens
 
     def load_prefix(self, path: str | Path, tenant: str | None = None,
                     lora: str | None = None) -> list[int]:
@@ -129,8 +129,8 @@ class LLM:
         skips their prefill. Raises ConversationError for another model's file. Blocks
         computed with another adapter than ``lora`` (or none) are not taken: 0 tokens."""
         conv = conversation.read(path, self.engine.kv_fingerprint())
-        n = self.engine.import_prefix(conv.blocks, tenant, lora)
-        return [t for b in conv.blocks for t in b.tokens][:n]
+        n = self.engine.import_prefix(conv.records, tenant, lora)
+        return [t for rec in conv.records if not is_state(rec) for t in rec.tokens][:n]
 
     def _run(
         self,

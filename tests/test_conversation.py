@@ -34,7 +34,7 @@ def two_turns(path: Path) -> tuple[cv.Conversation, cv.Conversation]:
 
 
 def same(a: cv.Conversation, b: cv.Conversation) -> bool:
-    return (a.messages, a.blocks, a.frames, a.size) == (b.messages, b.blocks, b.frames, b.size)
+    return (a.messages, a.records, a.frames, a.size) == (b.messages, b.records, b.frames, b.size)
 
 
 def test_reads_back_what_was_committed(tmp_path):
@@ -52,7 +52,7 @@ def test_every_torn_tail_yields_the_longest_committed_prefix(tmp_path):
         path.write_bytes(data[:n])
         got = cv.read(path, FP)
         want = two if n >= two.size else one if n >= one.size else cv.Conversation()
-        assert got.messages == want.messages and got.blocks == want.blocks, n
+        assert got.messages == want.messages and got.records == want.records, n
 
 
 def test_every_byte_flip_after_the_header_loses_at_most_that_turn(tmp_path):
@@ -65,7 +65,7 @@ def test_every_byte_flip_after_the_header_loses_at_most_that_turn(tmp_path):
         path.write_bytes(bytes(flipped))
         got = cv.read(path, FP)
         want = one if at >= one.size else cv.Conversation()
-        assert got.messages == want.messages and got.blocks == want.blocks, at
+        assert got.messages == want.messages and got.records == want.records, at
 
 
 def test_appending_after_a_torn_tail_cuts_it_off(tmp_path):

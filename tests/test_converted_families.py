@@ -344,11 +344,10 @@ def test_a_hybrid_follow_up_turn_restores_a_state_snapshot(converted, name: str,
     cold = [outcomes(make(enable_prefix_caching=False), [p], [sp])[0]
             for p, sp in zip(follow, sps, strict=True)]
     # what a router is told: only as far as a snapshot reaches (the blocks reach 40 and
-    # 40); and a hybrid's prefix is not exported (its state would not travel)
+    # 40)
     assert [warm.cached_tokens(f) for f in follow] == [40, 32]
     # blocks reach 32 here, but the answer's snapshot at 32 gave way to the one at 40
     assert warm.cached_tokens(first[0] + list(answers[0][:3]) + [5, 6, 7, 8, 9]) == 24
-    assert warm.export_prefix(follow[0]) == []
     reqs = [warm.add_request(p, sp) for p, sp in zip(follow, sps, strict=True)]
     done = {o.request_id: o for o in _drain(warm)}
     # the last boundary the first turn computed past (its last token is not): 30 + 12 - 1
@@ -486,6 +485,105 @@ def test_a_hybrid_follow_up_after_a_restart_restores_blocks_and_snapshot_from_di
     again.purge_disk(None)
     again.close()
     assert not any(tmp_path.rglob("*" + SUFFIX))
+
+
+def test_a_hybrid_prefix_travels_with_its_state_snapshot(converted, tmp_path: Path) -> None:
+    """Exported (a conversation file, a handoff), a hybrid's cached prefix is its blocks
+    up to the last one with a state snapshot, then that snapshot. A file kept over two
+    turns holds both turns' snapshots; a fresh engine importing it restores the furthest
+    its blocks reach and answers the next turn bitwise as a cold engine. Blocks without
+    a state, or for another tenant, give nothing (and leak nothing)."""
+    from test_batch_invariance import outcomes, params
+
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.kv import conversation
+    from ember.kv.tier import is_state
+
+    require_kernels()
+    path = converted["qwen35"].q8_0
+    q = load_model(str(path), "q4")
+
+    def make(**kw: Any) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), weights="q4", num_kv_blocks=64,
+                                      block_size=8, **kw), loaded=q)
+
+    warm, file = make(), tmp_path / "chat.ember"
+    fp = warm.kv_fingerprint()
+    first = IDS[:30]
+    ((a1, _),) = outcomes(warm, [first], [params(0, 12)])
+    follow = first + list(a1) + IDS[50:55]  # 47 tokens; the answer's snapshot is at 40
+    records = warm.export_prefix(follow)
+    assert [is_state(r) for r in records] == [False] * 5 + [True]
+    one = conversation.save_turn(file, fp, conversation.Conversation(), [], records)
+    ((a2, _),) = outcomes(warm, [follow], [params(1, 10)])
+    follow2 = follow + list(a2) + IDS[40:43]  # 60 tokens; the snapshot at 56
+    two = conversation.save_turn(file, fp, one, [], warm.export_prefix(follow2))
+    assert [is_state(r) for r in two.records] == [False] * 5 + [True] + [False] * 2 + [True]
+    read = conversation.read(file, fp).records
+    assert read == two.records and two.num_tokens == 56
+    chain = [r for r in read if not is_state(r)]
+    sp = params(20, 8)
+    for records, prompt, reach in ((read, follow2, 56),
+                                   ([*chain[:6], *(r for r in read if is_state(r))], follow2, 40),
+                                   (one.records, follow, 40)):
+        (want,) = outcomes(make(enable_prefix_caching=False), [prompt], [sp])
+        fresh = make()
+        assert fresh.import_prefix(records) == reach
+        req = fresh.add_request(prompt, sp)
+        (got,) = _drain(fresh)
+        assert req.cached_tokens == reach
+        assert (got.token_ids, [(lp.token, lp.logprob, lp.top) for lp in got.logprobs]) == want
+        fresh.kv.check_no_leaks()
+    fresh = make()
+    assert fresh.import_prefix(chain) == 0  # blocks whose state is missing are of no use
+    assert fresh.import_prefix(read, tenant="someone else") == 0
+    assert fresh.cached_tokens(follow2) == 0
+    fresh.kv.check_no_leaks()
+
+
+def test_a_hybrid_prompt_prefilled_on_one_replica_decodes_on_another(converted) -> None:
+    """Disaggregated prefill for a hybrid: the handoff carries the prompt's blocks and
+    the state snapshot after the last, and the decoding replica answers bitwise as one
+    that computed everything itself."""
+    import asyncio
+
+    from test_batch_invariance import outcomes, params
+
+    from ember.cluster.protocol import GroupSpec, Handoff, Verdict
+    from ember.cluster.replica import EmberReplica
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.engine.output import RequestOutput
+
+    require_kernels()
+    path = converted["qwen35"].q8_0
+    q = load_model(str(path), "q4")
+    config = EngineConfig(model=str(path), weights="q4", num_kv_blocks=64, block_size=8)
+    prompt, sp = IDS[:47], params(3, 8)
+    (want,) = outcomes(LLMEngine(config, loaded=q), [prompt], [sp])
+    prefill, decode = EmberReplica(config, q), EmberReplica(config, q)
+
+    def run(replica: EmberReplica, spec: GroupSpec) -> list:
+        async def collect() -> list:
+            return [item async for item in replica.generate(spec)]
+
+        return asyncio.run(collect())
+
+    try:
+        verdict, handoff = run(prefill, GroupSpec("p", prompt, [sp], "t", prefill=True))
+        assert isinstance(verdict, Verdict) and verdict.error is None
+        # the prefill computes 46 tokens: its last snapshot a lookup can reach is at 40
+        assert isinstance(handoff, Handoff) and handoff.tokens == 40 and not handoff.error
+        items = run(decode, GroupSpec("d", prompt, [sp], "t", handoff=handoff))
+        assert items[0].imported["tokens"] == items[0].imported["loaded"] == 40
+        last = [i for i in items if isinstance(i, RequestOutput)][-1]
+        assert last.cached_tokens == 40
+        assert (last.token_ids, [(lp.token, lp.logprob, lp.top) for lp in last.logprobs]) \
+            == want
+    finally:
+        for replica in (prefill, decode):
+            replica.thread.shutdown(timeout=5)
 
 
 @pytest.mark.parametrize(("name", "change", "named"), [

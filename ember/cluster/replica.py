@@ -26,6 +26,7 @@ from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
 from ember.kv.disk import CorruptBlock, decode, encode
+from ember.kv.tier import is_state
 from ember.models.loader import LoadedModel
 from ember.models.lora import LoRAError
 from ember.sampling.params import SamplingParams
@@ -180,11 +181,13 @@ class EmberReplica:
         lora = spec.lora[0] if spec.lora is not None else None
         prompt = spec.prompt_ids[:-1]
         records = self.thread.call(lambda e: e.export_prefix(prompt, spec.tenant, lora))
-        first = min(spec.handoff_from, len(records))  # the decoder holds blocks before it
+        chain = [rec for rec in records if not is_state(rec)]
+        first = min(spec.handoff_from, len(chain))  # the decoder holds blocks before it
         fp = self.engine.kv_fingerprint()
-        blocks = [encode(fp, rec) for rec in records[first:]]
+        # a hybrid's state snapshot after the last block travels with the blocks
+        blocks = [encode(fp, rec) for rec in (*chain[first:], *records[len(chain):])]
         nbytes = sum(map(len, blocks))
-        return Handoff(_publish(blocks), sum(len(r.tokens) for r in records), nbytes,
+        return Handoff(_publish(blocks), sum(len(r.tokens) for r in chain), nbytes,
                        self.replica, seconds, time.monotonic() - began, first=first)
 
     def _import(self, spec: GroupSpec, lora: str | None) -> dict[str, Any]:
@@ -216,7 +219,7 @@ class EmberReplica:
             records.append(rec)
         report["bytes"] = sum(len(r.payload) for r in records)
         bs = self.engine.config.block_size
-        prompt = spec.prompt_ids[:(h.first + len(records)) * bs]
+        prompt = spec.prompt_ids[:(h.first + sum(not is_state(r) for r in records)) * bs]
 
         def take(e: LLMEngine) -> tuple[int, int]:
             return (e.cached_tokens(prompt, spec.tenant, lora),

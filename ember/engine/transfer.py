@@ -18,7 +18,14 @@ from ember.kv.disk import BlockRecord, DiskStore
 from ember.kv.disk import fingerprint as disk_fingerprint
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import extend_keys, tenant_name, tenant_of
-from ember.kv.tier import DiskTier, restore_chain
+from ember.kv.tier import (
+    DiskTier,
+    HandedStates,
+    SnapshotBytes,
+    is_state,
+    restore_chain,
+    state_record,
+)
 from ember.models.config import ModelConfig
 
 
@@ -46,16 +53,28 @@ class KVTransfer:
     def export_prefix(self, tokens: Sequence[int], tenant: str | None = None,
                       lora: Any = None) -> list[BlockRecord]:
         """The cached full blocks of ``tokens`` (the longest cached prefix) for
-        ``tenant`` and LoRA adapter ``lora`` (None: the base), as records; none for a
-        hybrid model (its recurrent-state snapshots are not exported)."""
+        ``tenant`` and LoRA adapter ``lora`` (None: the base), as records. A hybrid
+        model's chain ends at the last block whose recurrent state has a snapshot (in
+        RAM or on the disk tier), and that snapshot follows it as one more record
+        (:func:`~ember.kv.tier.is_state`)."""
         prefix = self.kv.prefix
-        if prefix is None or self.kv.state_slots:  # a hybrid's state does not travel
+        if prefix is None:
             return []
         salt = self.salt_for(tenant, lora)
         keys: list[bytes] = []
         extend_keys(keys, salt, tokens, self.config.block_size)
-        return [BlockRecord(*prefix.identity(hit.block), self.storage.block_bytes(hit.block))
-                for hit in prefix.lookup(salt, tokens, keys)]
+        found = self.kv.usable(keys, prefix.lookup(salt, tokens, keys), salt, tokens,
+                               self.kv.tier)
+        records = [BlockRecord(*prefix.identity(hit.block), self.storage.block_bytes(hit.block))
+                   for hit in found]
+        if self.kv.snapshots is not None and found:
+            n, bs = len(found), self.config.block_size
+            slot = self.kv.snapshots.find(keys[n - 1], found[-1].serial)
+            assert slot is not None  # usable() ends the chain where one is filed
+            storage: SnapshotBytes = self.storage  # type: ignore[assignment]
+            records.append(state_record(keys[n - 1], salt, tokens[(n - 1) * bs:n * bs],
+                                        storage.snapshot_bytes(slot)))
+        return records
 
     def cached_tokens(self, tokens: Sequence[int], tenant: str | None = None,
                       lora: Any = None) -> int:
@@ -75,22 +94,25 @@ class KVTransfer:
         """Cache ``records`` (a chain from the first block, as :meth:`export_prefix` gives,
         or from block ``first`` when the cache holds the blocks of ``prompt`` before it)
         for ``tenant`` and ``lora``; returns how many tokens of the chain the cache now
-        holds from its start. Records that do not verify for them (salt, chain keys,
-        parents) end the import: blocks computed with another adapter (or none) are
-        never taken."""
+        holds from its start — for a hybrid model, as far as a snapshot among the records
+        (or one cached here) reaches. Records that do not verify for them (salt, chain
+        keys, parents) end the import: blocks computed with another adapter (or none)
+        are never taken."""
         prefix = self.kv.prefix
-        if prefix is None or not (records or first):
+        chain = [rec for rec in records if not is_state(rec)]
+        if prefix is None or not (chain or first):
             return 0
         bs = self.config.block_size
         salt = self.salt_for(tenant, lora)
-        tokens = [*prompt[:first * bs], *(t for rec in records for t in rec.tokens)]
+        tokens = [*prompt[:first * bs], *(t for rec in chain for t in rec.tokens)]
         keys: list[bytes] = []
         extend_keys(keys, salt, tokens, bs)
         found = prefix.lookup(salt, tokens, keys)
         if len(found) >= first:  # else a block before the records is gone: recompute
             restore_chain(prefix, self.storage, salt, tokens, keys, found,
-                          lambda i: records[i - first], len(keys), stored=False)
-        return len(found) * bs
+                          lambda i: chain[i - first], len(keys), stored=False)
+        states = HandedStates(records, self.storage)  # type: ignore[arg-type]
+        return len(self.kv.usable(keys, found, salt, tokens, states)) * bs
 
     def attach_disk_tier(self, predict: Callable[[StepShape], float]) -> None:
         """Back the prefix cache with a block store under ``config.kv_cache_dir``; the

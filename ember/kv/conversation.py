@@ -8,7 +8,9 @@ The file is append-only::
     frames   kind (1 byte: B block, M messages, C commit), body length (u64), body,
              blake2b-128 over kind, length and body
 
-A ``B`` body is a block record in the disk tier's encoding (with its own checksum),
+A ``B`` body is a record in the disk tier's encoding (with its own checksum): a KV
+block, or for a hybrid model the recurrent-state snapshot taken after a block (each
+turn appends the newest; an import takes the furthest its blocks reach),
 an ``M`` body the whole message list as JSON, and a ``C`` body the number of frames
 written before it — the record count, written last. A reader keeps what the last
 commit whose count matches vouches for: a torn or altered tail (a process killed
@@ -31,6 +33,7 @@ from typing import Any
 from ember.errors import EmberError
 from ember.kv import disk
 from ember.kv.disk import BlockRecord
+from ember.kv.tier import is_state
 
 MAGIC = b"EMBERCV\0"
 VERSION = 1
@@ -46,13 +49,13 @@ class ConversationError(EmberError):
 @dataclass
 class Conversation:
     messages: list[dict[str, Any]] = field(default_factory=list)
-    blocks: list[BlockRecord] = field(default_factory=list)
+    records: list[BlockRecord] = field(default_factory=list)  # KV blocks, state snapshots
     frames: int = 0  # frames up to and including the last commit
     size: int = 0  # bytes of the file that the last commit vouches for
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.blocks)
+        return sum(len(rec.tokens) for rec in self.records if not is_state(rec))
 
 
 def _frame(kind: bytes, body: bytes) -> bytes:
@@ -80,7 +83,7 @@ def read(path: str | Path, fp: bytes) -> Conversation:
             "(its fingerprint differs); start a new conversation file")
     committed = Conversation(size=_HEADER.size)
     messages: list[dict[str, Any]] = []
-    blocks: list[BlockRecord] = []
+    records: list[BlockRecord] = []
     at, frames = _HEADER.size, 0
     while at + _FRAME.size + _SUM <= len(data):
         kind, n = _FRAME.unpack_from(data, at)
@@ -94,14 +97,14 @@ def read(path: str | Path, fp: bytes) -> Conversation:
             if kind == b"C":
                 if struct.unpack("<Q", body)[0] != frames:
                     break
-                committed = Conversation(list(messages), list(blocks), frames + 1, at)
+                committed = Conversation(list(messages), list(records), frames + 1, at)
             elif kind == b"M":
                 messages = json.loads(body)
             elif kind == b"B":
                 rec = disk.decode(body, fp)
                 if rec is None:
                     break
-                blocks.append(rec)
+                records.append(rec)
             else:
                 break
         except (ValueError, struct.error, disk.CorruptBlock):
@@ -111,14 +114,15 @@ def read(path: str | Path, fp: bytes) -> Conversation:
 
 
 def append(path: str | Path, fp: bytes, prior: Conversation,
-           messages: list[dict[str, Any]] | None, blocks: Sequence[BlockRecord]) -> Conversation:
-    """Append ``blocks`` and (if given) the whole ``messages`` list, then a commit.
+           messages: list[dict[str, Any]] | None, records: Sequence[BlockRecord]
+           ) -> Conversation:
+    """Append ``records`` and (if given) the whole ``messages`` list, then a commit.
 
     ``prior`` is the file's committed state (from :func:`read` or the last append); a
     torn tail after it is cut off first. Returns the new committed state.
     """
     path = Path(path)
-    frames = [_frame(b"B", disk.encode(fp, b)) for b in blocks]
+    frames = [_frame(b"B", disk.encode(fp, rec)) for rec in records]
     if messages is not None:
         frames.append(_frame(b"M", json.dumps(messages).encode()))
     count = prior.frames + len(frames)
@@ -134,4 +138,18 @@ def append(path: str | Path, fp: bytes, prior: Conversation,
         os.fsync(f.fileno())
         size = f.tell()
     return Conversation(list(messages if messages is not None else prior.messages),
-                        [*prior.blocks, *blocks], count + 1, size)
+                        [*prior.records, *records], count + 1, size)
+
+
+def save_turn(path: str | Path, fp: bytes, prior: Conversation, messages: list[dict[str, Any]],
+              records: Sequence[BlockRecord]) -> Conversation:
+    """Append a chat turn: the messages and what of ``records`` (the export of the whole
+    history so far) the file lacks — new blocks and, for a hybrid model, the state after
+    the last of them. A history that no longer starts with the file's blocks (rewritten)
+    starts the file over."""
+    chain = [rec.key for rec in records if not is_state(rec)]
+    have = [rec.key for rec in prior.records if not is_state(rec)]
+    if chain[:len(have)] != have:
+        prior = Conversation()
+    kept = {rec.key for rec in prior.records}
+    return append(path, fp, prior, messages, [rec for rec in records if rec.key not in kept])

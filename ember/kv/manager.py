@@ -16,7 +16,7 @@ from typing import Protocol
 from ember.kv.blocks import BlockAllocator, BlockTable, blocks_for
 from ember.kv.prefix import ROOT, CachedBlock, PrefixCache, extend_keys, root_key
 from ember.kv.snapshots import StateSnapshots
-from ember.kv.tier import DiskTier
+from ember.kv.tier import DiskTier, StateSource
 
 
 class KVSequence(Protocol):
@@ -135,12 +135,14 @@ class KVCacheManager:
         self._lookups[req.request_id] = (version, tokens, found)
         return tokens, found
 
-    def usable(self, keys: list[bytes], found: list[CachedBlock],
-               disk: tuple[bytes, Sequence[int]] | None = None) -> list[CachedBlock]:
+    def usable(self, keys: list[bytes], found: list[CachedBlock], salt: bytes = b"",
+               tokens: Sequence[int] = (), source: StateSource | None = None
+               ) -> list[CachedBlock]:
         """What of a cached prefix (``found`` for chain ``keys``) a request can use: all
         of it, but for a hybrid model only as far as the last block whose recurrent
-        state has a snapshot (without one the blocks are of no use). ``disk``: the
-        request's (salt, tokens), to read a snapshot the disk tier holds into RAM."""
+        state has a snapshot (without one the blocks are of no use). A snapshot RAM
+        lacks is taken from ``source`` (the disk tier, or records handed over with the
+        prefix) into a slot, verified against ``salt`` and ``tokens``."""
         if not self.state_slots:
             return found
         if self.snapshots is None:
@@ -148,21 +150,22 @@ class KVCacheManager:
         for n in range(len(found), 0, -1):
             key, serial = keys[n - 1], found[n - 1].serial
             if self.snapshots.find(key, serial) is not None or (
-                    disk is not None and self._snapshot_from_disk(key, serial, n, *disk)):
+                    source is not None and self._adopt(source, key, serial, n, salt, tokens)):
                 return found[:n]
         return []
 
-    def _snapshot_from_disk(self, key: bytes, serial: int, n: int, salt: bytes,
-                            tokens: Sequence[int]) -> bool:
-        """File the disk tier's snapshot after block ``n - 1`` (chain ``key``, cached
-        as ``serial``) in a RAM slot; False if it has none (or no slot is free)."""
-        if self.tier is None or self.snapshots is None or not self.tier.snapshot_on_disk(key):
+    def _adopt(self, source: StateSource, key: bytes, serial: int, n: int, salt: bytes,
+               tokens: Sequence[int]) -> bool:
+        """File ``source``'s snapshot after block ``n - 1`` (chain ``key``, cached as
+        ``serial``) in a RAM slot; False if it has none that verifies (or no slot is free)."""
+        assert self.snapshots is not None
+        if not source.has_state(key):
             return False
         slot = self.snapshots.take()
         if slot is None:
             return False
         bs = self.block_size
-        if not self.tier.load_snapshot(key, salt, tokens[(n - 1) * bs:n * bs], slot):
+        if not source.load_state(key, salt, tokens[(n - 1) * bs:n * bs], slot):
             self.snapshots.release(slot)
             return False
         self.snapshots.file(key, serial, slot, salt)
@@ -182,7 +185,7 @@ class KVCacheManager:
                 self._restored[req.request_id] = (
                     self._restored.get(req.request_id, 0)
                     + (len(found) - ram) * self.tier.storage.bytes_per_block)
-        return self.usable(req.block_hashes, found, (req.salt, tokens))
+        return self.usable(req.block_hashes, found, req.salt, tokens, self.tier)
 
     def take_restored(self, request_id: str) -> int:
         """Bytes the disk tier restored for a request's prefix (counted once)."""
@@ -217,7 +220,7 @@ class KVCacheManager:
             return False
         if n <= len(found) and self.snapshots.find(keys[n - 1], found[n - 1].serial) is not None:
             return True
-        return self.tier is not None and self.tier.snapshot_on_disk(keys[n - 1])
+        return self.tier is not None and self.tier.has_state(keys[n - 1])
 
     def attach_tier(self, tier: DiskTier) -> None:
         """Back the prefix cache with a disk tier (spill on release, restore on lookup)."""

@@ -71,6 +71,53 @@ def state_key(block_key: bytes) -> bytes:
     return hashlib.blake2b(b"recurrent state\0" + block_key, digest_size=len(block_key)).digest()
 
 
+def state_record(block_key: bytes, salt: bytes, tokens: Sequence[int],
+                 payload: bytes) -> BlockRecord:
+    """A snapshot as a record: keyed by :func:`state_key`, its parent the block it was
+    taken after, with that block's salt and tokens (so it verifies as the block does)."""
+    return BlockRecord(state_key(block_key), block_key, salt, tuple(tokens), payload)
+
+
+def is_state(rec: BlockRecord) -> bool:
+    """Whether a record is a recurrent-state snapshot rather than a KV block."""
+    return rec.key == state_key(rec.parent)
+
+
+def load_state_record(rec: BlockRecord, block_key: bytes, salt: bytes, tokens: Sequence[int],
+                      storage: SnapshotBytes, slot: int,
+                      discard: Callable[[bytes], None] | None = None) -> bool:
+    """Load ``rec`` into snapshot ``slot`` if it is the state after block ``block_key``
+    (salt, tokens and size checked); False, nothing loaded, if not."""
+    if not _fits(rec, state_key(block_key), block_key, salt, tuple(tokens),
+                 storage.bytes_per_snapshot, discard):
+        return False
+    storage.load_snapshot(slot, rec.payload)
+    return True
+
+
+class StateSource(Protocol):
+    """Snapshots a hybrid's RAM slots lack, by the chain key of the block each follows:
+    the disk tier's, or those handed over with an imported prefix."""
+
+    def has_state(self, key: bytes) -> bool: ...
+
+    def load_state(self, key: bytes, salt: bytes, tokens: Sequence[int], slot: int) -> bool: ...
+
+
+class HandedStates:
+    """The snapshot records that came with an imported prefix, as a :class:`StateSource`."""
+
+    def __init__(self, records: Sequence[BlockRecord], storage: SnapshotBytes) -> None:
+        self.by_block = {rec.parent: rec for rec in records if is_state(rec)}
+        self.storage = storage
+
+    def has_state(self, key: bytes) -> bool:
+        return key in self.by_block
+
+    def load_state(self, key: bytes, salt: bytes, tokens: Sequence[int], slot: int) -> bool:
+        return load_state_record(self.by_block[key], key, salt, tokens, self.storage, slot)
+
+
 class DiskTier:
     def __init__(self, store: DiskStore, storage: BlockBytes,
                  recompute_seconds: Callable[[int, int], float], policy: str = "auto") -> None:
@@ -102,28 +149,22 @@ class DiskTier:
                        slot: int) -> None:
         """Store the snapshot in ``slot``, taken after the block with chain key ``key``
         (and these ``tokens``), once; it verifies as that block's records do."""
-        stored = state_key(key)
-        if stored not in self.store:
+        if state_key(key) not in self.store:
             storage: SnapshotBytes = self.storage  # type: ignore[assignment]
-            self.store.put(BlockRecord(stored, key, salt, tuple(tokens),
-                                       storage.snapshot_bytes(slot)))
+            self.store.put(state_record(key, salt, tokens, storage.snapshot_bytes(slot)))
 
-    def snapshot_on_disk(self, key: bytes) -> bool:
+    def has_state(self, key: bytes) -> bool:
         return state_key(key) in self.store
 
-    def load_snapshot(self, key: bytes, salt: bytes, tokens: Sequence[int],
-                      slot: int) -> bool:
+    def load_state(self, key: bytes, salt: bytes, tokens: Sequence[int], slot: int) -> bool:
         """Read the snapshot stored after block ``key`` into ``slot``; False if there is
         none or it does not verify (salt, block, tokens; a wrong size also deletes it)."""
-        stored = state_key(key)
-        rec = self.store.get(stored)
+        rec = self.store.get(state_key(key))
         if rec is None:
             return False
         storage: SnapshotBytes = self.storage  # type: ignore[assignment]
-        if not _fits(rec, stored, key, salt, tuple(tokens), storage.bytes_per_snapshot,
-                     self.store.discard):
+        if not load_state_record(rec, key, salt, tokens, storage, slot, self.store.discard):
             return False
-        storage.load_snapshot(slot, rec.payload)
         self.restored_snapshots += 1
         return True
 
