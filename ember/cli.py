@@ -11,10 +11,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.bench.traffic import WORKLOADS
 from ember.errors import EmberError
 from ember.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from ember.server.app import ServerConfig
 
 # ember.kv.dtypes.KV_DTYPES' names, spelled out: importing it here would load torch for
 # every command, --help included (tests/test_cli.py checks they agree)
@@ -474,10 +478,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ``ember serve`` options as a :class:`~ember.server.app.ServerConfig` (its
+    ``engine`` the engine's); a bad value raises ValueError naming the option."""
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
-    from ember.server.app import ServerConfig, load_api_keys, load_tenant_limits, run_server
+    from ember.server.app import ServerConfig, load_api_keys, load_tenant_limits
 
     engine = EngineConfig(
         tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
@@ -504,16 +510,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                              f"got {getattr(args, name)}")
-    config = ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name,
-                          metrics_api_key=args.metrics_api_key,
-                          max_request_bytes=args.max_request_bytes,
-                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                          tenant_weights=weights, loras=_loras(args.lora),
-                          admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
-                          chat_page=not args.no_ui,
-                          otlp_traces_endpoint=args.otlp_traces_endpoint,
-                          trace_content=args.trace_content, request_log=args.request_log)
+    return ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name,
+                        metrics_api_key=args.metrics_api_key,
+                        max_request_bytes=args.max_request_bytes,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                        tenant_weights=weights, loras=_loras(args.lora),
+                        admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
+                        chat_page=not args.no_ui,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        trace_content=args.trace_content, request_log=args.request_log)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.server.app import run_server
+
+    config = server_config(args)
+    engine = config.engine
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     prefill = _prefill_replicas(args.prefill_replicas, args.replicas)

@@ -1076,42 +1076,60 @@ async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> 
 SHUTDOWN_FLUSH_SECONDS = 2.0
 
 
-def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: float = 10.0,
-               on_ready: Callable[[str], None] | None = None,
-               start: Callable[[], Backend] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; then stop accepting, let in-flight requests finish for
-    up to ``graceful_seconds``, abort the rest (their responses still end properly: a
-    stream gets its finish chunk and ``[DONE]``), and return 0. ``start`` builds the
-    backend, in the background (default: the local engine thread)."""
-    import uvicorn
+class Serving:
+    """``ember serve``'s HTTP server around a :class:`Server`, its port bound when built
+    (port 0: one the system picks, in :attr:`url`). :meth:`run` starts the backend
+    loading in the background and serves until SIGINT/SIGTERM (in the main thread) or
+    :meth:`stop` (from any thread); then it stops accepting, lets in-flight requests
+    finish for up to ``graceful_seconds``, aborts the rest (their responses still end
+    properly: a stream gets its finish chunk and ``[DONE]``) and returns 0. ``start``
+    builds the backend (default: the local engine thread)."""
 
+    def __init__(self, config: ServerConfig, host: str, port: int,
+                 graceful_seconds: float = 10.0,
+                 start: Callable[[], Backend] | None = None) -> None:
+        import uvicorn
+
+        self.server = Server(config, start)
+        self.graceful_seconds = graceful_seconds
+        # uvicorn cancels whatever is still running after its own timeout; ember aborts
+        # the generations first, at ``graceful_seconds``, and leaves uvicorn time to
+        # flush them.
+        uv_config = uvicorn.Config(AdmissionGate(create_app(self.server), self.server),
+                                   host=host, port=port, log_level="warning",
+                                   http=guarded_protocol(config.header_timeout,
+                                                         self.server.metrics.count_slow_close),
+                                   timeout_graceful_shutdown=graceful_seconds
+                                   + SHUTDOWN_FLUSH_SECONDS)
+        self._uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds,
+                                   self.server.abort_all)
+        # The port is taken before the backend starts: Ray's processes bind ports of
+        # their own while it starts, and one of them could otherwise take this one first.
+        self._sock = uv_config.bind_socket()
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+
+    def run(self) -> int:
+        server = self.server
+        server.start_loading()
+        print(f"ember: listening on {self.url}/v1 (model loading; GET /health)", flush=True)
+        self._uv.run(sockets=[self._sock])
+        if server.thread is not None:
+            server.thread.drain(timeout=self.graceful_seconds)
+            server.thread.shutdown(timeout=self.graceful_seconds)
+        server.telemetry.close()
+        print("ember: stopped", flush=True)
+        return 0
+
+    def stop(self) -> None:
+        """End :meth:`run` as SIGTERM does (the graceful shutdown included)."""
+        self._uv.should_exit = True
+
+
+def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: float = 10.0,
+               start: Callable[[], Backend] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, logging to stderr (see :class:`Serving`)."""
     _log_to_stderr()
-    server = Server(config, start)
-    app = create_app(server)
-    # uvicorn cancels whatever is still running after its own timeout; ember aborts the
-    # generations first, at ``graceful_seconds``, and leaves uvicorn time to flush them.
-    uv_config = uvicorn.Config(AdmissionGate(app, server), host=host, port=port,
-                               log_level="warning",
-                               http=guarded_protocol(config.header_timeout,
-                                                     server.metrics.count_slow_close),
-                               timeout_graceful_shutdown=graceful_seconds
-                               + SHUTDOWN_FLUSH_SECONDS)
-    uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds, server.abort_all)
-    # The port is taken before the backend starts: Ray's processes bind ports of their
-    # own while it starts, and one of them could otherwise take this one first.
-    sock = uv_config.bind_socket()
-    server.start_loading()
-    print(f"ember: listening on http://{host}:{port}/v1 (model loading; GET /health)",
-          flush=True)
-    if on_ready:
-        on_ready(f"http://{host}:{port}")
-    uv.run(sockets=[sock])
-    if server.thread is not None:
-        server.thread.drain(timeout=graceful_seconds)
-        server.thread.shutdown(timeout=graceful_seconds)
-    server.telemetry.close()
-    print("ember: stopped", flush=True)
-    return 0
+    return Serving(config, host, port, graceful_seconds, start).run()
 
 
 def _log_to_stderr() -> None:

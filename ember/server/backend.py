@@ -106,6 +106,7 @@ class Backend(Protocol):
     def shutdown(self, timeout: float | None = None) -> None: ...
 
 
-def local(config: EngineConfig) -> Backend:
-    """One engine, loaded now, on its own thread."""
-    return EngineThread(LLMEngine(config)).start()
+def local(config: EngineConfig, loaded: LoadedModel | None = None) -> Backend:
+    """One engine, loaded now (or on ``loaded``, a model already loaded), on its own
+    thread."""
+    return EngineThread(LLMEngine(config, loaded)).start()

@@ -1,8 +1,11 @@
-"""End-to-end fixtures: real ``ember serve`` processes on free local ports.
+"""End-to-end fixtures: real ``ember serve`` servers on free local ports.
 
-Each server is a separate process started with ``python -m ember.cli serve``; tests
-talk to it over HTTP only. Servers are shared per session (a server that a test
-must kill, as the graceful-shutdown test does, is started by that test itself).
+The shared servers here run in this process (``serve_in_process``: the options
+``ember serve`` parses, its app and uvicorn on a thread, on a model the session has
+loaded already); tests talk to them over HTTP only. A server whose process is under
+test (a signal, a kill, Ray, its own log) is a separate ``python -m ember.cli serve``
+(``start_server``), started by the test module that needs it. Servers are shared per
+session.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_server import KEY_A, KEY_B, EmberServer, served_weights, start_server
+from e2e_server import KEY_A, KEY_B, EmberServer, serve_in_process, served_weights
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +30,8 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
-           weights: str = "f32") -> Iterator[EmberServer]:
-    server = start_server(model, log_dir, *args, weights=weights)
+           weights: str = "f32", loaded=None) -> Iterator[EmberServer]:
+    server = serve_in_process(model, log_dir, *args, weights=weights, loaded=loaded)
     try:
         server.wait_ready(api_key=api_key)
         yield server
@@ -37,12 +40,13 @@ def _serve(model: Path, log_dir: Path, *args: str, api_key: str | None = None,
 
 
 @pytest.fixture(scope="session")
-def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path
+def smol_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path, smollm2_served_llm
                 ) -> Iterator[EmberServer]:
     """The real SmolLM2-135M behind two API keys (tenants A and B), in the default
-    weight format (``served_weights``)."""
+    weight format (``served_weights``), on the model ``smol_reference`` loaded."""
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys_file),
-                      "--num-kv-blocks", "512", api_key=KEY_A, weights=served_weights())
+                      "--num-kv-blocks", "512", api_key=KEY_A, weights=served_weights(),
+                      loaded=smollm2_served_llm.engine.loaded)
 
 
 @pytest.fixture(scope="session")
@@ -54,17 +58,19 @@ def smol_reference(smollm2_served_llm):
 
 
 @pytest.fixture(scope="session")
-def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
+def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path, tiny_loaded) -> Iterator[EmberServer]:
     """Tiny model, one sequence at a time, a one-slot queue, no prefix cache: every
     block a request holds must come back when it ends."""
     yield from _serve(tiny_gguf, e2e_log_dir, "--max-num-seqs", "1", "--max-queue", "1",
-                      "--no-prefix-caching", "--num-kv-blocks", "256")
+                      "--no-prefix-caching", "--num-kv-blocks", "256", loaded=tiny_loaded)
 
 
 @pytest.fixture(scope="session")
-def tiny_small_server(tiny_gguf: Path, e2e_log_dir: Path) -> Iterator[EmberServer]:
+def tiny_small_server(tiny_gguf: Path, e2e_log_dir: Path, tiny_loaded
+                      ) -> Iterator[EmberServer]:
     """Tiny model with a 64-token context window: error paths and fuzzing."""
-    yield from _serve(tiny_gguf, e2e_log_dir, "--max-model-len", "64", "--num-kv-blocks", "128")
+    yield from _serve(tiny_gguf, e2e_log_dir, "--max-model-len", "64", "--num-kv-blocks", "128",
+                      loaded=tiny_loaded)
 
 
 KEY_Q = "sk-tenant-q-5555555555"  # a tenant allowed nothing in the queue: every request 429s
@@ -82,7 +88,7 @@ def otlp_receiver():
 
 @pytest.fixture(scope="session")
 def observed_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path, otlp_receiver,
-                    tmp_path_factory: pytest.TempPathFactory
+                    tmp_path_factory: pytest.TempPathFactory, smollm2_served_llm
                     ) -> Iterator[tuple[EmberServer, Path]]:
     """The real SmolLM2 behind tenants A, B and Q (Q may queue nothing: 429), with the
     chat page, traces sent to ``otlp_receiver`` and a request log (its path is the
@@ -94,5 +100,6 @@ def observed_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path, otlp
     for server in _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
                          "--tenant-limits", str(limits), "--num-kv-blocks", "512",
                          "--otlp-traces-endpoint", otlp_receiver.url, "--request-log", str(log),
-                         api_key=KEY_A, weights=served_weights()):
+                         api_key=KEY_A, weights=served_weights(),
+                         loaded=smollm2_served_llm.engine.loaded):
         yield server, log

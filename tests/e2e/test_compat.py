@@ -219,13 +219,13 @@ THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 @pytest.fixture(scope="module")
-def thinking_server(tiny_gguf, e2e_log_dir, tmp_path_factory):
-    from e2e_server import start_server
+def thinking_server(tiny_gguf, e2e_log_dir, tmp_path_factory, tiny_loaded):
+    from e2e_server import serve_in_process
 
     template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
     template.write_text(THINKING)
-    server = start_server(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
-                          "--num-kv-blocks", "128")
+    server = serve_in_process(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
+                              "--num-kv-blocks", "128", loaded=tiny_loaded)
     try:
         server.wait_ready()
         yield server

@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from e2e_server import EmberServer, served_weights, start_server
+from e2e_server import EmberServer, serve_in_process, served_weights
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,8 @@ def family_server(request, e2e_log_dir: Path, tiny_qwen_ggufs: dict[str, Path]
         extra = ("--moe-stream", "--moe-cache-bytes", "300000")  # < the experts' bytes
     else:
         path = tiny_qwen_ggufs[request.param]
-    server = start_server(path, e2e_log_dir, "--num-kv-blocks", "256", *extra,
-                          weights=served_weights())
+    server = serve_in_process(path, e2e_log_dir, "--num-kv-blocks", "256", *extra,
+                              weights=served_weights())
     try:
         server.wait_ready()
         yield server

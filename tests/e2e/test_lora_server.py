@@ -34,7 +34,7 @@ KEY_Q = "sk-tenant-q-5555555555"  # a tenant allowed nothing in the queue
 
 @pytest.fixture(scope="module")
 def lora_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
-                smollm2_adapters, tmp_path_factory) -> Iterator[EmberServer]:
+                smollm2_adapters, tmp_path_factory, smollm2_llm) -> Iterator[EmberServer]:
     root = tmp_path_factory.mktemp("lora-server")
     keys = root / "keys.txt"
     keys.write_text(keys_file.read_text() + f"{KEY_Q} tenant-q\n")
@@ -44,7 +44,8 @@ def lora_server(smollm2_gguf: Path, e2e_log_dir: Path, keys_file: Path,
     yield from _serve(smollm2_gguf, e2e_log_dir, "--api-keys-file", str(keys),
                       "--tenant-limits", str(limits),
                       "--lora", f"peft={smollm2_adapters['peft']}",
-                      "--admin-api-key", ADMIN, "--num-kv-blocks", "256", api_key=KEY_A)
+                      "--admin-api-key", ADMIN, "--num-kv-blocks", "256", api_key=KEY_A,
+                      loaded=smollm2_llm.engine.loaded)
 
 
 def _client(server: EmberServer, key: str) -> openai.OpenAI:

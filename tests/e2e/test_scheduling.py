@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_server import EmberServer, start_server
+from e2e_server import EmberServer, serve_in_process
 from test_server import IDLE, assert_error, user, wait_for_metrics
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 def slo_server(tiny_gguf: Path, e2e_log_dir: Path, tmp_path_factory) -> Iterator[EmberServer]:
     keys = tmp_path_factory.mktemp("slo-keys") / "keys.txt"
     keys.write_text("ka alpha 3\nkb beta\n")
-    server = start_server(tiny_gguf, e2e_log_dir, "--api-keys-file", str(keys),
-                          "--slo-ttft", "0.4", "--max-num-seqs", "1",
-                          "--num-kv-blocks", "256")
+    server = serve_in_process(tiny_gguf, e2e_log_dir, "--api-keys-file", str(keys),
+                              "--slo-ttft", "0.4", "--max-num-seqs", "1",
+                              "--num-kv-blocks", "256")
     try:
         server.wait_ready(api_key="ka")
         yield server
