@@ -67,8 +67,10 @@ def _prompt(template: ChatTemplate, messages: list[dict], with_tools: bool) -> s
         body["tools"] = [TOOL]
     req = P.ChatCompletionRequest.model_validate(body)
     req.validate_request()
-    req.bind_tools(tools.tool_style(template))
-    segments = template.render_segments(req.template_messages(), **req.template_variables())
+    style = tools.tool_style(template)
+    plan = req.tool_plan(style)
+    segments = template.render_segments(req.template_messages(style, plan),
+                                        **req.template_variables(plan))
     return "".join(text for text, _ in segments)
 
 

@@ -207,7 +207,7 @@ class Route:
 
     def names(self, req: Any) -> dict[str, str]:
         """Engine parameter names -> the names this request used for them."""
-        grammar = "tools" if getattr(req, "tool_plan", None) is not None else self.grammar
+        grammar = "tools" if getattr(req, "offers_tools", False) else self.grammar
         return {"max_tokens": self.cap(req), "structured": grammar,
                 "prompt": self.primary, "n": "n"}
 
@@ -215,10 +215,10 @@ class Route:
 @dataclass(frozen=True)
 class Built:
     """A route's prompts (token ids and the choices' sampling parameters, per prompt)
-    and how its replies split into reasoning and answer (None: they do not)."""
+    and how its replies are read (the tools offered, the reasoning split)."""
 
     prompts: list[tuple[list[int], list[SamplingParams]]]
-    reasoning: R.Reasoning | None = None
+    shape: R.Shape = R.Shape()
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ class Prepared:
 
     req: Any  # the protocol body
     groups: list[PreparedGroup]  # one per prompt: its n choices
-    reasoning: R.Reasoning | None = None
+    shape: R.Shape = R.Shape()  # how its replies are read
     adapter: str | None = None  # the LoRA adapter it runs with
 
 
@@ -240,7 +240,7 @@ class Admitted:
     slots: list[Submission]
     names: dict[str, str]
     discard: Callable[[list[Any]], None] = lambda work: None
-    reasoning: R.Reasoning | None = None
+    shape: R.Shape = R.Shape()
     record: RequestRecord | None = None  # for its trace and log line
 
     def release(self) -> None:
@@ -429,7 +429,7 @@ class Server:
             if self.telemetry.content:
                 record.prompt = raw.decode("utf-8", "replace")
         return Admitted(req, groups, slots, route.names(req), thread.discard,
-                        prepared.reasoning, record)
+                        prepared.shape, record)
 
     def _record(self, request: Request, tenant: str, arrival: float) -> RequestRecord | None:
         """The request's trace and log record, when either is on (else nothing)."""
@@ -459,7 +459,7 @@ class Server:
             for group in groups:  # a later prompt failed: the earlier ones never run
                 self._thread().discard(group.work)
             raise
-        return Prepared(req, groups, built.reasoning, lora)
+        return Prepared(req, groups, built.shape, lora)
 
     def _slo(self, req: Any) -> SLO | None:
         """The request's objectives: its own ``slo`` extension, else the server's."""
@@ -805,17 +805,21 @@ class _Timing:
 
 # ====================================================================== routes' prompts
 def _chat_prompts(server: Server, req: P.ChatCompletionRequest) -> Built:
-    req.bind_tools(server.tool_style)
-    prompt_ids = server.chat_ids(req.template_messages(), "messages", req.template_variables())
-    params = [req.sampling(req.max_output, req.n_logprobs, j) for j in range(req.n)]
-    budget, split = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    style = server.tool_style
+    plan = req.tool_plan(style)
+    prompt_ids = server.chat_ids(req.template_messages(style, plan), "messages",
+                                 req.template_variables(plan))
+    grammar = req.output_grammar(plan)
+    params = [req.sampling(req.max_output, req.n_logprobs, j, structured=grammar)
+              for j in range(req.n)]
+    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = [dataclasses.replace(p, thinking_budget=budget) for p in params]
-    return Built([(prompt_ids, params)], split)
+    return Built([(prompt_ids, params)], R.Shape(plan, split))
 
 
-def _reasoning(server: Server, req: Any, prompt_ids: list[int], asked: tuple[int, str] | None
-               ) -> tuple[int | None, R.Reasoning | None]:
+def _reasoning(server: Server, plan: tools.ToolPlan | None, prompt_ids: list[int],
+               asked: tuple[int, str] | None) -> tuple[int | None, R.Reasoning | None]:
     """The thinking budget of a chat request and how its reply splits (None, None: the
     model does not think, or a tool grammar leaves it no room to)."""
     tags = server.engine.thinking_tags
@@ -824,7 +828,7 @@ def _reasoning(server: Server, req: Any, prompt_ids: list[int], asked: tuple[int
             raise APIError(400, f"'{asked[1]}' needs a model whose chat template has "
                              "thinking tags", param=asked[1])
         return None, None
-    if req.tool_plan is not None and not req.tool_plan.style.fmt.reasons:
+    if plan is not None and not plan.style.fmt.reasons:
         return None, None  # a tool grammar starts at the first token: no reasoning
     opened = open_in_prompt(server.engine.tokenizer.decode(prompt_ids[-16:]), tags)
     # 1 << 30 unasked: no budget of its own, though the answer's share still holds
@@ -843,12 +847,13 @@ def _completion_prompts(server: Server, req: P.CompletionRequest) -> Built:
 
 
 def _responses_prompts(server: Server, req: P.ResponsesRequest) -> Built:
-    prompt_ids = server.chat_ids(req.template_messages(), "input")
-    params = req.sampling()
-    budget, split = _reasoning(server, req, prompt_ids, req.thinking_budget)
+    plan = req.tool_plan()  # told in a system message, whatever the model's format
+    prompt_ids = server.chat_ids(req.template_messages(plan), "input")
+    params = req.sampling(req.output_grammar(plan))
+    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = dataclasses.replace(params, thinking_budget=budget)
-    return Built([(prompt_ids, [params])], split)
+    return Built([(prompt_ids, [params])], R.Shape(plan, split))
 
 
 CHAT = Route(P.ChatCompletionRequest, "messages", "response_format", _chat_prompts,
@@ -955,9 +960,9 @@ def create_app(server: Server) -> FastAPI:
         stream = server.generate(adm, request)
         if req.stream:
             return await _sse(request, server, R.chat_chunks(stream, req, ids, tokenizer,
-                                                             adm.reasoning))
+                                                             adm.shape))
         outs = await _collect(stream, req.n)
-        return _ok(request, server, R.chat_body(outs, req, ids, tokenizer, adm.reasoning))
+        return _ok(request, server, R.chat_body(outs, req, ids, tokenizer, adm.shape))
 
     @app.post("/v1/completions", **openapi.route(P.CompletionRequest, openapi.Completion))
     async def completions(request: Request) -> Response:
@@ -980,10 +985,10 @@ def create_app(server: Server) -> FastAPI:
         stream = server.generate(adm, request)
         if req.stream:
             return await _sse(request, server, R.response_events(stream, req, ids,
-                                                                 adm.reasoning))
+                                                                 adm.shape))
         out = (await _collect(stream, 1))[0]
         return _ok(request, server, R.response_body(req, ids, out, "completed",
-                                                    split=adm.reasoning))
+                                                    shape=adm.shape))
 
     @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
     async def tokenize(request: Request) -> Response:

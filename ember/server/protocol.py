@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -19,6 +19,8 @@ from ember.server import tools
 from ember.server.errors import APIError, unsupported
 
 MAX_N = 16
+# (a module name: inside a request class ``tools`` is the field)
+FALLBACK_TOOLS = tools.FALLBACK
 # reasoning_effort → reasoning tokens allowed (thinking templates only)
 EFFORT_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096}
 
@@ -69,29 +71,33 @@ class _Request(_Body):
 
 class _Conversation(_Request):
     """A request answered by the assistant of a chat (chat completions and responses):
-    it may offer tools and get a reasoning part."""
+    it may offer tools and get a reasoning part. What its tools become for the served
+    model (a :class:`~ember.server.tools.ToolPlan` in the model's call format) the route
+    computes from the body; the body itself stays as the client sent it."""
 
-    _tool_plan: Any = PrivateAttr(None)
-    _tool_style: Any = PrivateAttr(tools.FALLBACK)
+    _flat_tools: ClassVar[bool] = False  # the Responses API's shape: fields beside "type"
+
+    def tool_plan(self, style: tools.ToolStyle = FALLBACK_TOOLS) -> tools.ToolPlan | None:
+        """The tools offered, in the call format ``style`` (the served model's template's);
+        None without tools or with ``tool_choice`` none. 400s name the field."""
+        plan = tools.plan(getattr(self, "tools", None), getattr(self, "tool_choice", None),
+                          getattr(self, "parallel_tool_calls", None), flat=self._flat_tools)
+        return None if plan is None else dataclasses.replace(plan, style=style)
 
     @property
-    def tool_plan(self) -> Any:
-        """The :class:`ember.server.tools.ToolPlan`, or None without tools."""
-        return self._tool_plan
+    def offers_tools(self) -> bool:
+        return self.tool_plan() is not None
 
-    def bind_tools(self, style: tools.ToolStyle) -> None:
-        """Take tools as the served model does (its template's :class:`ToolStyle`): the
-        plan's call format and grammar follow it. Called once, before templating."""
-        self._tool_style = style
-        if self._tool_plan is not None:
-            self._tool_plan = dataclasses.replace(self._tool_plan, style=style)
-            self._structured = self._tool_plan.grammar()
+    def output_grammar(self, plan: tools.ToolPlan | None) -> StructuredOutput | None:
+        """What constrains the reply: the tools' calls, else the requested format."""
+        return plan.grammar() if plan is not None else self._structured
 
-    def template_variables(self) -> dict[str, Any]:
+    @staticmethod
+    def template_variables(plan: tools.ToolPlan | None) -> dict[str, Any]:
         """What the template is given beside the messages: the tools, where it takes them."""
-        if self._tool_plan is None or not self._tool_plan.style.native:
+        if plan is None or not plan.style.native:
             return {}
-        return {"tools": self._tool_plan.template_tools()}
+        return {"tools": plan.template_tools()}
 
 
 class _Sampling(_Request):
@@ -147,7 +153,10 @@ class _Sampling(_Request):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
     def sampling(self, max_tokens: int | None, logprobs: int | None,
-                 seed_offset: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
+                 seed_offset: int = 0, prompt_logprobs: int | None = None,
+                 structured: StructuredOutput | None = None) -> SamplingParams:
+        """The choice's sampling parameters; ``structured``: what constrains it (default:
+        the requested ``response_format``)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -163,7 +172,7 @@ class _Sampling(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                structured=self._structured,
+                structured=self._structured if structured is None else structured,
                 speculation=self.speculation,
             )
         except InvalidSamplingParams as e:
@@ -216,7 +225,7 @@ class ChatCompletionRequest(_Sampling, _Conversation):
 
     def validate_request(self) -> None:
         self.check_common()
-        self._tool_plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.reasoning_effort not in (None, *EFFORT_BUDGETS):
             raise APIError(400, f"'reasoning_effort' must be one of "
                            f"{', '.join(EFFORT_BUDGETS)}, got {self.reasoning_effort!r}",
@@ -228,16 +237,18 @@ class ChatCompletionRequest(_Sampling, _Conversation):
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "other than ['text'] are not supported")
         self._structured = structured_output(self.response_format, "response_format")
-        if self._tool_plan is not None:
-            if self._structured is not None:
-                raise unsupported("response_format", "with tools is not supported (use "
-                                  "tool_choice 'none', or a tool whose parameters are the "
-                                  "schema)")
-            self._structured = self._tool_plan.grammar()
+        if plan is not None and self._structured is not None:
+            raise unsupported("response_format", "with tools is not supported (use "
+                              "tool_choice 'none', or a tool whose parameters are the "
+                              "schema)")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, style: tools.ToolStyle = FALLBACK_TOOLS,
+                          plan: tools.ToolPlan | None = None) -> list[dict[str, Any]]:
+        """The messages for the chat template: past calls and results as ``style`` (the
+        served model's) renders them, and the tools of ``plan`` told in a system message
+        where the template cannot take them."""
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
@@ -247,11 +258,10 @@ class ChatCompletionRequest(_Sampling, _Conversation):
             if not content and m.refusal:
                 content = m.refusal  # what the assistant said, as a refusal
             msg: dict[str, Any]
-            if self._tool_style.native:  # calls and results as the template renders them
+            if style.native:  # calls and results as the template renders them
                 msg = {"role": role, "content": content}
                 if m.tool_calls:
-                    msg["tool_calls"] = tools.native_calls(m.tool_calls, where,
-                                                           self._tool_style)
+                    msg["tool_calls"] = tools.native_calls(m.tool_calls, where, style)
                 if role == "tool":
                     msg["tool_call_id"] = tools.call_id(m.tool_call_id or "")
             else:
@@ -263,9 +273,9 @@ class ChatCompletionRequest(_Sampling, _Conversation):
             if m.name is not None:
                 msg["name"] = m.name
             out.append(msg)
-        if self._tool_plan is not None and not self._tool_plan.style.native:
+        if plan is not None and not plan.style.native:
             # the tools, told as the template cannot
-            offer = self._tool_plan.system_text()
+            offer = plan.system_text()
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + offer}
             else:
@@ -354,6 +364,7 @@ class CompletionRequest(_Sampling):
 
 # ---------------------------------------------------------------------- responses
 class ResponsesRequest(_Conversation):
+    _flat_tools: ClassVar[bool] = True
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -408,8 +419,7 @@ class ResponsesRequest(_Conversation):
                 raise unsupported(name)
         if self.stream_options and set(self.stream_options) - {"include_obfuscation"}:
             raise unsupported(f"stream_options.{sorted(self.stream_options)[0]}")
-        self._tool_plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls,
-                                     flat=True)
+        plan = self.tool_plan()
         if self.previous_response_id:
             raise unsupported("previous_response_id", "is not supported (responses are not "
                               "stored; send the conversation as input)")
@@ -432,12 +442,10 @@ class ResponsesRequest(_Conversation):
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items()
                                                           if k != "type"}}
         self._structured = structured_output(fmt, "text.format")
-        if self._tool_plan is not None:
-            if self._structured is not None:
-                raise unsupported("text.format", "with tools is not supported")
-            self._structured = self._tool_plan.grammar()
+        if plan is not None and self._structured is not None:
+            raise unsupported("text.format", "with tools is not supported")
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, plan: tools.ToolPlan | None = None) -> list[dict[str, Any]]:
         msgs: list[dict[str, Any]] = []
         if self.instructions:
             msgs.append({"role": "system", "content": self.instructions})
@@ -463,15 +471,17 @@ class ResponsesRequest(_Conversation):
         if not msgs:
             raise APIError(400, "'input' must not be empty", param="input")
         msgs = [{k: v for k, v in m.items() if k != "calls"} for m in msgs]
-        if self._tool_plan is not None:
-            offer = self._tool_plan.system_text()
+        if plan is not None:
+            offer = plan.system_text()
             if msgs[0]["role"] == "system":
                 msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + offer}
             else:
                 msgs.insert(0, {"role": "system", "content": offer})
         return msgs
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, structured: StructuredOutput | None = None) -> SamplingParams:
+        """Its sampling parameters; ``structured``: what constrains the reply (default:
+        the requested ``text.format``)."""
         try:
             return SamplingParams(
                 max_tokens=self.max_output_tokens,
@@ -479,7 +489,8 @@ class ResponsesRequest(_Conversation):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
-                structured=self._structured, speculation=self.speculation)
+                structured=self._structured if structured is None else structured,
+                speculation=self.speculation)
         except InvalidSamplingParams as e:
             raise APIError(400, str(e), param=e.param) from None
 

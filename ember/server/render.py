@@ -12,6 +12,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ember.engine.output import RequestOutput
@@ -19,6 +20,7 @@ from ember.sampling.reasoning import ReasoningStream, ThinkingTags, split_reason
 from ember.sampling.sampler import TokenLogprobs
 from ember.server import protocol as P
 from ember.server.errors import APIError
+from ember.server.tools import ToolPlan
 from ember.server.transport import dumps
 
 
@@ -29,6 +31,16 @@ def sse_data(obj: Any) -> str:
 # how a reply splits into reasoning and answer: the model's tags, and whether the prompt
 # already opened the reasoning
 Reasoning = tuple[ThinkingTags, bool]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a route reads its replies, decided when it built the prompt: the tools it
+    offered, in the served model's call format (None: none), and how a reply splits
+    into reasoning and answer (None: it does not)."""
+
+    tools: ToolPlan | None = None
+    reasoning: Reasoning | None = None
 
 
 class Ids:
@@ -112,10 +124,10 @@ def completion_logprobs(lps: list[TokenLogprobs | None] | None, tokenizer: Any,
             "text_offset": offsets}
 
 
-def tool_calls_of(req: Any, out: RequestOutput) -> list[Any] | None:
-    """The calls in a finished reply to a request with tools (None: a text reply). Under
-    ``required`` or a named tool a reply without them was cut short: an error."""
-    plan = req.tool_plan
+def tool_calls_of(req: Any, plan: ToolPlan | None, out: RequestOutput) -> list[Any] | None:
+    """The calls in a finished reply to a request offering ``plan``'s tools (None: a
+    text reply). Under ``required`` or a named tool a reply without them was cut short:
+    an error."""
     if plan is None:
         return None
     calls = plan.parse(out.text)
@@ -134,14 +146,15 @@ def _split(text: str, reasoning: Reasoning) -> tuple[str | None, str]:
 
 
 def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
-               tokenizer: Any, reasoning: Reasoning | None = None) -> dict[str, Any]:
+               tokenizer: Any, shape: Shape = Shape()) -> dict[str, Any]:
+    reasoning = shape.reasoning
     choices = []
     for i, o in enumerate(outs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
         if reasoning is not None:
             message["reasoning_content"], message["content"] = _split(o.text, reasoning)
         finish = o.finish_reason
-        calls = tool_calls_of(req, o)
+        calls = tool_calls_of(req, shape.tools, o)
         if calls:
             message.update(content=None, tool_calls=[c.as_api() for c in calls])
             finish = "tool_calls"
@@ -155,8 +168,9 @@ def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
 
 async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                        req: P.ChatCompletionRequest, ids: Ids, tokenizer: Any,
-                       reasoning: Reasoning | None = None) -> AsyncIterator[str]:
+                       shape: Shape = Shape()) -> AsyncIterator[str]:
     chunk = chunk_writer(ids, req, "chat.completion.chunk")
+    plan, reasoning = shape.tools, shape.reasoning
 
     started: set[int] = set()
     finals: dict[int, RequestOutput] = {}
@@ -167,9 +181,9 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
             started.add(i)
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
-        if req.tool_plan is not None and i not in texting:
+        if plan is not None and i not in texting:
             # a reply that may be tool calls is held back until it is known to be text
-            if req.tool_plan.may_be_calls(out.text):
+            if plan.may_be_calls(out.text):
                 if not out.finished:
                     continue
             else:
@@ -177,8 +191,8 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
                 out = dataclasses.replace(out, delta_text=out.text, delta_logprobs=out.logprobs
                                           if out.finished else None)
         finish = out.finish_reason
-        if out.finished and i not in texting and req.tool_plan is not None:
-            calls = tool_calls_of(req, out)
+        if out.finished and i not in texting and plan is not None:
+            calls = tool_calls_of(req, plan, out)
             if calls:
                 thought = None if reasoning is None else _split(out.text, reasoning)[0]
                 if thought:  # the reasoning before the calls (harmony), sent whole
@@ -265,8 +279,8 @@ async def completion_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
 
 def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
                    status: str, msg_id: str | None = None,
-                   split: Reasoning | None = None) -> dict[str, Any]:
-    text = out.text if out else ""
+                   shape: Shape = Shape()) -> dict[str, Any]:
+    text, split = (out.text if out else ""), shape.reasoning
     done = out is not None and out.finished
     if done and out.finish_reason == "length":
         status = "incomplete"
@@ -278,7 +292,7 @@ def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}] if done else []}
     output = [item] if done else []
-    calls = tool_calls_of(req, out) if done else None
+    calls = tool_calls_of(req, shape.tools, out) if done else None
     if calls:
         output = [function_call_item(c) for c in calls]
     if done and reasoning is not None:
@@ -301,7 +315,7 @@ def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "parallel_tool_calls": req.tool_plan.parallel if req.tool_plan else False,
+        "parallel_tool_calls": shape.tools.parallel if shape.tools else False,
         "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
         "tools": req.tools or [],
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
@@ -323,7 +337,7 @@ def function_call_item(call: Any, arguments: str | None = None) -> dict[str, Any
 
 async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
                            req: P.ResponsesRequest, ids: Ids,
-                           split: Reasoning | None = None) -> AsyncIterator[str]:
+                           shape: Shape = Shape()) -> AsyncIterator[str]:
     seq = iter(range(1 << 30))
     msg_id = f"msg_{ids.id[5:]}"
 
@@ -332,14 +346,14 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         return f"event: {kind}\ndata: {dumps(body)}\n\n"
 
     first = await stream.__anext__()  # admission errors surface before any event
-    in_progress = response_body(req, ids, None, "in_progress", msg_id, split)
+    in_progress = response_body(req, ids, None, "in_progress", msg_id, shape)
     yield event("response.created", response=in_progress)
     yield event("response.in_progress", response=in_progress)
-    if split is not None:  # reasoning, then the answer: sent once whole
+    if shape.reasoning is not None:  # reasoning, then the answer: sent once whole
         final_out = first[1]
         async for _, out in stream:
             final_out = out
-        done = response_body(req, ids, final_out, "completed", msg_id, split)
+        done = response_body(req, ids, final_out, "completed", msg_id, shape)
         for k, item in enumerate(done["output"]):
             yield event("response.output_item.added", output_index=k, item={
                 **item, "status": "in_progress", "content": []})
@@ -360,11 +374,11 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
         yield event(kind, response=done)
         return
-    if req.tool_plan is not None:  # calls or text: known once the reply is whole
+    if shape.tools is not None:  # calls or text: known once the reply is whole
         final_out = first[1]
         async for _, out in stream:
             final_out = out
-        done = response_body(req, ids, final_out, "completed", msg_id, split)
+        done = response_body(req, ids, final_out, "completed", msg_id, shape)
         if done["output"] and done["output"][0]["type"] == "function_call":
             for k, item in enumerate(done["output"]):
                 yield event("response.output_item.added", output_index=k,
@@ -398,7 +412,7 @@ async def response_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         if out.finished:
             final = out
     assert final is not None
-    done = response_body(req, ids, final, "completed", msg_id, split)
+    done = response_body(req, ids, final, "completed", msg_id, shape)
     part = done["output"][0]["content"][0]
     yield event("response.output_text.done", **part_ref, text=final.text, logprobs=[])
     yield event("response.content_part.done", **part_ref, part=part)
