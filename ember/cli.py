@@ -18,7 +18,7 @@ from ember.errors import EmberError
 from ember.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from ember.server.app import ServerConfig
+    from ember.server.config import ServerConfig
 
 # ember.kv.dtypes.KV_DTYPES' names, spelled out: importing it here would load torch for
 # every command, --help included (tests/test_cli.py checks they agree)
@@ -479,11 +479,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The ``ember serve`` options as a :class:`~ember.server.app.ServerConfig` (its
+    """The ``ember serve`` options as a :class:`~ember.server.config.ServerConfig` (its
     ``engine`` the engine's); a bad value raises ValueError naming the option."""
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
-    from ember.server.app import ServerConfig, load_api_keys, load_tenant_limits
+    from ember.server.config import ServerConfig, load_api_keys, load_tenant_limits
 
     engine = EngineConfig(
         tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
@@ -523,7 +523,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ember.server.app import run_server
+    from ember.server.run import run_server
 
     config = server_config(args)
     engine = config.engine

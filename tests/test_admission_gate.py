@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from ember.server.app import AdmissionGate, Server, ServerConfig
+from ember.server.app import AdmissionGate, Server
+from ember.server.config import ServerConfig
 
 KEY = "sk-gate-test"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import EmberError
-from ember.server.app import load_api_keys
+from ember.server.config import load_api_keys
 
 
 def test_keys_file_gives_tenants_and_weights(tmp_path: Path):
@@ -35,7 +35,7 @@ def test_bad_key_lines_name_the_file_and_line(tmp_path: Path, line: str):
 def test_a_bearer_token_is_taken_exactly_as_sent(header: str, token: str | None):
     """RFC 9110 token68 after 'Bearer' and spaces: no Unicode whitespace is stripped,
     so a key followed by NBSP or NEL is not the key."""
-    from ember.server.app import bearer_token
+    from ember.server.config import bearer_token
 
     assert bearer_token(header) == token
 
@@ -51,7 +51,8 @@ def test_a_key_no_client_can_send_is_refused_at_start(tmp_path: Path):
 
 STARTUP_PROBE = """
 import socket, sys
-from ember.server.app import ServerConfig, run_server
+from ember.server.config import ServerConfig
+from ember.server.run import run_server
 
 port = int(sys.argv[1])
 
@@ -104,7 +105,8 @@ def test_admin_work_runs_off_the_prep_pool_with_a_deadline_on_a_daemon_thread() 
     import asyncio
     import threading
 
-    from ember.server.app import Server, ServerConfig
+    from ember.server.app import Server
+    from ember.server.config import ServerConfig
     from ember.server.errors import APIError
 
     server = Server(ServerConfig(admin_timeout=0.2))
@@ -136,7 +138,8 @@ def test_admin_work_runs_off_the_prep_pool_with_a_deadline_on_a_daemon_thread() 
     ("DIR", "/etc/passwd", False), ("DIR", "link/passwd", False)])
 def test_an_adapter_path_is_absolute_or_under_the_lora_dir(tmp_path: Path, lora_dir, path,
                                                             ok) -> None:
-    from ember.server.app import Server, ServerConfig
+    from ember.server.app import Server
+    from ember.server.config import ServerConfig
     from ember.server.errors import APIError
 
     root = tmp_path / "adapters"

@@ -13,7 +13,9 @@ from llamacpp_source import llamacpp_source
 from ember.config import EngineConfig
 from ember.server import backend
 from ember.server import protocol as P
-from ember.server.app import CHAT, RESPONSES, Server, ServerConfig
+from ember.server.app import Server
+from ember.server.config import ServerConfig
+from ember.server.routes import CHAT, RESPONSES
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

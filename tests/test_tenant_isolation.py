@@ -168,7 +168,7 @@ def test_a_tenants_queue_limit_refuses_its_requests_naming_its_own_limit(
 def test_the_tenant_limits_file_names_what_it_refuses(tmp_path) -> None:
     from ember.config import TenantLimits
     from ember.errors import EmberError
-    from ember.server.app import load_tenant_limits
+    from ember.server.config import load_tenant_limits
 
     f = tmp_path / "limits.txt"
     f.write_text("# limits\ntenant-a max_running=2 max_queued=8 kv_share=0.25\n\n"

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import gc
-import hashlib
 import hmac
 import logging
-import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,26 +38,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.config import EngineConfig, InvalidConfig, TenantLimits
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
 from ember.errors import EmberError
-from ember.sampling.params import SamplingParams
-from ember.sampling.reasoning import open_in_prompt
 from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
 from ember.server.backend import Backend, EngineView, Handle, PreparedGroup, Submission
 from ember.server.chat_page import basic_password, mount_chat_page
+from ember.server.config import ServerConfig, bearer_token, check_key, key_digest
 from ember.server.errors import (
     APIError,
     as_api_errors,
     failure,
     overloaded,
     unattainable,
-    unsupported,
 )
 from ember.server.metrics import Metrics
+from ember.server.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES, Route
 from ember.server.telemetry import RequestRecord, Telemetry
 from ember.server.transport import (
     ClientGone,
@@ -68,157 +63,11 @@ from ember.server.transport import (
     decode_json,
     disconnected,
     drain_request,
-    guarded_protocol,
     read_body,
 )
 
 log = logging.getLogger("ember.server")
 DEFAULT_TENANT = "default"
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class ServerConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
-    served_model_name: str | None = None
-    metrics_api_key: str | None = None  # else /metrics takes the API keys, if any
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    header_timeout: float = 10.0  # seconds for a request's headers to arrive
-    body_timeout: float = 60.0  # seconds for a request's whole body to arrive
-    prep_threads: int = 2  # threads that decode, template and tokenize requests
-    slo_ttft: float | None = None  # default seconds to first token (requests may set theirs)
-    slo_tpot: float | None = None  # default seconds per output token
-    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights
-    loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH, every tenant's
-    admin_api_key: str | None = None  # runtime adapter (un)loading needs it
-    lora_dir: str | None = None  # runtime adapters must lie under it (else: absolute paths)
-    admin_timeout: float = 120.0  # seconds an admin call (an adapter load) may take (504)
-    chat_page: bool = True  # the chat page at / (--no-ui: off)
-    otlp_traces_endpoint: str | None = None  # export one trace per request (OTLP/HTTP)
-    trace_content: bool = False  # prompt and completion text in the traces
-    request_log: str | None = None  # one JSON line per finished request
-
-
-def load_api_keys(keys: list[str], keys_file: Path | None
-                  ) -> tuple[dict[str, str], dict[str, float]]:
-    """``--api-key K`` (tenant derived from the key) and a file of ``KEY [TENANT [WEIGHT]]``
-    lines; returns key -> tenant and tenant -> fair-share weight (default 1)."""
-    for i, key in enumerate(keys, 1):
-        check_key(key, f"--api-key #{i}")
-    out = {k: _tenant_of(k) for k in keys}
-    weights: dict[str, float] = {}
-    if keys_file is not None:
-        for n, line in enumerate(keys_file.read_text().splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) > 3:
-                raise EmberError(f"{keys_file}:{n}: expected 'KEY [TENANT [WEIGHT]]', "
-                                 f"got {line!r}")
-            check_key(parts[0], f"{keys_file}:{n}")
-            tenant = parts[1] if len(parts) >= 2 else _tenant_of(parts[0])
-            out[parts[0]] = tenant
-            if len(parts) == 3:
-                weights[tenant] = _weight(parts[2], f"{keys_file}:{n}")
-    return out, weights
-
-
-def load_tenant_limits(path: Path) -> dict[str, TenantLimits]:
-    """A file of ``TENANT key=value ...`` lines (the keys are :class:`TenantLimits`'
-    fields: counts are integers, shares fractions of the pool; the tenant ``*``: every
-    tenant without a line of its own); '#' starts a comment."""
-    out: dict[str, TenantLimits] = {}
-    known = TenantLimits.COUNTS + TenantLimits.SHARES
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        tenant, *settings = fields
-        values: dict[str, float] = {}
-        for setting in settings:
-            key, eq, value = setting.partition("=")
-            try:
-                values[key] = int(value) if key in TenantLimits.COUNTS else float(value)
-            except ValueError:
-                eq = ""
-            if key not in known or not eq:
-                raise EmberError(f"{path}:{n}: expected KEY=VALUE with KEY one of "
-                                 f"{', '.join(known)}, got {setting!r}")
-        try:
-            out[tenant] = TenantLimits(**values)  # type: ignore[arg-type]
-        except InvalidConfig as e:
-            raise EmberError(f"{path}:{n}: {e}") from None
-    return out
-
-
-def _weight(text: str, where: str) -> float:
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = 0.0
-    if not weight > 0 or weight != weight or weight == float("inf"):
-        raise EmberError(f"{where}: the weight must be a positive number, got {text!r}")
-    return weight
-
-
-# RFC 9110 token68: what a bearer credential may hold. A key is compared byte for byte
-# with what the client sent, never after stripping (Python's str.strip also removes
-# NBSP, NEL and other Unicode spaces, which would make "KEY\xa0" the key).
-_TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
-
-
-def check_key(key: str, where: str) -> None:
-    """Refuse a configured key no client can send as a bearer token (not token68)."""
-    if not _TOKEN68.fullmatch(key):
-        raise EmberError(f"{where}: an API key must be a bearer token: letters, digits and "
-                         "-._~+/ with '=' only at the end (RFC 9110 token68)")
-
-
-def bearer_token(authorization: str) -> str | None:
-    """The token of an ``Authorization: Bearer <token68>`` header value, exactly as
-    sent (the HTTP parser already dropped the spaces and tabs around the value); None
-    if the header is anything else."""
-    scheme, sep, token = authorization.partition(" ")
-    if not sep or scheme.lower() != "bearer":
-        return None
-    token = token.lstrip(" ")  # 1*SP between the scheme and the token
-    return token if _TOKEN68.fullmatch(token) else None
-
-
-def _tenant_of(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-
-
-@dataclass
-class Route:
-    """What differs between the generation routes."""
-
-    body: type[P._Body]
-    primary: str  # the field holding the prompt: messages, prompt or input
-    grammar: str  # the field holding the output format
-    build: Callable[[Server, Any], Built]
-    cap: Callable[[Any], str] = lambda req: "max_tokens"  # the request's output-cap name
-
-    def names(self, req: Any) -> dict[str, str]:
-        """Engine parameter names -> the names this request used for them."""
-        grammar = "tools" if getattr(req, "offers_tools", False) else self.grammar
-        return {"max_tokens": self.cap(req), "structured": grammar,
-                "prompt": self.primary, "n": "n"}
-
-
-@dataclass(frozen=True)
-class Built:
-    """A route's prompts (token ids and the choices' sampling parameters, per prompt)
-    and how its replies are read (the tools offered, the reasoning split)."""
-
-    prompts: list[tuple[list[int], list[SamplingParams]]]
-    shape: R.Shape = R.Shape()
 
 
 @dataclass(frozen=True)
@@ -271,9 +120,9 @@ class Server:
                 ("--admin-api-key", config.admin_api_key)]:
             if key is not None:
                 check_key(key, where)
-        self._keys = [(_digest(k), t) for k, t in config.api_keys.items()]
-        self._metrics_key = _digest(config.metrics_api_key) if config.metrics_api_key else None
-        self._admin_key = _digest(config.admin_api_key) if config.admin_api_key else None
+        self._keys = [(key_digest(k), t) for k, t in config.api_keys.items()]
+        self._metrics_key = key_digest(config.metrics_api_key) if config.metrics_api_key else None
+        self._admin_key = key_digest(config.admin_api_key) if config.admin_api_key else None
         # LoRA adapters served, by name: the tenants that may use each (None: every one)
         self.adapters: dict[str, frozenset[str] | None] = {}
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
@@ -345,7 +194,7 @@ class Server:
         if token is None:
             raise APIError(401, "missing or malformed API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
-        return _digest(token)
+        return key_digest(token)
 
     def tenant(self, request: Request) -> str:
         """The tenant of the request's API key (every key is compared: constant time)."""
@@ -368,7 +217,7 @@ class Server:
         if not self._keys:
             return True
         token = bearer_token(authorization.decode("latin-1"))
-        return token is not None and self._owner(_digest(token)) is not None
+        return token is not None and self._owner(key_digest(token)) is not None
 
     def may_see_page(self, request: Request) -> bool:
         """Whether a request may load the chat page: no keys are configured, or it
@@ -380,7 +229,7 @@ class Server:
         token = bearer_token(header)
         if token is None:
             token = basic_password(header)
-        return token is not None and self._owner(_digest(token)) is not None
+        return token is not None and self._owner(key_digest(token)) is not None
 
     def check_metrics_access(self, request: Request) -> None:
         if self._metrics_key is None:
@@ -803,67 +652,6 @@ class _Timing:
         self.last = now
 
 
-# ====================================================================== routes' prompts
-def _chat_prompts(server: Server, req: P.ChatCompletionRequest) -> Built:
-    style = server.tool_style
-    plan = req.tool_plan(style)
-    prompt_ids = server.chat_ids(req.template_messages(style, plan), "messages",
-                                 req.template_variables(plan))
-    grammar = req.output_grammar(plan)
-    params = [req.sampling(req.max_output, req.n_logprobs, j, structured=grammar)
-              for j in range(req.n)]
-    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
-    if budget is not None:
-        params = [dataclasses.replace(p, thinking_budget=budget) for p in params]
-    return Built([(prompt_ids, params)], R.Shape(plan, split))
-
-
-def _reasoning(server: Server, plan: tools.ToolPlan | None, prompt_ids: list[int],
-               asked: tuple[int, str] | None) -> tuple[int | None, R.Reasoning | None]:
-    """The thinking budget of a chat request and how its reply splits (None, None: the
-    model does not think, or a tool grammar leaves it no room to)."""
-    tags = server.engine.thinking_tags
-    if tags is None:
-        if asked is not None:
-            raise APIError(400, f"'{asked[1]}' needs a model whose chat template has "
-                             "thinking tags", param=asked[1])
-        return None, None
-    if plan is not None and not plan.style.fmt.reasons:
-        return None, None  # a tool grammar starts at the first token: no reasoning
-    opened = open_in_prompt(server.engine.tokenizer.decode(prompt_ids[-16:]), tags)
-    # 1 << 30 unasked: no budget of its own, though the answer's share still holds
-    return (asked[0] if asked is not None else 1 << 30), (tags, opened)
-
-
-def _completion_prompts(server: Server, req: P.CompletionRequest) -> Built:
-    prompts = req.prompts()
-    if req.stream and len(prompts) > 1:
-        raise unsupported("prompt", "as a batch is not supported with stream: true")
-    for p in prompts:
-        server.check_prompt_chars(len(p), "prompt")  # token ids: one each
-    params = [req.sampling(req.max_tokens, req.logprobs, j, req.prompt_logprobs)
-              for j in range(req.n)]
-    return Built([(server.engine.loaded.encode_prompt(p), params) for p in prompts])
-
-
-def _responses_prompts(server: Server, req: P.ResponsesRequest) -> Built:
-    plan = req.tool_plan()  # told in a system message, whatever the model's format
-    prompt_ids = server.chat_ids(req.template_messages(plan), "input")
-    params = req.sampling(req.output_grammar(plan))
-    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
-    if budget is not None:
-        params = dataclasses.replace(params, thinking_budget=budget)
-    return Built([(prompt_ids, [params])], R.Shape(plan, split))
-
-
-CHAT = Route(P.ChatCompletionRequest, "messages", "response_format", _chat_prompts,
-             lambda req: "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-COMPLETIONS = Route(P.CompletionRequest, "prompt", "response_format", _completion_prompts)
-RESPONSES = Route(P.ResponsesRequest, "input", "text.format", _responses_prompts,
-                  lambda req: "max_output_tokens")
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-
-
 # ====================================================================== the app
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ember", version="0.1.0", default_response_class=JSONBody,
@@ -1077,102 +865,3 @@ async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-
-SHUTDOWN_FLUSH_SECONDS = 2.0
-
-
-class Serving:
-    """``ember serve``'s HTTP server around a :class:`Server`, its port bound when built
-    (port 0: one the system picks, in :attr:`url`). :meth:`run` starts the backend
-    loading in the background and serves until SIGINT/SIGTERM (in the main thread) or
-    :meth:`stop` (from any thread); then it stops accepting, lets in-flight requests
-    finish for up to ``graceful_seconds``, aborts the rest (their responses still end
-    properly: a stream gets its finish chunk and ``[DONE]``) and returns 0. ``start``
-    builds the backend (default: the local engine thread)."""
-
-    def __init__(self, config: ServerConfig, host: str, port: int,
-                 graceful_seconds: float = 10.0,
-                 start: Callable[[], Backend] | None = None) -> None:
-        import uvicorn
-
-        self.server = Server(config, start)
-        self.graceful_seconds = graceful_seconds
-        # uvicorn cancels whatever is still running after its own timeout; ember aborts
-        # the generations first, at ``graceful_seconds``, and leaves uvicorn time to
-        # flush them.
-        uv_config = uvicorn.Config(AdmissionGate(create_app(self.server), self.server),
-                                   host=host, port=port, log_level="warning",
-                                   http=guarded_protocol(config.header_timeout,
-                                                         self.server.metrics.count_slow_close),
-                                   timeout_graceful_shutdown=graceful_seconds
-                                   + SHUTDOWN_FLUSH_SECONDS)
-        self._uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds,
-                                   self.server.abort_all)
-        # The port is taken before the backend starts: Ray's processes bind ports of
-        # their own while it starts, and one of them could otherwise take this one first.
-        self._sock = uv_config.bind_socket()
-        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-
-    def run(self) -> int:
-        server = self.server
-        server.start_loading()
-        print(f"ember: listening on {self.url}/v1 (model loading; GET /health)", flush=True)
-        self._uv.run(sockets=[self._sock])
-        if server.thread is not None:
-            server.thread.drain(timeout=self.graceful_seconds)
-            server.thread.shutdown(timeout=self.graceful_seconds)
-        server.telemetry.close()
-        print("ember: stopped", flush=True)
-        return 0
-
-    def stop(self) -> None:
-        """End :meth:`run` as SIGTERM does (the graceful shutdown included)."""
-        self._uv.should_exit = True
-
-
-def run_server(config: ServerConfig, host: str, port: int, graceful_seconds: float = 10.0,
-               start: Callable[[], Backend] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM, logging to stderr (see :class:`Serving`)."""
-    _log_to_stderr()
-    return Serving(config, host, port, graceful_seconds, start).run()
-
-
-def _log_to_stderr() -> None:
-    """ember's own log lines (model loaded, client disconnects, failed requests) at INFO."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    ember_log = logging.getLogger("ember")
-    ember_log.addHandler(handler)
-    ember_log.setLevel(logging.INFO)
-
-
-def _uvicorn_server(base: type, config: Any, graceful_seconds: float,
-                    abort_all: Callable[[], None]) -> Any:
-    """A ``uvicorn.Server`` that (1) aborts the in-flight generations once the graceful
-    period is over, and (2) does not re-raise the SIGINT/SIGTERM it caught.
-
-    uvicorn (>= 0.29) re-raises the signal after its own shutdown, which kills the
-    process by that signal before :func:`run_server` drains the engine: ``ember serve``
-    would die with -SIGTERM instead of finishing its graceful shutdown with status 0.
-    """
-    import signal
-
-    class EmberUvicornServer(base):  # type: ignore[misc, valid-type]
-        async def shutdown(self, sockets: Any = None) -> None:
-            asyncio.get_running_loop().call_later(graceful_seconds, abort_all)
-            await super().shutdown(sockets)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            original = {sig: signal.signal(sig, self.handle_exit)
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return EmberUvicornServer(config)

@@ -42,7 +42,7 @@ class EmberServer:
     log_path: Path
     model_id: str = ""
     metrics_key: str | None = None  # bearer key /metrics wants (an API key, or its own)
-    serving: Any = None  # ember.server.app.Serving, in this process
+    serving: Any = None  # ember.server.run.Serving, in this process
     thread: threading.Thread | None = None  # the one running ``serving``
     log_handler: logging.Handler | None = None
 
@@ -142,7 +142,7 @@ def serve_in_process(model: Path | str, log_dir: Path, *args: str, weights: str 
     lines (every in-process server's: they share the logger)."""
     from ember import cli
     from ember.server import backend
-    from ember.server.app import Serving
+    from ember.server.run import Serving
 
     parsed = cli._build_parser().parse_args(
         ["serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
