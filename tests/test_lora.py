@@ -492,7 +492,7 @@ def test_resident_adapters_are_shared_fairly_between_tenants(adapters, base_f32)
     """max_loras 3: a tenant cycling through four adapters evicts its own, never the
     quiet tenant's one (plain LRU evicted it first); max_adapters 1 for tenant "capped"
     keeps it to one resident adapter even with room to spare."""
-    from ember.models.lora import LoRARegistry
+    from ember.engine.adapters import LoRARegistry
 
     reg = LoRARegistry(base_f32.config, max_loras=3,
                        max_per_tenant=lambda t: 1 if t == "capped" else None)

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig
+from ember.engine.adapters import LoRARegistry
 from ember.engine.admission import Admission
 from ember.engine.calibrate import initial_costs
 from ember.engine.commit import Commit, finish
 from ember.engine.costs import StepCostModel, StepShape
-from ember.engine.intake import SLO, Intake, InvalidRequest
+from ember.engine.intake import SLO, Intake
 from ember.engine.metrics import (
     TENANT_COUNTS,
     SpecTotals,
@@ -45,12 +46,13 @@ from ember.engine.metrics import (
 from ember.engine.output import RequestOutput, output
 from ember.engine.recurrent import RecurrentSteps, StateLayout, for_recurrent
 from ember.engine.request import FinishReason, Request
-from ember.engine.runner import ModelRunner, ScheduledRow
+from ember.engine.runner import ModelRunner, ScheduledRow, record_timelines
 from ember.engine.scheduler import Scheduler
 from ember.engine.served import served_model
 from ember.engine.transfer import KVTransfer
 from ember.engine.verify import (
     FEED_ROWS,
+    IDLE_FEED_EVERY,
     finite_rows,
     processed,
     prompt_logprobs_of,
@@ -63,19 +65,13 @@ from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_name, tenant_scope
 from ember.models.footprint import memory_summary
 from ember.models.loader import LoadedModel, load_model, physical_cores
-from ember.models.lora import LoRAAdapter, LoRAError, LoRARegistry
+from ember.models.lora import LoRAAdapter
 from ember.models.moe import MoEOptions
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor, SampleRow, sample_rows
 from ember.spec.speculator import Proposal
 
 log = logging.getLogger("ember.engine")
-# While the gate grants no draft (a batch whose steps are compute-bound: only
-# near-certain drafts pay, and recycled ones never are), the tables are fed only every
-# this many steps, from one request at a time: the feed (a top-k over the vocabulary
-# and the table updates, ~0.2 ms a row here) cost SmolLM2 at 16 streams ~5% of its
-# throughput for drafts nobody could take.
-IDLE_FEED_EVERY = 16
 
 
 class LLMEngine:
@@ -114,10 +110,8 @@ class LLMEngine:
         if states is not None:
             log.info("%s", layout.describe(states))
         self.runner = ModelRunner(self.loaded.model, storage)
-        lora_dtype = config.lora_dtype
-        if lora_dtype == "auto":
-            lora_dtype = "bf16" if self.loaded.model.native is not None else "f32"
-        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras, lora_dtype,
+        self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras,
+                                  LoRARegistry.dtype_for(config.lora_dtype, self.loaded.model),
                                   lambda tenant: config.limits_for(tenant).max_adapters)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel(),
@@ -154,30 +148,13 @@ class LLMEngine:
 
     def _adapter(self, lora: str | None, request: bool = True,
                  tenant: str | None = None) -> LoRAAdapter | None:
-        """The loaded adapter named ``lora`` (None: the base model); ``request``: for a
-        request of ``tenant`` (counted in its metrics, resident on its account)."""
-        if lora is None:
-            return None
-        try:
-            adapter = self.loras.get(lora, request, tenant)
-        except LoRAError as e:
-            raise InvalidRequest("lora", str(e), lora) from None
-        if adapter is None:
-            raise InvalidRequest("lora", f"no LoRA adapter {lora!r} is loaded", lora)
-        return adapter
+        return self.loras.for_request(lora, request, tenant)
 
-    # ------------------------------------------------------------ LoRA adapters
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
-        """Load the adapter at ``path`` (GGUF or PEFT directory) as ``name``, checked
-        against the base (:func:`ember.models.lora.load_lora`); a name already loaded is
-        replaced (requests running with the old one finish with it)."""
-        adapter = self.loras.load(name, path)
-        log.info("LoRA adapter %r: %s, rank %d, %s, %.1f MiB", name, path, adapter.rank,
-                 "/".join(adapter.targets), adapter.nbytes / 2**20)
-        return adapter
+        """Load an adapter as ``name``; see :meth:`LoRARegistry.load`."""
+        return self.loras.load(name, path)
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name``; requests already running with it finish with it."""
         self.loras.unload(name)
 
     def check_queue(self, pending: int = 0) -> None:
@@ -224,7 +201,7 @@ class LLMEngine:
             began, start = time.monotonic(), time.perf_counter()
             changed += self._run(sched.rows)
             self.scheduler.costs.observe(sched.shape, time.perf_counter() - start)
-            _record_step(sched.rows, began, time.monotonic())
+            record_timelines(sched.rows, began, time.monotonic())
         elif self.kv.tier is not None:
             self.kv.tier.wait_for_reads(0.005)  # only disk reads to wait for: do not spin
         self._retire()
@@ -258,7 +235,7 @@ class LLMEngine:
                 self.loras.count_tokens(req.lora, req.num_output)
 
     def _run(self, rows: list[ScheduledRow]) -> list[Request]:
-        self._zero_new_blocks()
+        self.runner.zero_new_blocks(self.kv.allocator)
         try:
             if self.recurrent is not None:
                 self.recurrent.before(rows)
@@ -341,20 +318,13 @@ class LLMEngine:
                 fallback.append(child)
                 continue
             if copy is not None:
-                self._zero_new_blocks()  # before the copy fills one of them
+                self.runner.zero_new_blocks(self.kv.allocator)  # before the copy fills one of them
                 self.runner.kv.copy_block(*copy)
             self.scheduler.start_running(child)
             self._first_token(child, parent, logits)
             started.append(child)
         self.scheduler.requeue(fallback)
         return started
-
-    def _zero_new_blocks(self) -> None:
-        """Zero the blocks handed out since the last call, before anything reads them:
-        never written, or another request's (another tenant's) keys and values."""
-        blocks = self.kv.allocator.take_unzeroed()
-        if blocks:
-            self.runner.kv.zero_blocks(blocks)
 
     def _first_token(self, req: Request, parent: Request, logits: torch.Tensor) -> None:
         """Sample and commit a forked sibling's first token from its parent's row."""
@@ -368,26 +338,14 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- KV in and out
     def purge_cache(self, tenant: str | None) -> dict[str, int]:
-        """Forget ``tenant``'s cached prefixes (every adapter's) in RAM, then on disk;
-        blocks its running requests hold are freed when they finish. Conversation files
-        are the user's: untouched. Run it on the engine thread (EngineThread.call);
-        the disk part may run anywhere (:meth:`purge_disk`)."""
-        match = tenant_scope(self.intake.model_salt, tenant)
-        ram = self.kv.prefix.purge(match) if self.kv.prefix else 0
-        if self.kv.snapshots is not None:  # a hybrid model's states of those prefixes
-            self.kv.snapshots.purge(match)
-        if self.kv.tier is not None:
-            self.kv.tier.forget_reads()
-        return {"ram_blocks": ram}
+        """Forget ``tenant``'s cached prefixes in RAM (engine thread); see
+        :meth:`KVTransfer.purge`."""
+        return self.transfer.purge(tenant_scope(self.intake.model_salt, tenant))
 
     def purge_disk(self, tenant: str | None) -> dict[str, int]:
-        """Delete ``tenant``'s blocks from the KV disk tier (thread-safe; after
-        :meth:`purge_cache`, so that RAM spills none of them again)."""
-        if self.transfer.disk is None:
-            return {"disk_blocks": 0, "disk_bytes": 0}
-        blocks, nbytes = self.transfer.disk.purge(
-            tenant_scope(self.intake.model_salt, tenant))
-        return {"disk_blocks": blocks, "disk_bytes": nbytes}
+        """Delete ``tenant``'s blocks from the KV disk tier (any thread, after
+        :meth:`purge_cache`)."""
+        return self.transfer.purge_disk(tenant_scope(self.intake.model_salt, tenant))
 
     def kv_fingerprint(self) -> bytes:
         return self.transfer.fingerprint()
@@ -438,13 +396,3 @@ class LLMEngine:
     def moe_metrics(self) -> dict[str, Any] | None:
         return moe_metrics(self.loaded.model.experts)
 
-
-def _record_step(rows: Sequence[ScheduledRow], began: float, ended: float) -> None:
-    """Each row's part of the step, on its request's timeline: a chunk of positions it
-    had not computed (prompt, or history after a preemption), or a decode step."""
-    for row in rows:
-        timeline = row.request.timeline
-        if row.num_tokens > 1 or row.start < row.request.num_prompt:
-            timeline.chunks.append((began, ended, row.start, row.num_tokens))
-        else:
-            timeline.decode_steps += 1

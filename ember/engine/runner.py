@@ -10,12 +10,13 @@ draft token. It changes no request state: the engine commits what was verified.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ember.engine.request import Request
-from ember.kv.blocks import KVStorage
+from ember.kv.blocks import BlockAllocator, KVStorage
 from ember.models.decoder import DecoderModel
 from ember.models.layers.attention import AttentionBatch, RowSpec
 from ember.models.lora import LoRABatch
@@ -72,6 +73,13 @@ class ModelRunner:
         self.model = model
         self.kv = kv
 
+    def zero_new_blocks(self, allocator: BlockAllocator) -> None:
+        """Zero the blocks handed out since the last call, before anything reads them:
+        never written, or another request's (another tenant's) keys and values."""
+        blocks = allocator.take_unzeroed()
+        if blocks:
+            self.kv.zero_blocks(blocks)
+
     def execute(self, rows: list[ScheduledRow]) -> torch.Tensor:
         """Run one step; return logits (sum of num_logits, vocab) in row order."""
         specs, tokens, logit_rows, offset = [], [], [], 0
@@ -92,3 +100,14 @@ class ModelRunner:
                                        [row.num_query for row in rows])
         index = torch.tensor(logit_rows, dtype=torch.long)
         return self.model.forward(torch.tensor(tokens, dtype=torch.long), batch, self.kv, index)
+
+
+def record_timelines(rows: Sequence[ScheduledRow], began: float, ended: float) -> None:
+    """Each row's part of a step, on its request's timeline: a chunk of positions it
+    had not computed (prompt, or history after a preemption), or a decode step."""
+    for row in rows:
+        timeline = row.request.timeline
+        if row.num_tokens > 1 or row.start < row.request.num_prompt:
+            timeline.chunks.append((began, ended, row.start, row.num_tokens))
+        else:
+            timeline.decode_steps += 1

@@ -114,6 +114,26 @@ class KVTransfer:
         states = HandedStates(records, self.storage)  # type: ignore[arg-type]
         return len(self.kv.usable(keys, found, salt, tokens, states)) * bs
 
+    def purge(self, match: Callable[[bytes], bool]) -> dict[str, int]:
+        """Forget the cached prefixes (every adapter's) whose salt ``match`` accepts (a
+        tenant's) in RAM, and a hybrid's snapshots of them; blocks running requests hold
+        are freed when they finish. Conversation files are the user's: untouched. Engine
+        thread only; the disk part may run anywhere (:meth:`purge_disk`)."""
+        ram = self.kv.prefix.purge(match) if self.kv.prefix else 0
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.purge(match)
+        if self.kv.tier is not None:
+            self.kv.tier.forget_reads()  # nothing read before the purge may be restored
+        return {"ram_blocks": ram}
+
+    def purge_disk(self, match: Callable[[bytes], bool]) -> dict[str, int]:
+        """Delete those prefixes' blocks (and snapshots) from the disk tier (thread-safe;
+        after :meth:`purge`, so that RAM spills none of them again)."""
+        if self.disk is None:
+            return {"disk_blocks": 0, "disk_bytes": 0}
+        blocks, nbytes = self.disk.purge(match)
+        return {"disk_blocks": blocks, "disk_bytes": nbytes}
+
     def attach_disk_tier(self, predict: Callable[[StepShape], float]) -> None:
         """Back the prefix cache with a block store under ``config.kv_cache_dir``; the
         tier restores a block when reading it beats recomputing (``predict`` prices
