@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ember.engine.costs import Coefficients, StepCostModel, StepShape
+from ember.prometheus import family
 
 BANDWIDTH_PRIOR = 1e9  # bytes/s until a handoff has been measured (a local object store)
 COORDINATION_PRIOR = 0.005  # seconds of extra round trip until one has been measured
@@ -313,8 +314,6 @@ class Planner:
 
 def disagg_lines(m: Mapping[str, Any]) -> list[str]:
     """The planner's metrics (:meth:`Planner.metrics`) in the Prometheus text format."""
-    from ember.server.metrics import family
-
     decisions, ok = m["decisions"], m["handoffs"] - m["failures"]
     last = m["last"] or {}
     return [

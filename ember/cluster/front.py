@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember import prometheus
 from ember.cluster.disagg import Plan, Planner, ReplicaLoad, disagg_lines
 from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
 from ember.cluster.router import RoutingView, choose, eligible, view
@@ -504,13 +505,11 @@ class ReplicaSet:
 
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
-        from ember.server.metrics import family as lines_of
-
         v = self.view
         lines: list[str] = []
 
         def family(name: str, kind: str, help: str, rows: list[tuple[str, Any]]) -> None:
-            lines.extend(lines_of(name, kind, help, rows))
+            lines.extend(prometheus.family(name, kind, help, rows))
 
         stats = v.snapshot()
         replicas = sorted(stats)
