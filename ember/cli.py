@@ -39,50 +39,135 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    """The parser: each subcommand's options are defined beside its command."""
     p = argparse.ArgumentParser(prog="ember", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_pull_parser, _models_parser, _inspect_parser, _tokenize_parser,
+                _generate_parser, _chat_parser, _serve_parser, _eval_parser):
+        add(sub)
+    bench = sub.add_parser("bench", help="benchmarks (print figures, write JSON)"
+                           ).add_subparsers(dest="bench", required=True)
+    for add in (_bench_throughput_parser, _bench_constrained_parser, _bench_serve_parser,
+                _bench_simulate_parser, _bench_spec_parser, _bench_kv_parser,
+                _bench_isolation_parser, _bench_lora_parser, _bench_moe_parser,
+                _bench_synth_parser, _bench_spec_cost_parser, _bench_compare_parser):
+        add(bench)
+    return p
 
-    s = sub.add_parser("pull", help="fetch a registered model into $EMBER_HOME and verify it")
-    s.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    s.add_argument("--force", action="store_true", help="fetch again even if present")
-    s.set_defaults(func=cmd_pull)
+def _add_kv_flags(s: argparse.ArgumentParser) -> None:
+    """The disk tier's flags (``--kv-dtype`` is one of every engine's: _model_args)."""
+    s.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks on disk here: they outlive eviction "
+                        "and restarts (docs/kv-cache.md)")
+    s.add_argument("--kv-disk-bytes", type=byte_size, default=16 * 1024**3,
+                   help="the disk tier's budget; least recently used blocks go beyond it")
+    s.add_argument("--kv-fsync", default="batch", choices=("always", "batch", "never"),
+                   help="when disk blocks are fsynced (a crash never leaves a torn "
+                        "block served, whatever the choice)")
+    s.add_argument("--kv-restore", default="auto", choices=("auto", "always"),
+                   help="auto: restore from disk only where faster than recomputing")
+    s.add_argument("--state-snapshot-bytes", type=byte_size, default=256 * 1024**2,
+                   help="hybrid models (Qwen 3.5): room for snapshots of recurrent state, "
+                        "without which their cached prefixes cannot be used (0: no prefix "
+                        "reuse for them; default 256M)")
 
-    s = sub.add_parser("models", help="list registered and installed models")
-    s.set_defaults(func=cmd_models)
 
-    s = sub.add_parser("inspect", help="what ember makes of a GGUF: architecture, tokenizer, "
-                       "formats, native paths, chat template, KV bytes (no weights loaded)")
-    s.add_argument("model", help="alias or path to a .gguf")
-    s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
-    s.add_argument("model", help="alias or path to a .gguf file")
-    s.add_argument("text", nargs="?")
-    s.add_argument("--text-file", type=Path, help="read the text from this file")
-    s.add_argument("--add-bos", action="store_true", help="prepend BOS as the model asks")
-    s.set_defaults(func=cmd_tokenize)
+def _loras(specs: list[str]) -> dict[str, str]:
+    """``--lora NAME=PATH`` flags as name -> path (a name given twice is refused)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora wants NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora {name!r} given twice")
+        out[name] = path
+    return out
 
-    s = sub.add_parser("generate", help="stream a reply to one prompt")
-    _model_args(s)
-    _sampling_args(s)
-    s.add_argument("--raw", action="store_true", help="complete the text as is (no chat template)")
-    s.add_argument("--spec-stats", action="store_true",
-                   help="print what speculative decoding did (drafted, accepted, steps)")
-    s.add_argument("prompt")
-    s.set_defaults(func=cmd_generate)
+def _kv_options(args: argparse.Namespace) -> dict:
+    return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
+                kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
+                kv_restore=args.kv_restore, state_snapshot_bytes=args.state_snapshot_bytes)
 
-    s = sub.add_parser("chat", help="interactive multi-turn chat")
-    _model_args(s)
-    _sampling_args(s)
-    s.add_argument("--system", help="system message")
-    s.add_argument("--conversation", type=Path, default=None, metavar="FILE",
-                   help="keep the conversation and its KV here: a later chat on the same "
-                        "FILE resumes it warm (docs/kv-cache.md)")
-    s.add_argument("--lora", default=None, metavar="PATH",
-                   help="answer with this LoRA adapter (GGUF or PEFT directory); a "
-                        "--conversation file's KV is reused only with the same adapter")
-    s.set_defaults(func=cmd_chat)
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("eval", help="drift of each weight format and KV dtype from f32")
+    s.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    s.add_argument("--weights", default="f32,bf16,q4", help="comma-separated weight formats")
+    s.add_argument("--kv-dtype", default="f32,f16,bf16,q8_0", help="comma-separated KV dtypes")
+    s.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
+    s.add_argument("--decode-tokens", type=int, default=64,
+                   help="tokens of the decode-speed run (0: skip it)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--out", type=Path, default=Path("bench-results/eval.json"))
+    s.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ember.eval import main as eval_main
+    from ember.kv.blocks import KV_DTYPES
+    from ember.models.linear import WEIGHT_FORMATS
+
+    weights = [w for w in args.weights.split(",") if w]
+    kv = [d for d in args.kv_dtype.split(",") if d]
+    for w in weights:
+        if w not in WEIGHT_FORMATS:
+            raise ValueError(f"--weights: {w!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    for d in kv:
+        if d not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype: {d!r} is not one of {', '.join(KV_DTYPES)}")
+    if args.window < 2 or args.decode_tokens < 0:
+        raise ValueError("--window must be at least 2 and --decode-tokens at least 0")
+    eval_main(args.model, weights, kv, args.window, args.decode_tokens, args.threads, args.out)
+    return 0
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ``ember serve`` options as a :class:`~ember.server.config.ServerConfig` (its
+    ``engine`` the engine's); a bad value raises ValueError naming the option."""
+    from ember.config import EngineConfig
+    from ember.models.registry import ensure_model
+    from ember.server.config import ServerConfig, load_api_keys, load_tenant_limits
+
+    engine = EngineConfig(
+        tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
+        model=args.model, weights=args.weights, threads=args.threads,
+        allow_drift=args.allow_drift, moe_stream=args.moe_stream,
+        moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
+        moe_expert_top_p=args.moe_expert_top_p, moe_pinned_share=args.moe_pinned_share,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk,
+        max_prefill_step_seconds=args.max_prefill_step_seconds,
+        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+        max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
+        max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+        lora_dtype=args.lora_dtype, speculation=args.speculation,
+        calibrate_costs=args.spec_calibrate,
+        spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
+        chat_template=(args.chat_template.read_text(encoding="utf-8")
+                       if args.chat_template else None), **_kv_options(args))
+    ensure_model(args.model)  # a bad name fails here, before the server starts
+    keys, weights = load_api_keys(args.api_key, args.api_keys_file)
+    for name in ("max_request_bytes", "header_timeout", "body_timeout", "slo_ttft",
+                 "slo_tpot"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                             f"got {getattr(args, name)}")
+    return ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name,
+                        metrics_api_key=args.metrics_api_key,
+                        max_request_bytes=args.max_request_bytes,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                        tenant_weights=weights, loras=_loras(args.lora),
+                        admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
+                        chat_page=not args.no_ui,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        trace_content=args.trace_content, request_log=args.request_log)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -180,347 +265,6 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="measure this machine's step costs at startup (about 2 s)")
     s.set_defaults(func=cmd_serve)
 
-    s = sub.add_parser("eval", help="drift of each weight format and KV dtype from f32")
-    s.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    s.add_argument("--weights", default="f32,bf16,q4", help="comma-separated weight formats")
-    s.add_argument("--kv-dtype", default="f32,f16,bf16,q8_0", help="comma-separated KV dtypes")
-    s.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    s.add_argument("--decode-tokens", type=int, default=64,
-                   help="tokens of the decode-speed run (0: skip it)")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--out", type=Path, default=Path("bench-results/eval.json"))
-    s.set_defaults(func=cmd_eval)
-
-    s = sub.add_parser("bench", help="benchmarks (print figures, write JSON)")
-    bench = s.add_subparsers(dest="bench", required=True)
-    b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--concurrency", default="1,2,4,8,16,32,64",
-                   help="comma-separated concurrency levels")
-    b.add_argument("--prompt-len", type=int, default=32)
-    b.add_argument("--output-len", type=int, default=64)
-    b.add_argument("--history-tokens", type=int, default=1500)
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--out", type=Path, default=Path("bench-results/throughput.json"))
-    b.set_defaults(func=cmd_bench_throughput)
-    b = bench.add_parser("constrained", help="grammar mask cost per token")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--max-tokens", type=int, default=48)
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--out", type=Path, default=Path("bench-results/constrained.json"))
-    b.set_defaults(func=cmd_bench_constrained)
-    b = bench.add_parser("serve", help="goodput of OpenAI-compatible endpoints under load")
-    b.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="base URL of the endpoint (without /v1)")
-    b.add_argument("--model", default=None, help="model id to request (default: its first)")
-    b.add_argument("--api-keys", default="",
-                   help="comma-separated bearer keys, one per tenant (default: none)")
-    b.add_argument("--label", default=None, help="name in the table (default: the URL)")
-    b.add_argument("--compare", default=None, metavar="URL",
-                   help="a second endpoint, run on the same trace, alternating")
-    b.add_argument("--compare-model", default=None)
-    b.add_argument("--compare-api-keys", default=None, help="default: --api-keys")
-    b.add_argument("--compare-label", default=None)
-    b.add_argument("--workload", default="chat", choices=WORKLOADS)
-    b.add_argument("--tenants", type=int, default=None,
-                   help="tenants (default: the number of --api-keys, else 1)")
-    load = b.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=None, help="requests/s")
-    load.add_argument("--rates", default=None, help="comma-separated rates: a sweep")
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="closed loop: this many clients")
-    b.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of inter-arrival times (1 = Poisson, < 1 burstier)")
-    b.add_argument("--duration", type=float, default=60.0,
-                   help="seconds of arrivals per step (open loop)")
-    b.add_argument("--num-requests", type=int, default=None,
-                   help="requests per step (overrides --duration)")
-    b.add_argument("--slo", default="ttft=2000,tpot=150",
-                   help="objectives in ms, e.g. ttft=2000,tpot=150")
-    b.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    b.add_argument("--warmup", type=int, default=4, help="requests sent first, not counted")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
-    b.add_argument("--plot", type=Path, default=None,
-                   help="write PNG plots with this path prefix (needs matplotlib)")
-    b.set_defaults(func=cmd_bench_serve)
-    b = bench.add_parser("simulate", help="predict a cluster's goodput from measured step "
-                                          "costs (replicas, roles, link; docs/scaling.md)")
-    b.add_argument("--costs", type=Path, required=True,
-                   help="a step-cost table (ember bench spec-cost --threads T)")
-    b.add_argument("--prefill-costs", type=Path, default=None,
-                   help="the prefill pool's own table (replicas on other hardware; with a "
-                        "count for --prefill-replicas)")
-    b.add_argument("--trace", type=Path, default=None,
-                   help="an ember bench serve result: its requests (without --rates, each "
-                        "step replayed as sent and compared with what it measured)")
-    b.add_argument("--prompt-tokens", default="",
-                   help="synthetic requests of these prompt lengths (comma-separated)")
-    b.add_argument("--output-tokens", type=int, default=64)
-    b.add_argument("--cached-tokens", type=int, default=0)
-    b.add_argument("--rates", default="", help="comma-separated requests/s (Poisson)")
-    b.add_argument("--requests", type=int, default=400, help="requests per point")
-    b.add_argument("--replicas", default="1", help="comma-separated replica counts")
-    b.add_argument("--prefill-replicas", default="off",
-                   help="comma-separated: off, auto or a count")
-    b.add_argument("--disagg", choices=("rule", "always"), default="rule")
-    b.add_argument("--bandwidth-gbit", default="10",
-                   help="comma-separated KV handoff link speeds, Gbit/s")
-    b.add_argument("--coordination-ms", type=float, default=5.0)
-    b.add_argument("--overhead-ms", type=float, default=0.0,
-                   help="per request before its first step (HTTP, template, Ray hop)")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help="the model whose KV bytes per token a handoff moves")
-    b.add_argument("--kv-dtype", default="f16")
-    b.add_argument("--max-num-seqs", type=int, default=64)
-    b.add_argument("--max-num-batched-tokens", type=int, default=512)
-    b.add_argument("--slo", default="ttft=2000,tpot=150",
-                   help="goodput's objectives in ms")
-    b.add_argument("--slo-tpot", type=float, default=None,
-                   help="the servers' TPOT objective in seconds (as ember serve --slo-tpot: "
-                        "steps carry only the prompt tokens that keep streams within it)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", type=Path, default=Path("bench-results/simulate.json"))
-    b.set_defaults(func=cmd_bench_simulate)
-    b = bench.add_parser("spec", help="speculative decoding: speedup per task, vs llama.cpp")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--concurrency", default="1,16", help="comma-separated request counts")
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--llama-server", default=None, metavar="PATH",
-                   help="llama.cpp's llama-server binary: measure its n-gram speculation too")
-    b.add_argument("--llama-only", action="store_true",
-                   help="measure only llama.cpp (with --llama-server)")
-    b.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
-    b.set_defaults(func=cmd_bench_spec)
-    b = bench.add_parser("kv", help="KV disk tier: follow-up TTFT cold, RAM, disk, restart")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--history", type=int, default=2000, help="conversation tokens")
-    b.add_argument("--kv-dtype", default="f32,f16", help="comma-separated KV dtypes")
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--drop-caches", action="store_true",
-                   help="drop the page cache before the restart run (needs root)")
-    b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
-    b.set_defaults(func=cmd_bench_kv)
-    b = bench.add_parser("isolation", help="can one tenant time another's prefix cache "
-                                           "(timing AUC, 0.5: no signal)")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--trials", type=int, default=300)
-    b.add_argument("--out", type=Path, default=Path("bench-results/isolation.json"))
-    b.set_defaults(func=cmd_bench_isolation)
-    b = bench.add_parser("lora", help="streams with a different LoRA adapter each vs the "
-                                      "base model alone")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--streams", type=int, default=8, help="concurrent streams (= adapters)")
-    b.add_argument("--rank", type=int, default=16, help="every adapter's rank")
-    b.add_argument("--prompt-len", type=int, default=128)
-    b.add_argument("--gen", type=int, default=64, help="tokens generated per stream")
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--lora-dtype", choices=("auto", "f32", "bf16"), default="auto",
-                   help="how ember holds the adapters (as ember serve --lora-dtype)")
-    b.add_argument("--llama-server", default=None, metavar="PATH",
-                   help="also run llama.cpp's server (this binary) with the same adapters")
-    b.add_argument("--out", type=Path, default=Path("bench-results/lora.json"))
-    b.set_defaults(func=cmd_bench_lora)
-    b = bench.add_parser("moe", help="MoE experts resident vs streamed: at cache budgets, "
-                                     "or bigger than RAM under a memory limit vs llama.cpp")
-    b.add_argument("--model", "-m", default=None,
-                   help="a mixture-of-experts GGUF (a split one by its first part); "
-                        "'trained': ember's own trained MoE, whose routing follows its "
-                        "text (trained once, ~15 min); default: a random-weight one")
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--budgets", default=None,
-                   help="comma-separated cache budgets, percent of all experts' bytes "
-                        "(default 100,50,25,10)")
-    b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
-    b.add_argument("--memory-limit", type=byte_size, default=None, metavar="BYTES",
-                   help="bigger than RAM: run every engine in a memory cgroup of this "
-                        "size, page cache included (needs root or a delegated cgroup)")
-    b.add_argument("--cache-bytes", type=byte_size, default=None, metavar="BYTES",
-                   help="with --memory-limit: ember's --moe-cache-bytes (default: half "
-                        "the limit)")
-    b.add_argument("--llama-bench", default=None, metavar="PATH",
-                   help="with --memory-limit: also run llama.cpp's llama-bench (this "
-                        "binary, or its directory) under the same limit")
-    b.add_argument("--pilot", action="store_true",
-                   help="streamed runs use the pilot (--moe-pilot): its recall is "
-                        "reported")
-    b.add_argument("--no-resident", action="store_true",
-                   help="with --memory-limit: skip the resident run (outside the limit) "
-                        "that streamed tokens are checked against")
-    b.add_argument("--out", type=Path, default=Path("bench-results/moe.json"))
-    b.set_defaults(func=cmd_bench_moe)
-    b = bench.add_parser("synth", help="random-weight GGUFs with real models' shapes "
-                                       "and llama.cpp's tensor types, for speed runs")
-    b.add_argument("--shape", required=True,
-                   help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b, "
-                        "qwen3moe-30b-a3b, gpt-oss-20b, qwen35-0.8b, qwen35-4b, qwen35moe-35b-a3b")
-    b.add_argument("--quant", default="Q4_K_M",
-                   help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
-                        "Q8_0, MXFP4_MOE (experts MXFP4, the rest Q8_0: as gpt-oss ships; "
-                        "also Q4_1, Q5_0, Q5_1)")
-    b.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="write N of the shape's real layers (a cut model, named SHAPE-Nl)")
-    b.add_argument("--out-dir", type=Path, default=None,
-                   help="default: $EMBER_HOME/synth; files are named SHAPE-QUANT.gguf")
-    b.add_argument("--tokenizer", type=Path, default=None, metavar="GGUF",
-                   help="borrow this GGUF's tokenizer (default: SmolLM2's), padded to the "
-                        "shape's vocabulary")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--force", action="store_true", help="write files that already exist")
-    b.set_defaults(func=cmd_bench_synth)
-    b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default="auto")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--out", type=Path, default=Path("bench-results/step_costs.json"))
-    b.set_defaults(func=cmd_bench_spec_cost)
-    b = bench.add_parser("compare", help="ember vs llama.cpp on the same GGUF and threads")
-    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    b.add_argument("--weights", default=None,
-                   help="comma-separated ember weight formats (default: q4 if its kernel "
-                        "builds here, else f32)")
-    b.add_argument("--threads", type=int, default=None,
-                   help="threads for both engines (default: physical cores)")
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--llama-bench", default=None, metavar="PATH",
-                   help="llama.cpp's llama-bench binary, or the directory holding it and "
-                        "llama-batched-bench: the anchor every ratio is against")
-    b.add_argument("--llama-python", default=None,
-                   help="interpreter with llama_cpp, the Python binding (default: this one, "
-                        "unless --llama-bench is given)")
-    b.add_argument("--prefill", default="128,512", help="comma-separated prompt lengths")
-    b.add_argument("--decode-tokens", type=int, default=128,
-                   help="tokens generated by the single-stream decode run")
-    b.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
-    b.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens per stream")
-    b.add_argument("--stream-gen", type=int, default=32, help="tokens generated per stream")
-    b.add_argument("--kv-dtype", default="f16", choices=KV_DTYPE_CHOICES,
-                   help="ember's KV pool dtype (llama.cpp uses its default, f16)")
-    b.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
-                   help="llama.cpp's extra CPU buffer types (repacked weights, AMX); off "
-                        "where they crash (a VM that reports AMX without granting it)")
-    b.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
-                   help="llama.cpp flash attention (default: auto, llama.cpp's default)")
-    b.add_argument("--no-spec", action="store_true",
-                   help="skip the speculation rows (the qa and code tasks of `ember bench "
-                        "spec`, speculation on and off)")
-    b.add_argument("--out", type=Path, default=Path("bench-results/compare.json"))
-    b.set_defaults(func=cmd_bench_compare)
-    return p
-
-
-def _add_kv_flags(s: argparse.ArgumentParser) -> None:
-    """The disk tier's flags (``--kv-dtype`` is one of every engine's: _model_args)."""
-    s.add_argument("--kv-cache-dir", default=None, metavar="DIR",
-                   help="keep prefix-cache blocks on disk here: they outlive eviction "
-                        "and restarts (docs/kv-cache.md)")
-    s.add_argument("--kv-disk-bytes", type=byte_size, default=16 * 1024**3,
-                   help="the disk tier's budget; least recently used blocks go beyond it")
-    s.add_argument("--kv-fsync", default="batch", choices=("always", "batch", "never"),
-                   help="when disk blocks are fsynced (a crash never leaves a torn "
-                        "block served, whatever the choice)")
-    s.add_argument("--kv-restore", default="auto", choices=("auto", "always"),
-                   help="auto: restore from disk only where faster than recomputing")
-    s.add_argument("--state-snapshot-bytes", type=byte_size, default=256 * 1024**2,
-                   help="hybrid models (Qwen 3.5): room for snapshots of recurrent state, "
-                        "without which their cached prefixes cannot be used (0: no prefix "
-                        "reuse for them; default 256M)")
-
-
-
-def _loras(specs: list[str]) -> dict[str, str]:
-    """``--lora NAME=PATH`` flags as name -> path (a name given twice is refused)."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora wants NAME=PATH, got {spec!r}")
-        if name in out:
-            raise ValueError(f"--lora {name!r} given twice")
-        out[name] = path
-    return out
-
-def _kv_options(args: argparse.Namespace) -> dict:
-    return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
-                kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
-                kv_restore=args.kv_restore, state_snapshot_bytes=args.state_snapshot_bytes)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from ember.eval import main as eval_main
-    from ember.kv.blocks import KV_DTYPES
-    from ember.models.linear import WEIGHT_FORMATS
-
-    weights = [w for w in args.weights.split(",") if w]
-    kv = [d for d in args.kv_dtype.split(",") if d]
-    for w in weights:
-        if w not in WEIGHT_FORMATS:
-            raise ValueError(f"--weights: {w!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    for d in kv:
-        if d not in KV_DTYPES:
-            raise ValueError(f"--kv-dtype: {d!r} is not one of {', '.join(KV_DTYPES)}")
-    if args.window < 2 or args.decode_tokens < 0:
-        raise ValueError("--window must be at least 2 and --decode-tokens at least 0")
-    eval_main(args.model, weights, kv, args.window, args.decode_tokens, args.threads, args.out)
-    return 0
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The ``ember serve`` options as a :class:`~ember.server.config.ServerConfig` (its
-    ``engine`` the engine's); a bad value raises ValueError naming the option."""
-    from ember.config import EngineConfig
-    from ember.models.registry import ensure_model
-    from ember.server.config import ServerConfig, load_api_keys, load_tenant_limits
-
-    engine = EngineConfig(
-        tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
-        model=args.model, weights=args.weights, threads=args.threads,
-        allow_drift=args.allow_drift, moe_stream=args.moe_stream,
-        moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
-        moe_expert_top_p=args.moe_expert_top_p, moe_pinned_share=args.moe_pinned_share,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk,
-        max_prefill_step_seconds=args.max_prefill_step_seconds,
-        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        max_queue=args.max_queue, enable_prefix_caching=not args.no_prefix_caching,
-        max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-        lora_dtype=args.lora_dtype, speculation=args.speculation,
-        calibrate_costs=args.spec_calibrate,
-        spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
-        chat_template=(args.chat_template.read_text(encoding="utf-8")
-                       if args.chat_template else None), **_kv_options(args))
-    ensure_model(args.model)  # a bad name fails here, before the server starts
-    keys, weights = load_api_keys(args.api_key, args.api_keys_file)
-    for name in ("max_request_bytes", "header_timeout", "body_timeout", "slo_ttft",
-                 "slo_tpot"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, "
-                             f"got {getattr(args, name)}")
-    return ServerConfig(engine=engine, api_keys=keys, served_model_name=args.served_model_name,
-                        metrics_api_key=args.metrics_api_key,
-                        max_request_bytes=args.max_request_bytes,
-                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                        tenant_weights=weights, loras=_loras(args.lora),
-                        admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
-                        chat_page=not args.no_ui,
-                        otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        trace_content=args.trace_content, request_log=args.request_log)
-
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.server.run import run_server
@@ -565,6 +309,44 @@ def _prefill_replicas(value: str | None, replicas: int) -> int | str | None:
     return k
 
 
+def _bench_serve_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("serve", help="goodput of OpenAI-compatible endpoints under load")
+    b.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="base URL of the endpoint (without /v1)")
+    b.add_argument("--model", default=None, help="model id to request (default: its first)")
+    b.add_argument("--api-keys", default="",
+                   help="comma-separated bearer keys, one per tenant (default: none)")
+    b.add_argument("--label", default=None, help="name in the table (default: the URL)")
+    b.add_argument("--compare", default=None, metavar="URL",
+                   help="a second endpoint, run on the same trace, alternating")
+    b.add_argument("--compare-model", default=None)
+    b.add_argument("--compare-api-keys", default=None, help="default: --api-keys")
+    b.add_argument("--compare-label", default=None)
+    b.add_argument("--workload", default="chat", choices=WORKLOADS)
+    b.add_argument("--tenants", type=int, default=None,
+                   help="tenants (default: the number of --api-keys, else 1)")
+    load = b.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=None, help="requests/s")
+    load.add_argument("--rates", default=None, help="comma-separated rates: a sweep")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: this many clients")
+    b.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson, < 1 burstier)")
+    b.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals per step (open loop)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="requests per step (overrides --duration)")
+    b.add_argument("--slo", default="ttft=2000,tpot=150",
+                   help="objectives in ms, e.g. ttft=2000,tpot=150")
+    b.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    b.add_argument("--warmup", type=int, default=4, help="requests sent first, not counted")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=Path, default=Path("bench-results/serve.json"))
+    b.add_argument("--plot", type=Path, default=None,
+                   help="write PNG plots with this path prefix (needs matplotlib)")
+    b.set_defaults(func=cmd_bench_serve)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from ember.bench.goodput import Objectives
     from ember.bench.loadgen import Endpoint
@@ -603,6 +385,47 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_simulate_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("simulate", help="predict a cluster's goodput from measured step "
+                                          "costs (replicas, roles, link; docs/scaling.md)")
+    b.add_argument("--costs", type=Path, required=True,
+                   help="a step-cost table (ember bench spec-cost --threads T)")
+    b.add_argument("--prefill-costs", type=Path, default=None,
+                   help="the prefill pool's own table (replicas on other hardware; with a "
+                        "count for --prefill-replicas)")
+    b.add_argument("--trace", type=Path, default=None,
+                   help="an ember bench serve result: its requests (without --rates, each "
+                        "step replayed as sent and compared with what it measured)")
+    b.add_argument("--prompt-tokens", default="",
+                   help="synthetic requests of these prompt lengths (comma-separated)")
+    b.add_argument("--output-tokens", type=int, default=64)
+    b.add_argument("--cached-tokens", type=int, default=0)
+    b.add_argument("--rates", default="", help="comma-separated requests/s (Poisson)")
+    b.add_argument("--requests", type=int, default=400, help="requests per point")
+    b.add_argument("--replicas", default="1", help="comma-separated replica counts")
+    b.add_argument("--prefill-replicas", default="off",
+                   help="comma-separated: off, auto or a count")
+    b.add_argument("--disagg", choices=("rule", "always"), default="rule")
+    b.add_argument("--bandwidth-gbit", default="10",
+                   help="comma-separated KV handoff link speeds, Gbit/s")
+    b.add_argument("--coordination-ms", type=float, default=5.0)
+    b.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="per request before its first step (HTTP, template, Ray hop)")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="the model whose KV bytes per token a handoff moves")
+    b.add_argument("--kv-dtype", default="f16")
+    b.add_argument("--max-num-seqs", type=int, default=64)
+    b.add_argument("--max-num-batched-tokens", type=int, default=512)
+    b.add_argument("--slo", default="ttft=2000,tpot=150",
+                   help="goodput's objectives in ms")
+    b.add_argument("--slo-tpot", type=float, default=None,
+                   help="the servers' TPOT objective in seconds (as ember serve --slo-tpot: "
+                        "steps carry only the prompt tokens that keep streams within it)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=Path, default=Path("bench-results/simulate.json"))
+    b.set_defaults(func=cmd_bench_simulate)
+
+
 def cmd_bench_simulate(args: argparse.Namespace) -> int:
     from ember.bench import simulate
     from ember.bench.goodput import Objectives
@@ -631,6 +454,21 @@ def cmd_bench_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("spec", help="speculative decoding: speedup per task, vs llama.cpp")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--concurrency", default="1,16", help="comma-separated request counts")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary: measure its n-gram speculation too")
+    b.add_argument("--llama-only", action="store_true",
+                   help="measure only llama.cpp (with --llama-server)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
+    b.set_defaults(func=cmd_bench_spec)
+
+
 def cmd_bench_spec(args: argparse.Namespace) -> int:
     from ember.bench.spec import main_spec
 
@@ -642,6 +480,20 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kv_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("kv", help="KV disk tier: follow-up TTFT cold, RAM, disk, restart")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--history", type=int, default=2000, help="conversation tokens")
+    b.add_argument("--kv-dtype", default="f32,f16", help="comma-separated KV dtypes")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before the restart run (needs root)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
+    b.set_defaults(func=cmd_bench_kv)
+
+
 def cmd_bench_kv(args: argparse.Namespace) -> int:
     from ember.bench.kv import main as bench_main
 
@@ -650,6 +502,17 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
     bench_main(args.model, args.weights, args.threads, args.history, args.reps,
                [d for d in args.kv_dtype.split(",") if d], args.drop_caches, args.out)
     return 0
+
+
+def _bench_isolation_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("isolation", help="can one tenant time another's prefix cache "
+                                           "(timing AUC, 0.5: no signal)")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--trials", type=int, default=300)
+    b.add_argument("--out", type=Path, default=Path("bench-results/isolation.json"))
+    b.set_defaults(func=cmd_bench_isolation)
 
 
 def cmd_bench_isolation(args: argparse.Namespace) -> int:
@@ -663,6 +526,25 @@ def cmd_bench_isolation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_lora_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("lora", help="streams with a different LoRA adapter each vs the "
+                                      "base model alone")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--streams", type=int, default=8, help="concurrent streams (= adapters)")
+    b.add_argument("--rank", type=int, default=16, help="every adapter's rank")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--gen", type=int, default=64, help="tokens generated per stream")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--lora-dtype", choices=("auto", "f32", "bf16"), default="auto",
+                   help="how ember holds the adapters (as ember serve --lora-dtype)")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also run llama.cpp's server (this binary) with the same adapters")
+    b.add_argument("--out", type=Path, default=Path("bench-results/lora.json"))
+    b.set_defaults(func=cmd_bench_lora)
+
+
 def cmd_bench_lora(args: argparse.Namespace) -> int:
     from ember.bench.lora import main as bench_main
     from ember.models.registry import ensure_model
@@ -673,6 +555,38 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
                args.rank, args.prompt_len, args.gen, args.reps, args.out, args.llama_server,
                args.lora_dtype)
     return 0
+
+
+def _bench_moe_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("moe", help="MoE experts resident vs streamed: at cache budgets, "
+                                     "or bigger than RAM under a memory limit vs llama.cpp")
+    b.add_argument("--model", "-m", default=None,
+                   help="a mixture-of-experts GGUF (a split one by its first part); "
+                        "'trained': ember's own trained MoE, whose routing follows its "
+                        "text (trained once, ~15 min); default: a random-weight one")
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--budgets", default=None,
+                   help="comma-separated cache budgets, percent of all experts' bytes "
+                        "(default 100,50,25,10)")
+    b.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    b.add_argument("--memory-limit", type=byte_size, default=None, metavar="BYTES",
+                   help="bigger than RAM: run every engine in a memory cgroup of this "
+                        "size, page cache included (needs root or a delegated cgroup)")
+    b.add_argument("--cache-bytes", type=byte_size, default=None, metavar="BYTES",
+                   help="with --memory-limit: ember's --moe-cache-bytes (default: half "
+                        "the limit)")
+    b.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="with --memory-limit: also run llama.cpp's llama-bench (this "
+                        "binary, or its directory) under the same limit")
+    b.add_argument("--pilot", action="store_true",
+                   help="streamed runs use the pilot (--moe-pilot): its recall is "
+                        "reported")
+    b.add_argument("--no-resident", action="store_true",
+                   help="with --memory-limit: skip the resident run (outside the limit) "
+                        "that streamed tokens are checked against")
+    b.add_argument("--out", type=Path, default=Path("bench-results/moe.json"))
+    b.set_defaults(func=cmd_bench_moe)
 
 
 def cmd_bench_moe(args: argparse.Namespace) -> int:
@@ -702,6 +616,28 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_synth_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("synth", help="random-weight GGUFs with real models' shapes "
+                                       "and llama.cpp's tensor types, for speed runs")
+    b.add_argument("--shape", required=True,
+                   help="comma-separated: llama-1b, llama-3b, llama-8b, qwen3-4b, gemma3-1b, "
+                        "qwen3moe-30b-a3b, gpt-oss-20b, qwen35-0.8b, qwen35-4b, qwen35moe-35b-a3b")
+    b.add_argument("--quant", default="Q4_K_M",
+                   help="comma-separated llama.cpp file types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, "
+                        "Q8_0, MXFP4_MOE (experts MXFP4, the rest Q8_0: as gpt-oss ships; "
+                        "also Q4_1, Q5_0, Q5_1)")
+    b.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="write N of the shape's real layers (a cut model, named SHAPE-Nl)")
+    b.add_argument("--out-dir", type=Path, default=None,
+                   help="default: $EMBER_HOME/synth; files are named SHAPE-QUANT.gguf")
+    b.add_argument("--tokenizer", type=Path, default=None, metavar="GGUF",
+                   help="borrow this GGUF's tokenizer (default: SmolLM2's), padded to the "
+                        "shape's vocabulary")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--force", action="store_true", help="write files that already exist")
+    b.set_defaults(func=cmd_bench_synth)
+
+
 def cmd_bench_synth(args: argparse.Namespace) -> int:
     from ember.bench.synth import main as bench_main
     from ember.models.registry import synth_dir
@@ -715,11 +651,31 @@ def cmd_bench_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_cost_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("spec-cost", help="measure the step-cost table of this machine")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--out", type=Path, default=Path("bench-results/step_costs.json"))
+    b.set_defaults(func=cmd_bench_spec_cost)
+
+
 def cmd_bench_spec_cost(args: argparse.Namespace) -> int:
     from ember.bench.spec import main_cost
 
     main_cost(args.model, args.weights, args.threads, args.out)
     return 0
+
+
+def _bench_constrained_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("constrained", help="grammar mask cost per token")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--max-tokens", type=int, default=48)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--out", type=Path, default=Path("bench-results/constrained.json"))
+    b.set_defaults(func=cmd_bench_constrained)
 
 
 def cmd_bench_constrained(args: argparse.Namespace) -> int:
@@ -737,6 +693,41 @@ def _int_list(text: str, option: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"{option} must list positive integers, got {text!r}")
     return values
+
+
+def _bench_compare_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("compare", help="ember vs llama.cpp on the same GGUF and threads")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default=None,
+                   help="comma-separated ember weight formats (default: q4 if its kernel "
+                        "builds here, else f32)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="threads for both engines (default: physical cores)")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary, or the directory holding it and "
+                        "llama-batched-bench: the anchor every ratio is against")
+    b.add_argument("--llama-python", default=None,
+                   help="interpreter with llama_cpp, the Python binding (default: this one, "
+                        "unless --llama-bench is given)")
+    b.add_argument("--prefill", default="128,512", help="comma-separated prompt lengths")
+    b.add_argument("--decode-tokens", type=int, default=128,
+                   help="tokens generated by the single-stream decode run")
+    b.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
+    b.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens per stream")
+    b.add_argument("--stream-gen", type=int, default=32, help="tokens generated per stream")
+    b.add_argument("--kv-dtype", default="f16", choices=KV_DTYPE_CHOICES,
+                   help="ember's KV pool dtype (llama.cpp uses its default, f16)")
+    b.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
+                   help="llama.cpp's extra CPU buffer types (repacked weights, AMX); off "
+                        "where they crash (a VM that reports AMX without granting it)")
+    b.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="llama.cpp flash attention (default: auto, llama.cpp's default)")
+    b.add_argument("--no-spec", action="store_true",
+                   help="skip the speculation rows (the qa and code tasks of `ember bench "
+                        "spec`, speculation on and off)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/compare.json"))
+    b.set_defaults(func=cmd_bench_compare)
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
@@ -766,6 +757,21 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                llama_extra_bufts=args.llama_extra_bufts == "on", llama_bench=args.llama_bench,
                spec_rows=not args.no_spec)
     return 0
+
+
+def _bench_throughput_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("throughput", help="aggregate tok/s vs concurrency; prefix reuse TTFT")
+    b.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--concurrency", default="1,2,4,8,16,32,64",
+                   help="comma-separated concurrency levels")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--history-tokens", type=int, default=1500)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--out", type=Path, default=Path("bench-results/throughput.json"))
+    b.set_defaults(func=cmd_bench_throughput)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
@@ -871,12 +877,24 @@ def _llm(args: argparse.Namespace):
     return llm, params
 
 
+def _pull_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("pull", help="fetch a registered model into $EMBER_HOME and verify it")
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    s.add_argument("--force", action="store_true", help="fetch again even if present")
+    s.set_defaults(func=cmd_pull)
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from ember.models.registry import pull
 
     path = pull(args.model, force=args.force)
     print(f"{args.model}: {path} ({path.stat().st_size / 1e6:.1f} MB, sha256 verified)")
     return 0
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("models", help="list registered and installed models")
+    s.set_defaults(func=cmd_models)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -887,6 +905,14 @@ def cmd_models(args: argparse.Namespace) -> int:
         where = str(m.path) if m.path else "not installed (ember pull)"
         print(f"{m.name:<16} {size}  {m.description:<52} {where}")
     return 0
+
+
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("inspect", help="what ember makes of a GGUF: architecture, tokenizer, "
+                       "formats, native paths, chat template, KV bytes (no weights loaded)")
+    s.add_argument("model", help="alias or path to a .gguf")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -902,6 +928,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
+    s.add_argument("model", help="alias or path to a .gguf file")
+    s.add_argument("text", nargs="?")
+    s.add_argument("--text-file", type=Path, help="read the text from this file")
+    s.add_argument("--add-bos", action="store_true", help="prepend BOS as the model asks")
+    s.set_defaults(func=cmd_tokenize)
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from ember.models.gguf import GGUFFile
     from ember.models.registry import ensure_model
@@ -915,6 +950,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("generate", help="stream a reply to one prompt")
+    _model_args(s)
+    _sampling_args(s)
+    s.add_argument("--raw", action="store_true", help="complete the text as is (no chat template)")
+    s.add_argument("--spec-stats", action="store_true",
+                   help="print what speculative decoding did (drafted, accepted, steps)")
+    s.add_argument("prompt")
+    s.set_defaults(func=cmd_generate)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     llm, params = _llm(args)
     ids = llm.encode(args.prompt) if args.raw else llm.encode_chat(
@@ -924,6 +970,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.spec_stats:
         print(out.spec.summary() if out.spec else "spec: off", file=sys.stderr)
     return 0
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_args(s)
+    _sampling_args(s)
+    s.add_argument("--system", help="system message")
+    s.add_argument("--conversation", type=Path, default=None, metavar="FILE",
+                   help="keep the conversation and its KV here: a later chat on the same "
+                        "FILE resumes it warm (docs/kv-cache.md)")
+    s.add_argument("--lora", default=None, metavar="PATH",
+                   help="answer with this LoRA adapter (GGUF or PEFT directory); a "
+                        "--conversation file's KV is reused only with the same adapter")
+    s.set_defaults(func=cmd_chat)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
