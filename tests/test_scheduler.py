@@ -201,7 +201,7 @@ def test_predicted_ttft_tracks_the_simulated_one(make_tiny_engine):
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine)
     probe = engine.prepare(prompt(100, 1), GREEDY, tenant="a")[0]
-    predicted = engine.scheduler.predict_ttft(probe)
+    predicted = engine.scheduler.forecast.predict_ttft(probe)
     engine.enqueue([probe])
     actual = simulated_ttft(engine, probe)
     assert 0.6 * actual <= predicted <= 1.6 * actual, (predicted, actual)
@@ -215,7 +215,7 @@ def test_admission_refuses_only_what_its_prediction_says_would_miss(make_tiny_en
     from ember.engine.admission import TTFT_MARGIN
 
     req = engine.prepare(prompt(100, 2), GREEDY, tenant="a")[0]
-    predicted = engine.scheduler.predict_ttft(req)
+    predicted = engine.scheduler.forecast.predict_ttft(req)
     req.slo_ttft = ratio * predicted / TTFT_MARGIN  # the engine plans for a margin of it
     engine.enqueue([req])
     outs = {o.request_id: o for o in engine.step()}
@@ -234,7 +234,8 @@ def test_another_tenants_backlog_counts_only_up_to_a_fair_share(make_tiny_engine
     _queue_backlog(engine, 2000)  # tenant a
     mine = engine.prepare(prompt(100, 3), GREEDY, tenant="b")[0]
     same = engine.prepare(prompt(100, 3), GREEDY, tenant="a")[0]
-    assert engine.scheduler.predict_ttft(mine) < engine.scheduler.predict_ttft(same) / 5
+    forecast = engine.scheduler.forecast
+    assert forecast.predict_ttft(mine) < forecast.predict_ttft(same) / 5
 
 
 def test_a_request_that_waited_past_its_ttft_is_refused(make_tiny_engine):

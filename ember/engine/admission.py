@@ -58,7 +58,7 @@ class Admission:
             self.requests[req.request_id] = req
         if parent.slo_ttft is not None:
             waited = time.monotonic() - parent.arrival_time
-            predicted = waited + self.scheduler.predict_ttft(parent)
+            predicted = waited + self.scheduler.forecast.predict_ttft(parent)
             if predicted > TTFT_MARGIN * parent.slo_ttft:
                 self._refuse(group, predicted - TTFT_MARGIN * parent.slo_ttft)
                 return
@@ -106,7 +106,7 @@ class Admission:
     def _shed_hopeless(self) -> list[Request]:
         """Refuse waiting requests that can no longer start within their TTFT objective:
         serving them would spend capacity on answers that miss anyway."""
-        lost = self.scheduler.hopeless(time.monotonic(), TTFT_MARGIN)
+        lost = self.scheduler.forecast.hopeless(time.monotonic(), TTFT_MARGIN)
         for req in lost:
             req.retry_after = req.slo_ttft
             finish(req, FinishReason.REJECTED, "the request cannot get its first token "

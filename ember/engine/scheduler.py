@@ -45,13 +45,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember.engine.costs import StepCostModel, StepShape
+from ember.engine.forecast import MIN_PREFILL, Forecast
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ScheduledRow
 from ember.kv.manager import KVCacheManager
 from ember.spec.gate import allocate
 from ember.spec.speculator import Proposal
 
-MIN_PREFILL = 16  # prompt tokens a step may always carry, whatever the objectives
 # Requests part-way through their prompt at once. Spreading a step's prompt tokens over
 # many prompts makes every one of them late; finishing two at a time keeps TTFT short
 # (one more would let a long prompt of one tenant not block another's short one).
@@ -90,6 +90,7 @@ class Scheduler:
         self.served: dict[str, float] = defaultdict(float)  # weighted tokens per tenant
         self._admitted = 0
         self.num_preemptions = 0
+        self.forecast = Forecast(self)
 
     @property
     def num_unfinished(self) -> int:
@@ -135,7 +136,7 @@ class Scheduler:
         for req in decoding:
             if req.status is RequestStatus.RUNNING and self._reserve_or_preempt(req, 1, out):
                 self._add_row(out, req, 1)
-        limit = self._step_time_limit()
+        limit = self.step_time_limit()
         if propose is not None:
             if self._drafts_can_pay(out):
                 proposals = propose()
@@ -194,9 +195,9 @@ class Scheduler:
 
     def prefill_step_limit(self) -> float:
         """The longest a step carrying prompt tokens may take now."""
-        return min(self._step_time_limit(), self.max_prefill_step_seconds)
+        return min(self.step_time_limit(), self.max_prefill_step_seconds)
 
-    def _step_time_limit(self) -> float:
+    def step_time_limit(self) -> float:
         """The step duration that keeps every decoding stream within its TPOT objective."""
         tpots = [r.slo_tpot for r in self.running
                  if r.slo_tpot is not None and r.remaining_prefill == 1]
@@ -433,78 +434,6 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.append(req)  # its arrival time keeps it at the front of its tenant
         self.num_preemptions += 1
-
-    # ------------------------------------------------------------ predictions
-    def prefill_time(self, tokens: int) -> float:
-        """Seconds to compute ``tokens`` queued prompt tokens in the steps the scheduler
-        builds next to the streams decoding now: full steps (as many prompt tokens as the
-        budget and the time limit allow) and one last step for the rest."""
-        decoding = [r for r in self.running if r.remaining_prefill == 1]
-        base = StepShape(len(decoding), len(decoding), sum(len(r.token_ids) for r in decoding),
-                         decode_rows=len(decoding), logits=len(decoding))
-        context = base.attended // max(1, len(decoding))
-
-        def step(n: int) -> float:
-            return self.costs.predict(base.plus(n, context + n))
-
-        per_step = max(MIN_PREFILL, self.max_num_batched_tokens - len(decoding))
-        limit = self._step_time_limit()
-        if limit != math.inf:
-            lo, hi = 0, per_step  # the largest chunk that keeps a step within the limit
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if step(mid) <= limit else (lo, mid - 1)
-            per_step = max(MIN_PREFILL, lo)
-        full, rest = divmod(tokens, per_step)
-        return full * step(per_step) + (step(rest) if rest else 0.0)
-
-    def predict_ttft(self, req: Request) -> float:
-        """Seconds until ``req`` (not yet queued) would get its first token.
-
-        Its own uncomputed prompt, plus the prompt tokens that would be served before
-        it: every queued token of its priority class or better from its own tenant,
-        and from each other tenant at most as many as its own tenant has ahead plus
-        its own (fair share serves them round by round), at :meth:`prefill_time`.
-        """
-        queued = self._queued_prompt_tokens(req.priority)
-        own = self._uncached(req)
-        return self._eta(queued, req.tenant, own)
-
-    def hopeless(self, now: float, margin: float = 1.0) -> list[Request]:
-        """Waiting requests that can no longer get their first token within ``margin`` of
-        their TTFT objective: the time they have waited plus the predicted rest exceeds
-        it. They are taken in the order they would be served, each counting those
-        before it."""
-        queued = self._queued_prompt_tokens(None, running_only=True)
-        lost = []
-        for req in sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)):
-            own = self._uncached(req)
-            if req.slo_ttft is not None and req.num_output == 0 and (
-                    now - req.arrival_time + self._eta(queued, req.tenant, own)
-                    > margin * req.slo_ttft):
-                lost.append(req)
-                continue
-            queued[req.tenant] += own
-        return lost
-
-    def _queued_prompt_tokens(self, priority: int | None,
-                              running_only: bool = False) -> dict[str, int]:
-        queued: dict[str, int] = defaultdict(int)
-        pool = self.running if running_only else self.running + self.waiting
-        for r in pool:
-            if (priority is None or r.priority <= priority) and r.remaining_prefill > 1:
-                queued[r.tenant] += r.remaining_prefill
-        return queued
-
-    def _uncached(self, req: Request) -> int:
-        if req.kv_len:
-            return req.remaining_prefill
-        return len(req.token_ids) - self.kv.cached_estimate(req)
-
-    def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
-        mine = queued.get(tenant, 0) + own
-        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
-        return self.prefill_time(ahead)
 
 
 def _shape_of(rows: list[ScheduledRow]) -> StepShape:

@@ -1,0 +1,111 @@
+"""When a waiting request would get its first token: the scheduler's forecast.
+
+Admission asks it twice: before queueing a request with a TTFT objective (refused at
+once, 429, when it cannot be met: ``predict_ttft``) and each step for the waiting
+requests that can no longer meet theirs (shed: ``hopeless``). Both count the prompt
+tokens that would be served first under the scheduler's fair share, at the step
+costs the :class:`~ember.engine.costs.StepCostModel` predicts for the steps the
+scheduler would build (prompt chunks beside the streams decoding now, within their
+TPOT objectives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Protocol
+
+from ember.engine.costs import StepCostModel, StepShape
+from ember.engine.request import Request
+from ember.kv.manager import KVCacheManager
+
+MIN_PREFILL = 16  # prompt tokens a step may always carry, whatever the objectives
+
+
+class Queues(Protocol):
+    """What the forecast reads of the scheduler."""
+
+    running: list[Request]
+    waiting: list[Request]
+    costs: StepCostModel
+    kv: KVCacheManager
+    max_num_batched_tokens: int
+
+    def step_time_limit(self) -> float: ...
+
+
+class Forecast:
+    def __init__(self, scheduler: Queues) -> None:
+        self.scheduler = scheduler
+
+    def prefill_time(self, tokens: int) -> float:
+        """Seconds to compute ``tokens`` queued prompt tokens in the steps the scheduler
+        builds next to the streams decoding now: full steps (as many prompt tokens as the
+        budget and the time limit allow) and one last step for the rest."""
+        decoding = [r for r in self.scheduler.running if r.remaining_prefill == 1]
+        base = StepShape(len(decoding), len(decoding), sum(len(r.token_ids) for r in decoding),
+                         decode_rows=len(decoding), logits=len(decoding))
+        context = base.attended // max(1, len(decoding))
+
+        def step(n: int) -> float:
+            return self.scheduler.costs.predict(base.plus(n, context + n))
+
+        per_step = max(MIN_PREFILL, self.scheduler.max_num_batched_tokens - len(decoding))
+        limit = self.scheduler.step_time_limit()
+        if limit != math.inf:
+            lo, hi = 0, per_step  # the largest chunk that keeps a step within the limit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if step(mid) <= limit else (lo, mid - 1)
+            per_step = max(MIN_PREFILL, lo)
+        full, rest = divmod(tokens, per_step)
+        return full * step(per_step) + (step(rest) if rest else 0.0)
+
+    def predict_ttft(self, req: Request) -> float:
+        """Seconds until ``req`` (not yet queued) would get its first token.
+
+        Its own uncomputed prompt, plus the prompt tokens that would be served before
+        it: every queued token of its priority class or better from its own tenant,
+        and from each other tenant at most as many as its own tenant has ahead plus
+        its own (fair share serves them round by round), at :meth:`prefill_time`.
+        """
+        queued = self._queued_prompt_tokens(req.priority)
+        own = self._uncached(req)
+        return self._eta(queued, req.tenant, own)
+
+    def hopeless(self, now: float, margin: float = 1.0) -> list[Request]:
+        """Waiting requests that can no longer get their first token within ``margin`` of
+        their TTFT objective: the time they have waited plus the predicted rest exceeds
+        it. They are taken in the order they would be served, each counting those
+        before it."""
+        queued = self._queued_prompt_tokens(None, running_only=True)
+        lost = []
+        for req in sorted(self.scheduler.waiting, key=lambda r: (r.priority, r.arrival_time)):
+            own = self._uncached(req)
+            if req.slo_ttft is not None and req.num_output == 0 and (
+                    now - req.arrival_time + self._eta(queued, req.tenant, own)
+                    > margin * req.slo_ttft):
+                lost.append(req)
+                continue
+            queued[req.tenant] += own
+        return lost
+
+    def _queued_prompt_tokens(self, priority: int | None,
+                              running_only: bool = False) -> dict[str, int]:
+        queued: dict[str, int] = defaultdict(int)
+        sched = self.scheduler
+        pool = sched.running if running_only else sched.running + sched.waiting
+        for r in pool:
+            if (priority is None or r.priority <= priority) and r.remaining_prefill > 1:
+                queued[r.tenant] += r.remaining_prefill
+        return queued
+
+    def _uncached(self, req: Request) -> int:
+        if req.kv_len:
+            return req.remaining_prefill
+        return len(req.token_ids) - self.scheduler.kv.cached_estimate(req)
+
+    def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
+        mine = queued.get(tenant, 0) + own
+        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
+        return self.prefill_time(ahead)
