@@ -225,7 +225,7 @@ def test_lone_surrogate_becomes_replacement(
 # --------------------------------------------------------- unsupported inputs
 def _tiny_bpe(**extra: object) -> dict[str, object]:
     """A byte-level vocabulary of single bytes plus a few tokens and merges."""
-    from ember.tokenizer import _BYTE_TO_CHAR
+    from ember.tokenizer.bpe import BYTE_TO_CHAR as _BYTE_TO_CHAR
 
     tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + ["ab", "<ctl>", "<ud>"]
     types = [1] * 256 + [1, CONTROL, USER_DEFINED]
