@@ -24,7 +24,7 @@ import pytest
 from native import require_kernels
 
 from ember import kernels
-from ember.bench import compare, synth
+from ember.bench import bandwidth, compare, synth
 from ember.bench import llamacpp_native as native
 from ember.bench.synth import Shape
 from ember.models.gguf import GGUFFile
@@ -158,7 +158,7 @@ def test_agreement_is_common_prefix() -> None:
 
 
 def test_bandwidth_measurement_is_well_formed() -> None:
-    b = compare.measure_bandwidth(1, nbytes=1 << 22, reps=3)
+    b = bandwidth.measure_bandwidth(1, nbytes=1 << 22, reps=3)
     assert len(b["gb_s"]) == 3 and len(b["check_gb_s"]) == 3
     assert b["median_gb_s"] == sorted(b["gb_s"])[1] > 0 and min(b["check_gb_s"]) > 0
 
@@ -496,11 +496,11 @@ def test_bandwidth_ceiling_is_the_median_of_every_pass() -> None:
     """One outlier pass (79.9 GB/s among 46-50) moves neither the ceiling nor the check."""
     m = [{"method": "m", "gb_s": [47.0, 48.0, 79.9, 46.0, 49.0], "check_gb_s": [44.0] * 5},
          {"method": "m", "gb_s": [50.0, 47.0, 48.0, 46.0, 49.0], "check_gb_s": [45.0] * 5}]
-    c = compare.bandwidth_ceiling(m)
+    c = bandwidth.bandwidth_ceiling(m)
     assert (c["gb_s"], c["min_gb_s"], c["max_gb_s"], c["passes"]) == (48.0, 46.0, 79.9, 10)
     assert c["check_gb_s"] == 44.5 and c["check_agrees"] is True
     m[1]["check_gb_s"] = m[0]["check_gb_s"] = [20.0] * 5
-    assert compare.bandwidth_ceiling(m)["check_agrees"] is False
+    assert bandwidth.bandwidth_ceiling(m)["check_agrees"] is False
 
 
 MiB = 1 << 20
@@ -510,28 +510,28 @@ XEON_REACH = {"bytes": [n * MiB for n in (4, 16, 32, 64, 128, 256, 400, 1024)],
 
 
 def test_the_cache_probe_reads_each_size_below_the_ceilings_tensor() -> None:
-    r = compare.measure_cache_reach(1, 16 * MiB, read_bytes=8 * MiB)
+    r = bandwidth.measure_cache_reach(1, 16 * MiB, read_bytes=8 * MiB)
     assert r["bytes"] == [4 * MiB, 8 * MiB] and min(r["gb_s"]) > 0
 
 
 def test_the_cache_decode_sees_is_where_reads_fall_to_the_dram_rate() -> None:
-    assert compare.cache_reach_bytes(XEON_REACH, 25.1) == 64 * MiB
+    assert bandwidth.cache_reach_bytes(XEON_REACH, 25.1) == 64 * MiB
     bounced = {**XEON_REACH, "gb_s": [104.8, 50.9, 30.0, 52.5, 24.7, 80.0, 23.9, 26.6]}
-    assert compare.cache_reach_bytes(bounced, 25.1) == 16 * MiB  # the first fall counts
-    assert compare.cache_reach_bytes(XEON_REACH, 80.0) == 0
-    assert compare.cache_reach_bytes({"bytes": [], "gb_s": []}, 25.1) == 0
+    assert bandwidth.cache_reach_bytes(bounced, 25.1) == 16 * MiB  # the first fall counts
+    assert bandwidth.cache_reach_bytes(XEON_REACH, 80.0) == 0
+    assert bandwidth.cache_reach_bytes({"bytes": [], "gb_s": []}, 25.1) == 0
 
 
 def test_the_cache_note_trusts_the_measured_cache_over_sysfs() -> None:
     sysfs = 480 * MiB
-    fits = compare.cache_note(30_000_000, sysfs, 64 * MiB)
+    fits = bandwidth.cache_note(30_000_000, sysfs, 64 * MiB)
     assert fits and "can exceed the DRAM ceiling" in fits and "64 MiB" in fits
     # SmolLM2 (98 MB) inside sysfs's 480 MiB but past the measured 64: a DRAM-bound figure
-    dram = compare.cache_note(98_000_000, sysfs, 64 * MiB)
+    dram = bandwidth.cache_note(98_000_000, sysfs, 64 * MiB)
     assert dram and "480 MiB" in dram and "from DRAM" in dram and "exceed" not in dram
-    assert "at no probed size" in compare.cache_note(98_000_000, sysfs, 0)
-    assert compare.cache_note(740_000_000, sysfs, 64 * MiB) is None
-    assert compare.cache_note(740_000_000, None, 0) is None
+    assert "at no probed size" in bandwidth.cache_note(98_000_000, sysfs, 0)
+    assert bandwidth.cache_note(740_000_000, sysfs, 64 * MiB) is None
+    assert bandwidth.cache_note(740_000_000, None, 0) is None
 
 
 # ---------------------------------------------------------------- speculation rows

@@ -72,7 +72,6 @@ Figures are printed as a table and written as JSON; nothing here asserts a timin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -84,11 +83,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ember.bench import llamacpp_native as native
+from ember.bench.bandwidth import (
+    BANDWIDTH_BYTES,
+    BRACKET,
+    CACHED_FACTOR,
+    CHECK_TOLERANCE,
+    bandwidth_ceiling,
+    cache_note,
+    cache_reach_bytes,
+    last_level_cache_bytes,
+    measure_bandwidth,
+    measure_cache_reach,
+)
 from ember.bench.llamacpp_driver import cpu_seconds  # stdlib-only helpers
 from ember.bench.llamacpp_driver import serve as serve_protocol
 from ember.bench.throughput import PARAGRAPH
@@ -107,7 +117,6 @@ HOW_TO_GET_LLAMA = (
     "--llama-python /path/to/python of an environment where `import llama_cpp` works; "
     "or pass --llama-bench with the directory of llama.cpp's llama-bench binary"
 )
-BANDWIDTH_BYTES = 1 << 30
 
 
 # ---------------------------------------------------------------- weight bytes
@@ -462,126 +471,6 @@ def probe_llama(python: str | None) -> dict:
             "llama_cpp_version": answer.get("llama_cpp_version")}
 
 
-# ---------------------------------------------------------------- measurements
-@contextlib.contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def _read_rates(x: Any, reduce: Any, passes: int) -> list[float]:
-    """GB/s (1e9 B) of each of ``passes`` timed ``reduce(x)`` calls over float tensor x."""
-    rates = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        reduce(x)
-        rates.append(x.nbytes / (time.perf_counter() - start) / 1e9)
-    return rates
-
-
-def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, reps: int = 5) -> dict:
-    """Read bandwidth with ``threads`` threads over an ``nbytes`` float32 tensor, bytes / s
-    of each pass (GB = 1e9 B): ``reps`` passes of ``torch.sum``, then as many of
-    ``torch.amax`` (another reduction kernel over the same bytes: the check)."""
-    import torch
-
-    with _torch_threads(threads):
-        x = torch.ones(nbytes // 4, dtype=torch.float32)
-        x.sum()  # fault the pages in, warm the threads
-        x.amax()
-        sums = _read_rates(x, torch.sum, reps)
-        amaxes = _read_rates(x, torch.amax, reps)
-        del x
-    return {"method": f"torch.sum over {nbytes / 2**30:.2f} GiB float32, {threads} threads",
-            "gb_s": sums, "median_gb_s": statistics.median(sums),
-            "check_method": "torch.amax over the same tensor", "check_gb_s": amaxes}
-
-
-CHECK_TOLERANCE = 0.25  # the two methods' medians further apart than this: say so
-
-# Reads of a tensor that fits a cache run well above the DRAM rate; this factor over the
-# ceiling marks a size as cached. On a 2-core Xeon VM whose sysfs reports a 480 MiB L3,
-# torch.sum ran at ~105 GB/s over 4 MiB, ~51 over 16-64 MiB and ~24 (the DRAM rate)
-# from 128 MiB up: a 0.75 GB model there is read from DRAM, whatever sysfs says.
-CACHED_FACTOR = 1.5
-CACHE_PROBE_SMALLEST = 4 << 20
-BRACKET = 3  # ceiling passes just before and just after each side's run
-
-
-def measure_cache_reach(threads: int, largest: int, read_bytes: int = 256 << 20) -> dict:
-    """Read bandwidth over float32 tensors of 4 MiB, 8 MiB, ... below ``largest``: the
-    median of enough ``torch.sum`` passes to read ``read_bytes`` (at least 3) at each
-    size. Where it falls to the DRAM ceiling is the cache decode really has."""
-    import torch
-
-    sizes, rates = [], []
-    with _torch_threads(threads):
-        size = CACHE_PROBE_SMALLEST
-        while size < largest:
-            x = torch.ones(size // 4, dtype=torch.float32)
-            x.sum()  # fault the pages in
-            sizes.append(size)
-            rates.append(statistics.median(_read_rates(x, torch.sum,
-                                                       max(3, read_bytes // size))))
-            del x
-            size *= 2
-    return {"method": f"torch.sum, {threads} threads, median per size", "bytes": sizes,
-            "gb_s": rates}
-
-
-def cache_reach_bytes(reach: dict, ceiling_gb_s: float) -> int:
-    """The largest probed size read at least CACHED_FACTOR x the DRAM ceiling (sizes
-    past the first one that is not are ignored); 0 when none is."""
-    cached = 0
-    for size, rate in zip(reach["bytes"], reach["gb_s"], strict=True):
-        if rate < CACHED_FACTOR * ceiling_gb_s:
-            break
-        cached = size
-    return cached
-
-
-def cache_note(step_bytes: int, sysfs_llc: int | None, reach_bytes: int | None) -> str | None:
-    """What the cache means for the single-stream figures, or None when nothing needs
-    saying: the weights a step reads fit the measured cache (decode can beat the DRAM
-    ceiling), or only sysfs's (a VM that reports a cache it does not give)."""
-    if reach_bytes and step_bytes <= reach_bytes:
-        return (f"note: every side's weights per step ({step_bytes / 1e6:.0f} MB) fit in the "
-                f"cache reads were measured from (faster than {CACHED_FACTOR:g}x the DRAM "
-                f"ceiling up to {reach_bytes / 2**20:.0f} MiB): decode can exceed the DRAM "
-                "ceiling here, and a CPU with a smaller cache will see lower figures")
-    if sysfs_llc and step_bytes <= sysfs_llc:
-        measured = (f"up to {reach_bytes / 2**20:.0f} MiB" if reach_bytes
-                    else "at no probed size")
-        return (f"note: sysfs reports a {sysfs_llc / 2**20:.0f} MiB last-level cache, which "
-                f"would hold the weights per step ({step_bytes / 1e6:.0f} MB), but reads "
-                f"were measured faster than the DRAM ceiling only {measured}: decode here "
-                "reads most of its weights from DRAM")
-    return None
-
-
-def bandwidth_ceiling(measurements: list[dict]) -> dict:
-    """The ceiling: the median over every ``torch.sum`` pass of every measurement (one
-    pass that reads a cache or a lucky interval cannot move it; a best-of did, once
-    79.9 GB/s on a machine whose steady value is 46-50), with the min and max beside it,
-    and the median of the ``torch.amax`` passes as a check."""
-    passes = [g for m in measurements for g in m["gb_s"]]
-    check = [g for m in measurements for g in m.get("check_gb_s", [])]
-    median = statistics.median(passes)
-    out = {"gb_s": median, "min_gb_s": min(passes), "max_gb_s": max(passes),
-           "passes": len(passes), "method": measurements[0]["method"]}
-    if check:
-        out["check_gb_s"] = statistics.median(check)
-        out["check_ratio"] = out["check_gb_s"] / median
-        out["check_agrees"] = abs(out["check_ratio"] - 1) <= CHECK_TOLERANCE
-    return out
-
-
 def build_spec(tokens: list[int], prefill: list[int], decode_prompt: int, decode_tokens: int,
                streams: list[int], stream_prompt: int, stream_gen: int) -> dict:
     """The token ids both engines are fed (the ``run`` message)."""
@@ -714,19 +603,6 @@ def _machine() -> dict:
     return info
 
 
-def last_level_cache_bytes() -> int | None:
-    """Size of this CPU's largest cache (sysfs), or None where it cannot be read."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = entry.read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=None)
-
-
 def _load() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -828,40 +704,9 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
                 print(f"llama.cpp's Python binding failed to start: {e}; leaving it out.")
                 sides.pop(BINDING).close()
 
-        def message(name: str, rep: int, warm: bool = False) -> dict:
-            if name in spec_of:
-                return {"rep": rep, "max_tokens": 8 if warm else None}
-            return warmup_spec(spec) if warm else spec
-
-        runs: dict[str, list[dict]] = {s: [] for s in sides}
-        print(f"model {path.name}, {threads} threads, {reps} reps, ember KV {kv_dtype}; "
-              f"load average {' '.join(map(str, load_start))}; sides: "
-              f"{', '.join(s for s in sides if s not in spec_of)}"
-              + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else "")
-              + "".join(f"; {s} kernels {info[s]['kernels']}" for s in sides
-                        if s not in spec_of and "kernels" in info.get(s, {}))
-              + (f"; {NATIVE} is {info[NATIVE]['version']}" if "version" in info.get(NATIVE, {})
-                 else ""), flush=True)
-        for s in list(sides):  # warm-up, untimed
-            _run_side(sides, runs, info, s, message(s, 0, warm=True), None)
-        for rep in range(reps):
-            order = list(sides)
-            order = order[rep % len(order):] + order[: rep % len(order)]
-            for s in order:
-                if s not in sides:
-                    continue
-                bracket = s not in spec_of  # a kernel side's run sits between two ceilings
-                if bracket:
-                    bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
-                _run_side(sides, runs, info, s, message(s, rep), rep)
-                if bracket:
-                    bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
-                    if runs.get(s) and runs[s][-1]["rep"] == rep:  # see fraction_nearby
-                        runs[s][-1]["read_gb_s_around"] = statistics.fmean(
-                            b["median_gb_s"] for b in bandwidth[-2:])
-            print(f"  rep {rep + 1}/{reps} done ({time.perf_counter() - started:.0f} s, "
-                  f"load {' '.join(map(str, _load()))}, read BW "
-                  f"{bandwidth[-1]['median_gb_s']:.1f} GB/s)", flush=True)
+        runs = _measure(sides, info, spec_of, spec, reps, threads, bandwidth_bytes, bandwidth,
+                        started, f"model {path.name}, {threads} threads, {reps} reps, ember KV "
+                        f"{kv_dtype}; load average {' '.join(map(str, load_start))}")
         for s, x in sides.items():
             info.setdefault(s, {}).update(x.close())
     finally:
@@ -875,30 +720,7 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
     reach["cached_bytes"] = cache_reach_bytes(reach, ceiling["gb_s"])
 
     columns = [s for s in sides if s not in spec_of]
-    results: dict[str, dict] = {}
-    for s in columns:
-        summary = summarize(runs[s])
-        step_bytes = llama_bytes if s in (NATIVE, BINDING) else info[s]["weight_bytes"]
-        dec = summary["median_tok_s"].get("decode_1")
-        achieved = step_bytes * dec / 1e9 if dec else None
-        results[s] = {
-            **summary, "runs": runs[s], "init": info[s],
-            "weight_bytes_per_step": step_bytes,
-            "decode_1_weight_gb_s": achieved,
-            "decode_1_fraction_of_ceiling": achieved / ceiling["gb_s"] if achieved else None,
-            "decode_1_fraction_nearby": fraction_nearby(runs[s], step_bytes),
-            "peak_rss_bytes": info[s].get("peak_rss_bytes"),
-        }
-        if s.startswith("ember-"):
-            worker = next((k for k, v in spec_of.items() if v == s), None)
-            if worker in sides:
-                rows = summarize_spec(runs[worker])
-                results[s]["per_rep_tok_s"].update(rows.pop("per_rep_tok_s"))
-                results[s]["median_tok_s"].update(rows.pop("median_tok_s"))
-                results[s]["spec"] = {**rows, "runs": runs[worker], "init": info[worker],
-                                      "peak_rss_bytes": info[worker].get("peak_rss_bytes")}
-            else:
-                results[s]["spec"] = {"skipped": refusal}
+    results = _results(columns, sides, runs, info, spec_of, llama_bytes, ceiling, refusal)
     anchor = anchor_of(columns)
     ratios = ratios_against({s: results[s]["median_tok_s"] for s in columns}, anchor)
     if BINDING in results and runs[BINDING] and "decode" in runs[BINDING][0]:
@@ -930,33 +752,7 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
                   "decode_tokens": decode_tokens, "streams": streams,
                   "stream_prompt": stream_prompt, "stream_gen": stream_gen},
         "ember_kv_dtype": kv_dtype, "kv_context": kv_context,
-        "method": {
-            "speculation": "kernel figures (prefill, decode_1, decode_S): ember's engine has "
-                           "speculation off; spec_on_<task>/spec_off_<task>: the tasks "
-                           f"{', '.join(SPEC_TASKS)} of `ember bench spec` (tasks(1), chat "
-                           "template, greedy, their max_tokens), decode phase, on two engines "
-                           "of their own (speculation on / off); ratios against the anchor's "
-                           "decode_1",
-            "prefill": "prompt in one chunk/batch through sampling the first token; tok/s = "
-                       "prompt tokens / seconds (native: llama-bench pp<P>)",
-            "decode_1": "one stream, time from first token to last; tok/s = (n-1) / seconds "
-                        "(native: llama-bench tg<n-1>)",
-            "decode_S": "S streams, decode phase only: from when every stream has its first "
-                        "token until all finish; tok/s = tokens in that window / seconds "
-                        "(native: llama-batched-bench S_TG with -ntg gen-1)",
-            "weight_bytes": "ember: bytes of the tensors held by its Linear objects + norm "
-                            "vectors (embedding rows excluded); llama.cpp: GGUF sizes of the "
-                            "tensors a step reads (token_embd only when tied as output head)",
-            "bandwidth": f"{ceiling['method']}, 5 passes before the runs and {BRACKET} "
-                         "just before and just after each side's run; the ceiling is the "
-                         "median of all passes (min/max beside it); check: torch.amax over "
-                         "the same tensor; 'around': each rep's decode over the mean of "
-                         "the passes just before and after its run, median over reps",
-            "peak_rss": "VmHWM: the workers' own from /proc/self/status at exit; the native "
-                        "binaries' polled from /proc/PID/status every 10 ms while they run "
-                        "(getrusage ru_maxrss is inherited from the launcher across "
-                        "fork+exec on Linux)",
-        },
+        "method": _method(ceiling),
         "load_avg": {"start": load_start, "end": load_end},
         "bandwidth": bandwidth, "bandwidth_ceiling": ceiling,
         "bandwidth_ceiling_gb_s": ceiling["gb_s"], "cache_reach": reach,
@@ -968,6 +764,112 @@ def main(model: str, weights: list[str], threads: int | None, reps: int, out: Pa
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
     return result
+
+
+def _measure(sides: dict, info: dict, spec_of: dict[str, str], spec: dict, reps: int,
+             threads: int, bandwidth_bytes: int, bandwidth: list[dict], started: float,
+             header: str) -> dict[str, list[dict]]:
+    """Every side's runs: one untimed warm-up each, then ``reps`` rounds in a rotating
+    order, each kernel side's run between two short bandwidth measurements (appended to
+    ``bandwidth``)."""
+
+    def message(name: str, rep: int, warm: bool = False) -> dict:
+        if name in spec_of:
+            return {"rep": rep, "max_tokens": 8 if warm else None}
+        return warmup_spec(spec) if warm else spec
+
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    print(f"{header}; sides: "
+          f"{', '.join(s for s in sides if s not in spec_of)}"
+          + (f"; speculation rows: {', '.join(spec_of)}" if spec_of else "")
+          + "".join(f"; {s} kernels {info[s]['kernels']}" for s in sides
+                    if s not in spec_of and "kernels" in info.get(s, {}))
+          + (f"; {NATIVE} is {info[NATIVE]['version']}" if "version" in info.get(NATIVE, {})
+             else ""), flush=True)
+    for s in list(sides):  # warm-up, untimed
+        _run_side(sides, runs, info, s, message(s, 0, warm=True), None)
+    for rep in range(reps):
+        order = list(sides)
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for s in order:
+            if s not in sides:
+                continue
+            bracket = s not in spec_of  # a kernel side's run sits between two ceilings
+            if bracket:
+                bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
+            _run_side(sides, runs, info, s, message(s, rep), rep)
+            if bracket:
+                bandwidth.append(measure_bandwidth(threads, bandwidth_bytes, BRACKET))
+                if runs.get(s) and runs[s][-1]["rep"] == rep:  # see fraction_nearby
+                    runs[s][-1]["read_gb_s_around"] = statistics.fmean(
+                        b["median_gb_s"] for b in bandwidth[-2:])
+        print(f"  rep {rep + 1}/{reps} done ({time.perf_counter() - started:.0f} s, "
+              f"load {' '.join(map(str, _load()))}, read BW "
+              f"{bandwidth[-1]['median_gb_s']:.1f} GB/s)", flush=True)
+    return runs
+
+
+def _results(columns: list[str], sides: dict, runs: dict[str, list[dict]], info: dict,
+             spec_of: dict[str, str], llama_bytes: int, ceiling: dict,
+             refusal: str | None) -> dict[str, dict]:
+    """Each column's medians, weight read rate against the ceiling and memory, with an
+    ember side's speculation rows folded in."""
+    results: dict[str, dict] = {}
+    for s in columns:
+        summary = summarize(runs[s])
+        step_bytes = llama_bytes if s in (NATIVE, BINDING) else info[s]["weight_bytes"]
+        dec = summary["median_tok_s"].get("decode_1")
+        achieved = step_bytes * dec / 1e9 if dec else None
+        results[s] = {
+            **summary, "runs": runs[s], "init": info[s],
+            "weight_bytes_per_step": step_bytes,
+            "decode_1_weight_gb_s": achieved,
+            "decode_1_fraction_of_ceiling": achieved / ceiling["gb_s"] if achieved else None,
+            "decode_1_fraction_nearby": fraction_nearby(runs[s], step_bytes),
+            "peak_rss_bytes": info[s].get("peak_rss_bytes"),
+        }
+        if s.startswith("ember-"):
+            worker = next((k for k, v in spec_of.items() if v == s), None)
+            if worker in sides:
+                rows = summarize_spec(runs[worker])
+                results[s]["per_rep_tok_s"].update(rows.pop("per_rep_tok_s"))
+                results[s]["median_tok_s"].update(rows.pop("median_tok_s"))
+                results[s]["spec"] = {**rows, "runs": runs[worker], "init": info[worker],
+                                      "peak_rss_bytes": info[worker].get("peak_rss_bytes")}
+            else:
+                results[s]["spec"] = {"skipped": refusal}
+    return results
+
+
+def _method(ceiling: dict) -> dict[str, str]:
+    """How each figure was measured, for the JSON."""
+    return {
+        "speculation": "kernel figures (prefill, decode_1, decode_S): ember's engine has "
+                       "speculation off; spec_on_<task>/spec_off_<task>: the tasks "
+                       f"{', '.join(SPEC_TASKS)} of `ember bench spec` (tasks(1), chat "
+                       "template, greedy, their max_tokens), decode phase, on two engines "
+                       "of their own (speculation on / off); ratios against the anchor's "
+                       "decode_1",
+        "prefill": "prompt in one chunk/batch through sampling the first token; tok/s = "
+                   "prompt tokens / seconds (native: llama-bench pp<P>)",
+        "decode_1": "one stream, time from first token to last; tok/s = (n-1) / seconds "
+                    "(native: llama-bench tg<n-1>)",
+        "decode_S": "S streams, decode phase only: from when every stream has its first "
+                    "token until all finish; tok/s = tokens in that window / seconds "
+                    "(native: llama-batched-bench S_TG with -ntg gen-1)",
+        "weight_bytes": "ember: bytes of the tensors held by its Linear objects + norm "
+                        "vectors (embedding rows excluded); llama.cpp: GGUF sizes of the "
+                        "tensors a step reads (token_embd only when tied as output head)",
+        "bandwidth": f"{ceiling['method']}, 5 passes before the runs and {BRACKET} "
+                     "just before and just after each side's run; the ceiling is the "
+                     "median of all passes (min/max beside it); check: torch.amax over "
+                     "the same tensor; 'around': each rep's decode over the mean of "
+                     "the passes just before and after its run, median over reps",
+        "peak_rss": "VmHWM: the workers' own from /proc/self/status at exit; the native "
+                    "binaries' polled from /proc/PID/status every 10 ms while they run "
+                    "(getrusage ru_maxrss is inherited from the launcher across "
+                    "fork+exec on Linux)",
+    }
 
 
 def _run_side(sides: dict, runs: dict, info: dict, name: str, msg: dict,
