@@ -219,7 +219,7 @@ def test_a_tenants_queue_limit_counts_what_waits_on_every_replica(make) -> None:
     yet), its second is refused naming its own limit; another tenant still gets in; once
     the first is gone, "t" may queue again."""
     from ember.config import TenantLimits
-    from ember.engine.thread import TenantQueueFull
+    from ember.engine.admission import TenantQueueFull
 
     rs, _ = make([[Verdict("r1"), HANG]], tenant_limits={"t": TenantLimits(max_queued=1)})
     with rs.slot("t") as slot:  # as the server does: a place first, then prepare, submit

@@ -147,7 +147,8 @@ def test_a_tenants_queue_limit_refuses_its_requests_naming_its_own_limit(
     """max_queued=2 for every tenant ("*"): tenant "a"'s third waiting request is
     refused with a message naming a's limit; tenant "b" still gets in."""
     from ember.config import TenantLimits
-    from ember.engine.thread import EngineThread, TenantQueueFull
+    from ember.engine.admission import TenantQueueFull
+    from ember.engine.thread import EngineThread
 
     engine = make_tiny_engine(tenant_limits={"*": TenantLimits(max_queued=2)})
     # one of a's requests already waits in the scheduler: it counts with the slots
@@ -162,7 +163,7 @@ def test_a_tenants_queue_limit_refuses_its_requests_naming_its_own_limit(
     again = thread.slot("a")  # a freed place is the tenant's again
     for s in (*other, again):
         s.release()
-    assert thread._slots == 0 and not any(thread._tenant_slots.values())
+    assert thread._places.count == 0 and not any(thread._places.per_tenant().values())
 
 
 def test_the_tenant_limits_file_names_what_it_refuses(tmp_path) -> None:

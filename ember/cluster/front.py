@@ -36,7 +36,8 @@ from ember.engine.admission import QueueFull
 from ember.engine.intake import SLO, InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.served import with_chat_template
-from ember.engine.thread import EngineStopped, TenantQueueFull
+from ember.engine.slots import QueuePlaces, Slot
+from ember.engine.thread import EngineStopped
 from ember.kv.prefix import extend_keys, tenant_salt
 from ember.models.loader import LoadedModel
 from ember.models.lora import LoRAAdapter, load_lora
@@ -136,8 +137,7 @@ class ReplicaSet:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ember-replicas",
                                         daemon=True)
         self._lock = threading.Lock()
-        self._slots = 0
-        self._tenant_slots: dict[str, int] = {}  # places taken, per tenant with max_queued
+        self._places = QueuePlaces(config.limits_for)  # taken, not yet sent to a replica
         self._groups: dict[str, RemoteGroup] = {}  # request id -> its group
         self._stopping = False
         self._changed_at = 0.0  # wall time a stream last started or ended here
@@ -151,7 +151,7 @@ class ReplicaSet:
         return self._thread.is_alive() and not self._loop.is_closed()
 
     # ------------------------------------------------------------ the EngineThread API
-    def slot(self, tenant: str | None = None) -> _Slot:
+    def slot(self, tenant: str | None = None) -> Slot:
         """A place in the front's queue, for ``tenant``: its ``max_queued`` counts its
         places here and its requests sent to replicas that have not streamed a token yet
         (waiting or prefilling: known here at once, not as of the replicas' stats)."""
@@ -161,18 +161,18 @@ class ReplicaSet:
             if self.queue_full():
                 raise QueueFull(f"queue is full ({self._capacity()} requests across "
                                 f"{self.replicas} replicas)")
-            limit = self.config.limits_for(tenant).max_queued
-            if limit is None:
-                tenant = None  # nothing to count
-            else:
-                tenant = tenant or ""
-                queued = self._tenant_slots.get(tenant, 0) + self._tenant_waiting(tenant)
-                if queued >= limit:
-                    raise TenantQueueFull(f"tenant {tenant!r} has {queued} requests queued, "
-                                          f"its limit (max_queued={limit})")
-                self._tenant_slots[tenant] = self._tenant_slots.get(tenant, 0) + 1
-            self._slots += 1
-        return _Slot(self, tenant)
+            key = self._places.take(tenant, self._tenant_waiting)
+        return Slot(self._submit, self._release_slot, key)
+
+    def _submit(self, group: list[RemoteRequest], callback: Callback,
+                key: str | None) -> list[str]:
+        self._release_slot(key)
+        self._loop.call_soon_threadsafe(group[0].group.attach, callback)
+        return [r.request_id for r in group]
+
+    def _release_slot(self, key: str | None) -> None:
+        with self._lock:
+            self._places.give_back(key)
 
     def _tenant_waiting(self, tenant: str) -> int:
         """Its groups submitted (a group being prepared holds its slot instead) that
@@ -190,7 +190,7 @@ class ReplicaSet:
     def _queued(self) -> int:
         waiting = sum(int(s.get("metrics", {}).get("requests_waiting", 0))
                       for s in self.view.snapshot().values())
-        return waiting + self._slots
+        return waiting + self._places.count
 
     def dispatch(self, spec: GroupSpec) -> RemoteGroup:
         """Send ``spec`` to a replica; return once it accepted (raises what its
@@ -215,7 +215,7 @@ class ReplicaSet:
         with self._lock:
             self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._groups or self._slots:
+        while self._groups or self._places.count:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
@@ -558,38 +558,6 @@ def _add(total: dict[str, Any], part: dict[str, Any]) -> None:
         elif isinstance(value, list | tuple):  # e.g. a draft source's [drafted, accepted]
             mine = total.setdefault(key, [0] * len(value))
             total[key] = [a + b for a, b in zip(mine, value, strict=False)]
-
-
-class _Slot:
-    def __init__(self, owner: ReplicaSet, tenant: str | None) -> None:
-        self._owner = owner
-        self._tenant = tenant  # whose max_queued place it holds (None: not counted)
-        self.open = True
-
-    def submit(self, group: list[RemoteRequest], callback: Callback) -> list[str]:
-        if not self.open:
-            raise RuntimeError("slot already used")
-        self._close()
-        remote = group[0].group
-        self._owner._loop.call_soon_threadsafe(remote.attach, callback)
-        return [r.request_id for r in group]
-
-    def release(self) -> None:
-        if self.open:
-            self._close()
-
-    def _close(self) -> None:
-        self.open = False
-        with self._owner._lock:
-            self._owner._slots -= 1
-            if self._tenant is not None:
-                self._owner._tenant_slots[self._tenant] -= 1
-
-    def __enter__(self) -> _Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class FrontEngine:

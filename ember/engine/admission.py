@@ -28,6 +28,11 @@ class QueueFull(EmberError):
     """The waiting queue is at its bound; retry later (the server answers 429)."""
 
 
+class TenantQueueFull(QueueFull):
+    """The tenant's own queue limit (``max_queued``) is reached (the server answers 429
+    naming it)."""
+
+
 class Admission:
     def __init__(self, scheduler: Scheduler, max_queue: int) -> None:
         self.scheduler = scheduler

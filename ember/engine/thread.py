@@ -25,28 +25,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ember.engine.admission import QueueFull
 from ember.engine.commit import finish
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.engine.request import FinishReason, Request
+from ember.engine.slots import OutputCallback, QueuePlaces, Slot
 from ember.errors import EmberError
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor
 
 log = logging.getLogger("ember.engine")
 
-OutputCallback = Callable[[RequestOutput], None]
 T = TypeVar("T")
 
 
 class EngineStopped(EmberError):
     """The engine thread is not running (shut down or crashed)."""
-
-
-class TenantQueueFull(QueueFull):
-    """The tenant's own queue limit (``max_queued``) is reached (the server answers 429
-    naming it)."""
 
 
 @dataclass
@@ -82,41 +76,6 @@ class RequestStream:
                 return
 
 
-class Slot:
-    """A place in the engine's queue, held from admission until the requests are handed
-    over (or released). Use as a context manager: leaving without submitting releases."""
-
-    def __init__(self, owner: EngineThread, tenant: str | None = None) -> None:
-        self._owner = owner
-        self._open = True
-        self.tenant = tenant
-
-    @property
-    def open(self) -> bool:
-        """Not yet submitted nor released."""
-        return self._open
-
-    def submit(self, group: list[Request], callback: OutputCallback) -> list[str]:
-        """Hand prepared requests (one group: n choices of a prompt) to the engine thread;
-        returns their ids at once. ``callback`` receives every output of every request,
-        on the engine thread."""
-        if not self._open:
-            raise RuntimeError("slot already used")
-        self._open = False
-        return self._owner._hand_over(group, callback, self.tenant)
-
-    def release(self) -> None:
-        if self._open:
-            self._open = False
-            self._owner._release_slot(self.tenant)
-
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -124,8 +83,8 @@ class EngineThread:
         self._callbacks: dict[str, OutputCallback] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._lock = threading.Lock()  # guards the three fields below
-        self._slots = 0  # groups admitted to the queue but not yet in the scheduler
-        self._tenant_slots: dict[str, int] = {}  # of those, per tenant that has limits
+        # groups admitted to the queue but not yet in the scheduler
+        self._places = QueuePlaces(engine.config.limits_for)
         self._in_inbox: set[str] = set()  # ids handed over, not yet enqueued
         self._cancelled: set[str] = set()  # of those, the ones aborted meanwhile
         self._stopping = False
@@ -146,29 +105,17 @@ class EngineThread:
         with self._lock:
             if self._stopping or not self.alive:
                 raise EngineStopped("the engine is not running")
-            self.engine.check_queue(pending=self._slots)
-            limit = self.engine.config.limits_for(tenant).max_queued
-            if limit is None:
-                tenant = None  # nothing to count
-            else:
-                tenant = tenant or ""
-                self._check_tenant_queue(tenant, limit)
-                self._tenant_slots[tenant] = self._tenant_slots.get(tenant, 0) + 1
-            self._slots += 1
-        return Slot(self, tenant)
+            self.engine.check_queue(pending=self._places.count)
+            key = self._places.take(tenant, self._tenant_waiting)
+        return Slot(self._hand_over, self._release_slot, key)
 
-    def _check_tenant_queue(self, tenant: str, limit: int) -> None:
-        """Refuse a request of ``tenant`` whose waiting ones already number ``limit``
-        (the message names the tenant's own limit, nothing of anyone else's)."""
-        waiting = sum(1 for r in list(self.engine.scheduler.waiting) if (r.tenant or "") == tenant)
-        queued = waiting + self._tenant_slots.get(tenant, 0)
-        if queued >= limit:
-            raise TenantQueueFull(f"tenant {tenant!r} has {queued} requests queued, its "
-                                  f"limit (max_queued={limit})")
+    def _tenant_waiting(self, tenant: str) -> int:
+        return sum(1 for r in list(self.engine.scheduler.waiting) if (r.tenant or "") == tenant)
 
     def queue_full(self) -> bool:
         """Whether :meth:`slot` would raise ``QueueFull`` now (a lock-free read)."""
-        return len(self.engine.scheduler.waiting) + self._slots >= self.engine.config.max_queue
+        waiting = len(self.engine.scheduler.waiting)
+        return waiting + self._places.count >= self.engine.config.max_queue
 
     def submit(
         self,
@@ -243,7 +190,7 @@ class EngineThread:
         with self._lock:
             self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._callbacks or self._slots:
+        while self._callbacks or self._places.count:
             if time.monotonic() >= deadline or not self.alive:
                 return False
             time.sleep(0.02)
@@ -254,21 +201,15 @@ class EngineThread:
         ids = [r.request_id for r in group]
         with self._lock:
             if self._stopping or not self.alive:
-                self._free_slot(tenant)
+                self._places.give_back(tenant)
                 raise EngineStopped("the engine is not running")
             self._in_inbox.update(ids)
         self._inbox.put(_Submit(group, callback, tenant))
         return ids
 
-    def _release_slot(self, tenant: str | None) -> None:
+    def _release_slot(self, key: str | None) -> None:
         with self._lock:
-            self._free_slot(tenant)
-
-    def _free_slot(self, tenant: str | None) -> None:
-        """One slot fewer (lock held); ``tenant``: counted for its limits."""
-        self._slots -= 1
-        if tenant is not None:
-            self._tenant_slots[tenant] -= 1
+            self._places.give_back(key)
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -323,7 +264,7 @@ class EngineThread:
         for rid in ids:
             self._callbacks[rid] = item.callback
         with self._lock:
-            self._free_slot(item.tenant)
+            self._places.give_back(item.tenant)
             self._in_inbox.difference_update(r.request_id for r in item.group)
             cancelled = self._cancelled.intersection(ids)
             self._cancelled.difference_update(cancelled)

@@ -14,10 +14,10 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ember.engine.admission import QueueFull
+from ember.engine.admission import QueueFull, TenantQueueFull
 from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
-from ember.engine.thread import EngineStopped, TenantQueueFull
+from ember.engine.thread import EngineStopped
 
 RETRY_AFTER_SECONDS = 1  # what a 429 for a full queue asks the client to wait
 
