@@ -17,8 +17,9 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 
 from ember.cluster import front as front_mod  # noqa: E402
 from ember.cluster.disagg import Planner  # noqa: E402
-from ember.cluster.front import DISPATCH_ATTEMPTS, ReplicaSet  # noqa: E402
+from ember.cluster.front import ReplicaSet  # noqa: E402
 from ember.cluster.protocol import Handoff, Verdict  # noqa: E402
+from ember.cluster.remote import DISPATCH_ATTEMPTS  # noqa: E402
 from ember.config import EngineConfig  # noqa: E402
 from ember.engine.admission import QueueFull  # noqa: E402
 from ember.engine.intake import InvalidRequest  # noqa: E402

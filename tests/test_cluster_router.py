@@ -13,7 +13,8 @@ from collections import Counter
 
 import pytest
 
-from ember.cluster.front import FrontEngine, _add
+from ember.cluster.front import FrontEngine
+from ember.cluster.metrics import merge_into as _add
 from ember.cluster.router import ROUTED_TTL, RoutingView, choose
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine

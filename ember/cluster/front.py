@@ -17,20 +17,26 @@ same request); after, the group's requests finish with an error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-from ember import prometheus
-from ember.cluster.disagg import Plan, Planner, ReplicaLoad, disagg_lines
-from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
-from ember.cluster.router import RoutingView, choose, eligible, view
+from ember.cluster.disagg import Planner
+from ember.cluster.handoff import Handoffs
+from ember.cluster.metrics import merge_into, replica_lines
+from ember.cluster.protocol import GroupSpec, PurgeSpec, Verdict
+from ember.cluster.remote import (
+    DISPATCH_ATTEMPTS,
+    Callback,
+    RemoteGroup,
+    RemoteRequest,
+    replica_died,
+)
+from ember.cluster.router import RoutingView, view
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.intake import SLO, InvalidRequest
@@ -45,78 +51,9 @@ from ember.sampling.params import SamplingParams
 from ember.sampling.reasoning import ThinkingTags
 
 log = logging.getLogger("ember.cluster")
-Callback = Callable[[RequestOutput], None]
-DISPATCH_ATTEMPTS = 3  # dispatches one group may take over its life (failovers included)
 DISPATCH_TIMEOUT_S = 60.0  # longest wait for a replica's verdict (none alive: 503)
 PURGE_TIMEOUT_S = 60.0  # longest a replica may take to purge a tenant's prefixes
 FRESH_STATS_WAIT_S = 3.0  # longest a metrics scrape waits for stats newer than the last change
-
-
-@dataclass
-class RemoteRequest:
-    """What the server reads of a prepared request (one choice of a group)."""
-
-    request_id: str
-    num_prompt: int
-    slo_ttft: float | None
-    slo_tpot: float | None
-    group: RemoteGroup
-
-
-@dataclass
-class RemoteGroup:
-    """One dispatched group; its state lives on the ReplicaSet's event loop."""
-
-    spec: GroupSpec
-    replica: str = ""
-    callback: Callback | None = None
-    buffer: list[RequestOutput] = field(default_factory=list)
-    latest: dict[str, RequestOutput] = field(default_factory=dict)
-    streamed: bool = False  # a token or a finished choice came: a death cannot be retried
-    task: asyncio.Task | None = None
-    stream: Any = None  # the live replica stream
-    attempts: int = 0  # dispatches so far (DISPATCH_ATTEMPTS at most)
-    plan: Plan | None = None  # disaggregated: where it prefills and where it decodes
-    prefill: Any = None  # the prefill replica's stream, until it handed the KV over
-    prefill_sent: float = 0.0  # when the prefill was dispatched (monotonic)
-    handed_tokens: int = 0  # prompt tokens the handoff added to the decoder's cache
-
-    def deliver(self, out: RequestOutput) -> RequestOutput:
-        """Pass ``out`` on (to the client, or the buffer until one attaches); what was
-        passed."""
-        if self.handed_tokens and out.cached_tokens:
-            # computed for this request on the prefill replica: not a cache hit
-            out = dataclasses.replace(
-                out, cached_tokens=max(0, out.cached_tokens - self.handed_tokens))
-        self.streamed = self.streamed or bool(out.token_ids) or out.finished
-        self.latest[out.request_id] = out
-        if self.callback is None:
-            self.buffer.append(out)
-        else:
-            self.callback(out)
-        return out
-
-    def attach(self, callback: Callback) -> None:
-        self.callback = callback
-        for out in self.buffer:
-            callback(out)
-        self.buffer.clear()
-
-    @property
-    def open_ids(self) -> list[str]:
-        return [r for r in self.spec.request_ids
-                if r not in self.latest or not self.latest[r].finished]
-
-
-def _replica_died(e: BaseException) -> bool:
-    """Whether ``e`` says the replica serving a stream went away (retryable)."""
-    try:
-        from ray.exceptions import ActorDiedError
-    except ImportError:  # pragma: no cover
-        return False
-    # not ActorUnavailableError: the replica may still run the request (Ray says so), and
-    # a retry could run it twice
-    return isinstance(e, ActorDiedError)
 
 
 class ReplicaSet:
@@ -131,8 +68,8 @@ class ReplicaSet:
         self.replicas = replicas
         self.view: RoutingView = view()
         self.planner = planner  # None: every request prefills where it decodes
-        self.imbalance = imbalance  # the affinity router's, to predict where a request goes
         self.engine = FrontEngine(config, loaded, self)
+        self._imbalance = imbalance  # the affinity router's, to predict where a request goes
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ember-replicas",
                                         daemon=True)
@@ -141,6 +78,15 @@ class ReplicaSet:
         self._groups: dict[str, RemoteGroup] = {}  # request id -> its group
         self._stopping = False
         self._changed_at = 0.0  # wall time a stream last started or ended here
+
+    @property
+    def handoffs(self) -> Handoffs | None:
+        """Disaggregated prefill, where a planner decides it (None: every request
+        prefills where it decodes)."""
+        if self.planner is None:
+            return None
+        return Handoffs(self.planner, self.view, self.config, self._imbalance, self._dispatch,
+                        self._finish)
 
     def start(self) -> ReplicaSet:
         self._thread.start()
@@ -235,10 +181,12 @@ class ReplicaSet:
             self._loop.call_soon_threadsafe(group.task.cancel)
 
     async def _open(self, spec: GroupSpec) -> RemoteGroup:
-        group = RemoteGroup(spec, plan=self._plan(spec))
+        handoffs = self.handoffs
+        group = RemoteGroup(spec, plan=handoffs.plan(spec) if handoffs else None)
         try:
             if group.plan is not None and group.plan.prefill is not None:
-                group.prefill, verdict = await self._dispatch_prefill(group)
+                assert handoffs is not None
+                group.prefill, verdict = await handoffs.dispatch_prefill(group)
             else:
                 group.stream, verdict = await self._dispatch(group)
         except BaseException:
@@ -281,7 +229,7 @@ class ReplicaSet:
                 stream.cancel()
                 raise
             except Exception as e:
-                if not _replica_died(e):
+                if not replica_died(e):
                     log.error("dispatching %s failed: %r", spec.request_id, e)
                     raise EngineStopped("a replica failed to take the request") from None
                 log.warning("replica died before answering %s: %r", spec.request_id, e)
@@ -303,7 +251,9 @@ class ReplicaSet:
 
     async def _pump(self, group: RemoteGroup) -> None:
         try:
-            if group.prefill is not None and not await self._hand_over(group):
+            handoffs = self.handoffs
+            if (group.prefill is not None and handoffs is not None
+                    and not await handoffs.hand_over(group)):
                 return
             while group.open_ids:
                 try:
@@ -311,7 +261,7 @@ class ReplicaSet:
                 except StopAsyncIteration:
                     break
                 except Exception as e:
-                    if not _replica_died(e):
+                    if not replica_died(e):
                         raise
                     if not await self._failover(group, e):
                         return
@@ -333,85 +283,6 @@ class ReplicaSet:
             self._forget_prediction(group.spec.request_id)
             for rid in group.spec.request_ids:
                 self._groups.pop(rid, None)
-
-    # ------------------------------------------------------------ disaggregation
-    def _plan(self, spec: GroupSpec) -> Plan | None:
-        """Where ``spec`` prefills and decodes, when handing its prefill to another
-        replica pays (:mod:`ember.cluster.disagg`); None: route it as usual."""
-        if self.planner is None or len(spec.prompt_ids) < 2 or not spec.keys or any(
-                p.prompt_logprobs is not None for p in spec.params):
-            return None  # prompt logprobs are computed where the prompt is, not cached
-        stats = self.view.snapshot()
-        if len(stats) < 2:
-            return None
-        loads = {r: ReplicaLoad.of(r, s) for r, s in stats.items()}
-        decode = choose(spec.keys, eligible(spec, self.planner.decoders(loads)), self.view,
-                        self.imbalance).replica
-        bs = self.config.block_size
-        cached = self.view.match(decode, spec.keys, time.monotonic()) * bs
-        handed = (len(spec.prompt_ids) - 1) // bs * bs  # full blocks before the last token
-        cached = min(cached, handed)
-        per_block = int(stats[decode].get("load", {}).get("kv_bytes_per_block", 0))
-        # only the blocks the decoder lacks travel
-        plan = self.planner.plan(loads, decode, handed - cached, cached,
-                                 (handed - cached) // bs * per_block)
-        return plan if plan.prefill is not None else None
-
-    async def _dispatch_prefill(self, group: RemoteGroup) -> tuple[Any, Verdict]:
-        """Send the group's prompt to its plan's prefill replica, which validates the
-        request as the decoding one would; its stream then yields the handoff."""
-        assert group.plan is not None
-        prefill = RemoteGroup(dataclasses.replace(
-            group.spec, prefill=True, replica=group.plan.prefill or "",
-            handoff_from=group.plan.start // self.config.block_size))
-        group.prefill_sent = time.monotonic()
-        return await self._dispatch(prefill)
-
-    async def _hand_over(self, group: RemoteGroup) -> bool:
-        """Wait for the prefill's handoff, then dispatch the group to its decoding
-        replica with it. A prefill that fails (its replica died) leaves the decoding
-        replica to recompute the prompt. Whether the group is now streaming."""
-        assert group.plan is not None
-        handoff: Handoff | None = None
-        try:
-            item = await group.prefill.__anext__()
-            handoff = item if isinstance(item, Handoff) else None
-        except StopAsyncIteration:
-            pass
-        except Exception as e:
-            if not _replica_died(e):
-                raise
-            log.warning("prefill replica died on %s: %r", group.spec.request_id, e)
-            self.view.replica_failures += 1
-        group.prefill = None
-        waited = time.monotonic() - group.prefill_sent
-        spec = group.spec
-        spec.replica, spec.handoff = group.plan.decode, handoff
-        try:
-            group.stream, verdict = await self._dispatch(group)
-        except Exception as e:
-            self._observe_handoff(handoff, None, waited)
-            self._finish(group, "error", f"no replica could decode the request ({e})")
-            return False
-        group.replica = verdict.replica
-        spec.handoff = None  # taken: let Ray's object store free the blocks
-        group.handed_tokens = int((verdict.imported or {}).get("loaded", 0))
-        self._observe_handoff(handoff, verdict.imported, waited)
-        return True
-
-    def _observe_handoff(self, handoff: Handoff | None, imported: dict[str, Any] | None,
-                         waited: float) -> None:
-        """Teach the planner what a handoff measured: its bytes over the time to export
-        and import them, and the extra hop's overhead beyond the prefill's engine time."""
-        assert self.planner is not None
-        if handoff is None or imported is None:
-            self.planner.observe(ok=False)
-            return
-        ok = not imported.get("error") and imported.get("tokens", 0) >= handoff.tokens
-        self.planner.observe(
-            ok=ok, kv_bytes=handoff.nbytes,
-            transfer_s=handoff.export_seconds + float(imported.get("seconds", 0.0)),
-            coordination_s=waited - handoff.engine_seconds - handoff.export_seconds)
 
     async def _failover(self, group: RemoteGroup, error: BaseException) -> bool:
         """The replica died mid-stream: re-dispatch if nothing reached the client yet
@@ -468,7 +339,7 @@ class ReplicaSet:
         self._await_fresh_stats(self._changed_at)
         total: dict[str, Any] = {}
         for stats in self.view.snapshot().values():
-            _add(total, stats.get("metrics", {}))
+            merge_into(total, stats.get("metrics", {}))
         return total
 
     def _await_fresh_stats(self, since: float) -> None:
@@ -505,59 +376,7 @@ class ReplicaSet:
 
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
-        v = self.view
-        lines: list[str] = []
-
-        def family(name: str, kind: str, help: str, rows: list[tuple[str, Any]]) -> None:
-            lines.extend(prometheus.family(name, kind, help, rows))
-
-        stats = v.snapshot()
-        replicas = sorted(stats)
-        family("ember_replicas", "gauge", "Replicas the router currently sees.",
-               [("", len(replicas))])
-        family("ember_replica_info", "gauge", "A replica the router sees, with its process id.",
-               [(f'{{replica="{r}",pid="{stats[r].get("pid", "")}"}}', 1) for r in replicas])
-        family("ember_replica_inflight", "gauge", "Streams this front has open on a replica.",
-               [(f'{{replica="{r}"}}', v.load(r)) for r in replicas])
-        for key, kind, help in (
-                ("requests_running", "gauge", "Requests running on a replica."),
-                ("requests_waiting", "gauge", "Requests waiting on a replica."),
-                ("prefix_cache_queries", "counter", "Prompt tokens a replica looked up."),
-                ("prefix_cache_hits", "counter", "Prompt tokens a replica served from cache.")):
-            name = f"ember_replica_{key}" + ("_total" if kind == "counter" else "")
-            family(name, kind, help + " (as of its last routing stats)",
-                   [(f'{{replica="{r}"}}', stats[r].get("metrics", {}).get(key, 0))
-                    for r in replicas])
-        family("ember_router_requests_total", "counter", "Groups routed, by what decided.",
-               [(f'{{by="{by}"}}', v.decisions.get(by, 0))
-                for by in sorted({"affinity", "load", *v.decisions})])
-        family("ember_router_predicted_cached_tokens_total", "counter",
-               "Prompt tokens the router predicted cached where it sent them.",
-               [("", v.predicted_tokens)])
-        family("ember_router_actual_cached_tokens_total", "counter",
-               "Prompt tokens the replicas actually served from cache, same requests.",
-               [("", v.actual_tokens)])
-        family("ember_router_retries_total", "counter",
-               "Groups re-dispatched because their replica died before streaming.",
-               [("", v.retries)])
-        family("ember_router_replica_failures_total", "counter",
-               "Streams cut by a replica's death.", [("", v.replica_failures)])
-        if self.planner is not None:
-            lines.extend(disagg_lines(self.planner.metrics()))
-        return lines
-
-
-def _add(total: dict[str, Any], part: dict[str, Any]) -> None:
-    for key, value in part.items():
-        if isinstance(value, bool) or value is None:
-            total.setdefault(key, value)
-        elif isinstance(value, int | float):
-            total[key] = total.get(key, 0) + value
-        elif isinstance(value, dict):
-            _add(total.setdefault(key, {}), value)
-        elif isinstance(value, list | tuple):  # e.g. a draft source's [drafted, accepted]
-            mine = total.setdefault(key, [0] * len(value))
-            total[key] = [a + b for a, b in zip(mine, value, strict=False)]
+        return replica_lines(self.view, self.planner)
 
 
 class FrontEngine:
