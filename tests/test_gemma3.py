@@ -128,11 +128,21 @@ def long_ids(tok) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_logits(gemma3_llm, long_ids) -> torch.Tensor:
+    """transformers' logits for ``long_ids`` (kept on disk by file, ids and versions)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    model = transformers_from_gguf(gemma3_llm.engine.loaded.path)
-    with torch.no_grad():
-        return model(torch.tensor([long_ids])).logits[0].float()
+    from oracle_cache import cached_tensor, file_key
+
+    path = gemma3_llm.engine.loaded.path
+
+    def compute() -> torch.Tensor:
+        model = transformers_from_gguf(path)
+        with torch.no_grad():
+            return model(torch.tensor([long_ids])).logits[0].float()
+
+    here = Path(__file__).parent
+    key = [file_key(path), repr(long_ids).encode(), (here / "hf_gguf.py").read_bytes()]
+    return cached_tensor("gemma3-270m-logits", key, compute)
 
 
 @pytest.mark.slow
