@@ -256,10 +256,26 @@ def smollm2_hf(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_adapters(smollm2_hf, tmp_path_factory: pytest.TempPathFactory):
+def smollm2_adapters(smollm2_gguf: Path, request):
     """A PEFT LoRA for SmolLM2 as a directory and as llama.cpp's GGUF adapter, a zero
-    adapter, and transformers + PEFT's logits (tests/lora_adapters.py)."""
-    pytest.importorskip("peft")
+    adapter, and transformers + PEFT's logits (tests/lora_adapters.py). Kept on disk by
+    everything they depend on (tests/oracle_cache.py); transformers' SmolLM2 is built only
+    when they are made."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from llamacpp_source import llamacpp_source
     from lora_adapters import build_adapters
+    from oracle_cache import cached_dir, file_key
 
-    return build_adapters(smollm2_hf, tmp_path_factory.mktemp("lora"))
+    here = Path(__file__).parent
+    key = [file_key(smollm2_gguf), (here / "lora_adapters.py").read_bytes(),
+           (here / "hf_gguf.py").read_bytes(), peft.__version__.encode(),
+           (llamacpp_source() / "convert_lora_to_gguf.py").read_bytes()]
+
+    def build(root: Path) -> None:
+        made = build_adapters(request.getfixturevalue("smollm2_hf"), root)
+        torch.save(made["oracle"], root / "oracle.pt")
+
+    root = cached_dir("smollm2-lora", key, build)
+    return {"peft": root / "peft", "gguf": root / "adapter.gguf", "zero": root / "zero",
+            "oracle": torch.load(root / "oracle.pt", weights_only=True)}

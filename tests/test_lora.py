@@ -85,13 +85,15 @@ def test_a_zero_adapter_is_the_base_bitwise(adapters, base_f32) -> None:
 
 
 @pytest.mark.parametrize("weights", ["f32", "q4"])
-def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, weights) -> None:
+def test_mixed_adapters_in_one_batch_equal_each_alone(adapters, smollm2_gguf, weights,
+                                                     request) -> None:
     """The base and two adapters, four requests in one batch: each gives the tokens it
     gives alone, op by op (f32) and in the fused native stack (q4: its logprobs too,
     bitwise); no prefix is shared across adapters."""
     import ember
 
-    llm = ember.LLM(str(smollm2_gguf), weights=weights, num_kv_blocks=128,
+    loaded = request.getfixturevalue("base_f32" if weights == "f32" else "smollm2_q4")
+    llm = ember.LLM(str(smollm2_gguf), weights=weights, num_kv_blocks=128, loaded=loaded,
                     loras={"peft": adapters["peft"], "gguf": adapters["gguf"]})
     assert (llm.engine.loaded.model.native is not None) == (weights == "q4")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
