@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import hmac
 import logging
 import threading
 import time
@@ -44,9 +43,10 @@ from ember.errors import EmberError
 from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
+from ember.server.auth import Keys
 from ember.server.backend import Backend, EngineView, Handle, PreparedGroup, Submission
-from ember.server.chat_page import basic_password, mount_chat_page
-from ember.server.config import ServerConfig, bearer_token, check_key, key_digest
+from ember.server.chat_page import mount_chat_page
+from ember.server.config import ServerConfig
 from ember.server.errors import (
     APIError,
     as_api_errors,
@@ -67,7 +67,6 @@ from ember.server.transport import (
 )
 
 log = logging.getLogger("ember.server")
-DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
@@ -115,14 +114,7 @@ class Server:
         self.telemetry = Telemetry(config.otlp_traces_endpoint, config.trace_content,
                                    config.request_log)
         self._start = start or (lambda: backend.local(config.engine))
-        for where, key in [("--api-key", k) for k in config.api_keys] + [
-                ("--metrics-api-key", config.metrics_api_key),
-                ("--admin-api-key", config.admin_api_key)]:
-            if key is not None:
-                check_key(key, where)
-        self._keys = [(key_digest(k), t) for k, t in config.api_keys.items()]
-        self._metrics_key = key_digest(config.metrics_api_key) if config.metrics_api_key else None
-        self._admin_key = key_digest(config.admin_api_key) if config.admin_api_key else None
+        self.keys = Keys(config)
         # LoRA adapters served, by name: the tenants that may use each (None: every one)
         self.adapters: dict[str, frozenset[str] | None] = {}
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
@@ -188,60 +180,11 @@ class Server:
     def _extra_metrics(self) -> list[str]:
         return self.thread.metric_lines() if self.thread else []
 
-    # ------------------------------------------------------------ auth
-    def _bearer(self, request: Request) -> bytes:
-        token = bearer_token(request.headers.get("authorization", ""))
-        if token is None:
-            raise APIError(401, "missing or malformed API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-        return key_digest(token)
-
-    def tenant(self, request: Request) -> str:
-        """The tenant of the request's API key (every key is compared: constant time)."""
-        if not self._keys:
-            return DEFAULT_TENANT
-        tenant = self._owner(self._bearer(request))
-        if tenant is None:
-            raise APIError(401, "invalid API key", code="invalid_api_key")
-        return tenant
-
-    def _owner(self, digest: bytes) -> str | None:
-        tenant = None
-        for key, owner in self._keys:
-            if hmac.compare_digest(key, digest):
-                tenant = owner
-        return tenant
-
-    def authorized(self, authorization: bytes) -> bool:
-        """Whether a raw ``Authorization`` header holds a valid key (or none is needed)."""
-        if not self._keys:
-            return True
-        token = bearer_token(authorization.decode("latin-1"))
-        return token is not None and self._owner(key_digest(token)) is not None
-
-    def may_see_page(self, request: Request) -> bool:
-        """Whether a request may load the chat page: no keys are configured, or it
-        carries one, as a bearer key or as an HTTP Basic password (what a browser
-        sends when it asks its user)."""
-        if not self._keys:
-            return True
-        header = request.headers.get("authorization", "")
-        token = bearer_token(header)
-        if token is None:
-            token = basic_password(header)
-        return token is not None and self._owner(key_digest(token)) is not None
-
-    def check_metrics_access(self, request: Request) -> None:
-        if self._metrics_key is None:
-            self.tenant(request)  # the API keys, if any
-        elif not hmac.compare_digest(self._bearer(request), self._metrics_key):
-            raise APIError(401, "invalid metrics API key", code="invalid_api_key")
-
     # ------------------------------------------------------------ admission
     async def admit(self, request: Request, route: Route) -> Admitted:
         """Steps 1 and 2 of the module docstring; the result holds its queue places."""
         arrival = time.monotonic()  # what the client's TTFT counts from
-        tenant = self.tenant(request)
+        tenant = self.keys.tenant(request)
         record = self._record(request, tenant, arrival)
         raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
         thread = self._thread()
@@ -333,14 +276,6 @@ class Server:
                 if allowed is None or tenant in allowed]
 
     # ------------------------------------------------------------ LoRA administration
-    def check_admin(self, request: Request,
-                    what: str = "loading and unloading LoRA adapters at run time") -> None:
-        if self._admin_key is None:
-            raise APIError(403, f"{what} needs the server started with --admin-api-key",
-                             code="admin_disabled")
-        if not hmac.compare_digest(self._bearer(request), self._admin_key):
-            raise APIError(401, "invalid admin API key", code="invalid_api_key")
-
     async def run_admin(self, work: Callable[..., Any], *args: Any) -> Any:
         """Admin work (reading, hashing and packing an adapter; purging a cache) on a
         thread of its own, one call at a time, never on the pool that generation requests
@@ -607,7 +542,7 @@ class AdmissionGate:
         thread = self.server.thread
         if (scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
                 and scope["method"] == "POST" and thread is not None and thread.queue_full()
-                and self.server.authorized(dict(scope["headers"]).get(b"authorization", b""))):
+                and self.server.keys.authorized(dict(scope["headers"]).get(b"authorization", b""))):
             e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
             self.server.metrics.count_http(scope["path"], 429)
             await drain_request(scope, receive)
@@ -694,7 +629,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
     async def metrics(request: Request) -> Response:
-        server.check_metrics_access(request)
+        server.keys.check_metrics_access(request)
         # off the event loop: with replicas, rendering may wait for their fresh stats
         text = await asyncio.get_running_loop().run_in_executor(None, server.metrics.render)
         return PlainTextResponse(text,
@@ -702,7 +637,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models", responses=openapi.MODELS)
     async def models(request: Request) -> Response:
-        tenant = server.tenant(request)
+        tenant = server.keys.tenant(request)
         created = int(time.time())
         base = server.model_names()[0]
         data = [{"id": base, "object": "model", "created": created, "owned_by": "ember",
@@ -713,7 +648,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter", responses=openapi.LORA_ADMIN)
     async def load_lora_adapter(request: Request) -> Response:
-        server.check_admin(request)
+        server.keys.check_admin(request)
         server.model_names()  # 503 while the model loads
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
@@ -721,7 +656,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/unload_lora_adapter", responses=openapi.LORA_ADMIN)
     async def unload_lora_adapter(request: Request) -> Response:
-        server.check_admin(request)
+        server.keys.check_admin(request)
         server.model_names()
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
@@ -730,7 +665,7 @@ def create_app(server: Server) -> FastAPI:
     @app.delete("/v1/cache", responses=openapi.CACHE_ADMIN)
     async def purge_cache(request: Request, tenant: str | None = None) -> Response:
         """Forget a tenant's cached prefixes, in RAM and on the disk tier (admin key)."""
-        server.check_admin(request, "purging cached prefixes")
+        server.keys.check_admin(request, "purging cached prefixes")
         thread = server._thread()
         if not tenant:
             raise APIError(400, "name the tenant whose cache to purge: "
@@ -792,17 +727,17 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/tokenizer_info", responses=openapi.TOKENIZER_INFO)
     async def tokenizer_info(request: Request) -> Response:
-        server.tenant(request)
+        server.keys.tenant(request)
         return _ok(request, server, server.tokenizer_info())
 
     openapi.install(app)
     if server.config.chat_page:
-        mount_chat_page(app, server.may_see_page)
+        mount_chat_page(app, server.keys.may_see_page)
     return app
 
 
 async def _tokenizer_body(request: Request, server: Server, model: type) -> Any:
-    tenant = server.tenant(request)
+    tenant = server.keys.tenant(request)
     server.model_names()  # 503 while the model loads
     raw = await read_body(request, server.config.max_request_bytes, server.config.body_timeout)
     body = P.parse(model, decode_json(raw))
