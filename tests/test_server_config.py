@@ -147,10 +147,10 @@ def test_an_adapter_path_is_absolute_or_under_the_lora_dir(tmp_path: Path, lora_
     (root / "link").symlink_to("/etc")  # a symlink out of the directory
     server = Server(ServerConfig(lora_dir=None if lora_dir is None else str(root)))
     if ok:
-        assert Path(server.adapter_path(path)).is_absolute()
+        assert Path(server.adapters.path(path)).is_absolute()
     else:
         with pytest.raises(APIError) as e:
-            server.adapter_path(path)
+            server.adapters.path(path)
         assert e.value.status == 400 and e.value.param == "lora_path"
 
 

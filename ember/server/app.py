@@ -29,7 +29,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +42,7 @@ from ember.errors import EmberError
 from ember.server import backend, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
+from ember.server.adapters import ServedAdapters
 from ember.server.auth import Keys
 from ember.server.backend import Backend, EngineView, Handle, PreparedGroup, Submission
 from ember.server.chat_page import mount_chat_page
@@ -115,8 +115,7 @@ class Server:
                                    config.request_log)
         self._start = start or (lambda: backend.local(config.engine))
         self.keys = Keys(config)
-        # LoRA adapters served, by name: the tenants that may use each (None: every one)
-        self.adapters: dict[str, frozenset[str] | None] = {}
+        self.adapters = ServedAdapters(config, lambda: self.engine, self.model_names)
         self._prep = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="ember-prep")
         self._admin = threading.Lock()  # admin work, one call at a time, off the prep pool
 
@@ -131,7 +130,7 @@ class Server:
             thread = self._start()
             for name, path in self.config.loras.items():
                 thread.engine.load_lora(name, path)
-                self.adapters[name] = None
+                self.adapters.allow(name, None)
             self.thread = thread
             loaded = self.thread.engine.loaded
             log.info("model %s ready in %.2fs", loaded.name, loaded.load_seconds)
@@ -234,7 +233,7 @@ class Server:
     def _prepare(self, route: Route, raw: bytes, tenant: str, arrival: float) -> Prepared:
         """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
         req = P.parse(route.body, decode_json(raw))
-        lora = self.check_model(req.model, tenant)
+        lora = self.adapters.check_model(req.model, tenant)
         names = route.names(req)
         with as_api_errors({}):
             slo = self._slo(req)
@@ -260,22 +259,7 @@ class Server:
         tpot = own.tpot_ms / 1000 if own.tpot_ms is not None else self.config.slo_tpot
         return SLO(ttft, tpot) if ttft is not None or tpot is not None else None
 
-    def check_model(self, model: str | None, tenant: str) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model). An unknown name and
-        an adapter the tenant may not use get the same 404: existence does not leak."""
-        if model is None or model in self.model_names():
-            return None
-        if model in self.adapters_for(tenant):
-            return model
-        raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                         f"'{self.model_names()[0]}'", param="model", code="model_not_found")
-
-    def adapters_for(self, tenant: str) -> list[str]:
-        """The adapters ``tenant`` may use, by name."""
-        return [name for name, allowed in list(self.adapters.items())
-                if allowed is None or tenant in allowed]
-
-    # ------------------------------------------------------------ LoRA administration
+    # ------------------------------------------------------------ admin work
     async def run_admin(self, work: Callable[..., Any], *args: Any) -> Any:
         """Admin work (reading, hashing and packing an adapter; purging a cache) on a
         thread of its own, one call at a time, never on the pool that generation requests
@@ -308,51 +292,6 @@ class Server:
         except TimeoutError:
             raise APIError(504, f"the admin call took more than {self.config.admin_timeout:g}"
                            " s; it goes on in the background", code="admin_timeout") from None
-
-    def adapter_path(self, raw: str) -> str:
-        """The file a request's ``lora_path`` names: under ``--lora-dir`` when the server
-        has one (a relative path resolves against it; nothing outside it, through a
-        symlink either), else an absolute path (never the server's working directory)."""
-        path = Path(raw)
-        if self.config.lora_dir is None:
-            if not path.is_absolute():
-                raise APIError(400, "'lora_path' must be an absolute path (or the server "
-                               "started with --lora-dir DIR, and a path under DIR)",
-                               param="lora_path")
-            return raw
-        root = Path(self.config.lora_dir).resolve()
-        full = (root / path).resolve()
-        if not full.is_relative_to(root):
-            raise APIError(400, "'lora_path' must name a file under the server's --lora-dir",
-                           param="lora_path")
-        return str(full)
-
-    def load_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Runs on the admin thread (reading an adapter takes a while)."""
-        name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
-        path = self.adapter_path(path)
-        tenants = body.get("tenants")
-        if tenants is not None and not (isinstance(tenants, list)
-                                        and all(isinstance(t, str) for t in tenants)):
-            raise APIError(400, "'tenants' must be a list of tenant names", param="tenants")
-        if name in self.model_names():
-            raise APIError(400, f"'lora_name' {name!r} is the base model's name",
-                             param="lora_name")
-        try:
-            adapter = self.engine.load_lora(name, path)
-        except EmberError as e:
-            raise APIError(400, f"cannot load the LoRA adapter: {e}", param="lora_path") from None
-        self.adapters[name] = None if tenants is None else frozenset(tenants)
-        return {"lora_name": name, "rank": adapter.rank, "targets": adapter.targets,
-                "bytes": adapter.nbytes}
-
-    def unload_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
-        name = _text_field(body, "lora_name")
-        if self.adapters.pop(name, 0) == 0:
-            raise APIError(404, f"no LoRA adapter '{name}' is loaded", param="lora_name",
-                             code="model_not_found")
-        self.engine.unload_lora(name)  # requests running with it finish with it
-        return {"lora_name": name, "unloaded": True}
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit the context window: no
@@ -643,7 +582,7 @@ def create_app(server: Server) -> FastAPI:
         data = [{"id": base, "object": "model", "created": created, "owned_by": "ember",
                  "parent": None}]
         data += [{"id": n, "object": "model", "created": created, "owned_by": "ember",
-                  "parent": base} for n in server.adapters_for(tenant)]
+                  "parent": base} for n in server.adapters.for_tenant(tenant)]
         return _ok(request, server, {"object": "list", "data": data})
 
     @app.post("/v1/load_lora_adapter", responses=openapi.LORA_ADMIN)
@@ -652,7 +591,7 @@ def create_app(server: Server) -> FastAPI:
         server.model_names()  # 503 while the model loads
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
-        return _ok(request, server, await server.run_admin(server.load_adapter, body))
+        return _ok(request, server, await server.run_admin(server.adapters.load, body))
 
     @app.post("/v1/unload_lora_adapter", responses=openapi.LORA_ADMIN)
     async def unload_lora_adapter(request: Request) -> Response:
@@ -660,7 +599,7 @@ def create_app(server: Server) -> FastAPI:
         server.model_names()
         body = _object(decode_json(await read_body(
             request, server.config.max_request_bytes, server.config.body_timeout)))
-        return _ok(request, server, server.unload_adapter(body))
+        return _ok(request, server, server.adapters.unload(body))
 
     @app.delete("/v1/cache", responses=openapi.CACHE_ADMIN)
     async def purge_cache(request: Request, tenant: str | None = None) -> Response:
@@ -741,20 +680,13 @@ async def _tokenizer_body(request: Request, server: Server, model: type) -> Any:
     server.model_names()  # 503 while the model loads
     raw = await read_body(request, server.config.max_request_bytes, server.config.body_timeout)
     body = P.parse(model, decode_json(raw))
-    server.check_model(body.model, tenant)  # an adapter shares the base's tokenizer
+    server.adapters.check_model(body.model, tenant)  # an adapter shares the base's tokenizer
     return body
 
 
 def _object(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise APIError(400, "the request body must be a JSON object")
-    return value
-
-
-def _text_field(body: dict[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise APIError(400, f"'{name}' must be a non-empty string", param=name)
     return value
 
 
