@@ -77,6 +77,7 @@ class Prepared:
 
     req: Any  # the protocol body
     groups: list[PreparedGroup]  # one per prompt: its n choices
+    names: dict[str, str]  # engine parameter names -> the names the request used
     shape: R.Shape = R.Shape()  # how its replies are read
     adapter: str | None = None  # the LoRA adapter it runs with
 
@@ -201,7 +202,7 @@ class Server:
                              "seed": getattr(req, "seed", None)}
             if self.telemetry.content:
                 record.prompt = raw.decode("utf-8", "replace")
-        return Admitted(req, groups, slots, route.names(req), thread.discard,
+        return Admitted(req, groups, slots, prepared.names, thread.discard,
                         prepared.shape, record)
 
     def _record(self, request: Request, tenant: str, arrival: float) -> RequestRecord | None:
@@ -216,11 +217,11 @@ class Server:
         """Runs in a preparation thread: decode, validate, tokenize, engine.prepare."""
         req = P.parse(route.body, decode_json(raw))
         lora = self.adapters.check_model(req.model, tenant)
-        names = route.names(req)
         with as_api_errors({}):
             slo = self._slo(req)
         groups: list[PreparedGroup] = []
         built = route.build(self, req)
+        names = route.names(req, built.shape)
         try:
             for prompt_ids, params in built.prompts:
                 with as_api_errors(names):
@@ -232,7 +233,7 @@ class Server:
             for group in groups:  # a later prompt failed: the earlier ones never run
                 self._thread().discard(group.work)
             raise
-        return Prepared(req, groups, built.shape, lora)
+        return Prepared(req, groups, names, built.shape, lora)
 
     def _slo(self, req: Any) -> SLO | None:
         """The request's objectives: its own ``slo`` extension, else the server's."""

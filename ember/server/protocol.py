@@ -84,10 +84,6 @@ class _Conversation(_Request):
                           getattr(self, "parallel_tool_calls", None), flat=self._flat_tools)
         return None if plan is None else dataclasses.replace(plan, style=style)
 
-    @property
-    def offers_tools(self) -> bool:
-        return self.tool_plan() is not None
-
     def output_grammar(self, plan: tools.ToolPlan | None) -> StructuredOutput | None:
         """What constrains the reply: the tools' calls, else the requested format."""
         return plan.grammar() if plan is not None else self._structured

@@ -43,9 +43,10 @@ class Route:
     build: Callable[[PromptServer, Any], Built]
     cap: Callable[[Any], str] = lambda req: "max_tokens"  # the request's output-cap name
 
-    def names(self, req: Any) -> dict[str, str]:
-        """Engine parameter names -> the names this request used for them."""
-        grammar = "tools" if getattr(req, "offers_tools", False) else self.grammar
+    def names(self, req: Any, shape: R.Shape) -> dict[str, str]:
+        """Engine parameter names -> the names this request used for them (the reply's
+        grammar is its tools', where ``shape`` offers some)."""
+        grammar = "tools" if shape.tools is not None else self.grammar
         return {"max_tokens": self.cap(req), "structured": grammar,
                 "prompt": self.primary, "n": "n"}
 
