@@ -10,7 +10,7 @@ from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.kv import conversation
-from ember.kv.tier import is_state
+from ember.kv.tier import blocks_of
 from ember.models.loader import LoadedModel
 from ember.models.registry import DEFAULT_MODEL
 from ember.sampling.params import SamplingParams
@@ -130,7 +130,7 @@ class LLM:
         computed with another adapter than ``lora`` (or none) are not taken: 0 tokens."""
         conv = conversation.read(path, self.engine.kv_fingerprint())
         n = self.engine.import_prefix(conv.records, tenant, lora)
-        return [t for rec in conv.records if not is_state(rec) for t in rec.tokens][:n]
+        return [t for rec in blocks_of(conv.records) for t in rec.tokens][:n]
 
     def _run(
         self,

@@ -498,7 +498,7 @@ def test_a_hybrid_prefix_travels_with_its_state_snapshot(converted, tmp_path: Pa
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.kv import conversation
-    from ember.kv.tier import is_state
+    from ember.kv.tier import blocks_of, is_state
 
     require_kernels()
     path = converted["qwen35"].q8_0
@@ -522,7 +522,7 @@ def test_a_hybrid_prefix_travels_with_its_state_snapshot(converted, tmp_path: Pa
     assert [is_state(r) for r in two.records] == [False] * 5 + [True] + [False] * 2 + [True]
     read = conversation.read(file, fp).records
     assert read == two.records and two.num_tokens == 56
-    chain = [r for r in read if not is_state(r)]
+    chain = blocks_of(read)
     sp = params(20, 8)
     for records, prompt, reach in ((read, follow2, 56),
                                    ([*chain[:6], *(r for r in read if is_state(r))], follow2, 40),

@@ -26,7 +26,7 @@ from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped, EngineThread
 from ember.kv.disk import CorruptBlock, decode, encode
-from ember.kv.tier import is_state
+from ember.kv.tier import blocks_of
 from ember.models.loader import LoadedModel
 from ember.models.lora import LoRAError
 from ember.sampling.params import SamplingParams
@@ -181,7 +181,7 @@ class EmberReplica:
         lora = spec.lora[0] if spec.lora is not None else None
         prompt = spec.prompt_ids[:-1]
         records = self.thread.call(lambda e: e.export_prefix(prompt, spec.tenant, lora))
-        chain = [rec for rec in records if not is_state(rec)]
+        chain = blocks_of(records)
         first = min(spec.handoff_from, len(chain))  # the decoder holds blocks before it
         fp = self.engine.kv_fingerprint()
         # a hybrid's state snapshot after the last block travels with the blocks
@@ -219,7 +219,7 @@ class EmberReplica:
             records.append(rec)
         report["bytes"] = sum(len(r.payload) for r in records)
         bs = self.engine.config.block_size
-        prompt = spec.prompt_ids[:(h.first + sum(not is_state(r) for r in records)) * bs]
+        prompt = spec.prompt_ids[:(h.first + len(blocks_of(records))) * bs]
 
         def take(e: LLMEngine) -> tuple[int, int]:
             return (e.cached_tokens(prompt, spec.tenant, lora),

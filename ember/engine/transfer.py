@@ -22,7 +22,7 @@ from ember.kv.tier import (
     DiskTier,
     HandedStates,
     SnapshotBytes,
-    is_state,
+    blocks_of,
     restore_chain,
     state_record,
 )
@@ -99,7 +99,7 @@ class KVTransfer:
         keys, parents) end the import: blocks computed with another adapter (or none)
         are never taken."""
         prefix = self.kv.prefix
-        chain = [rec for rec in records if not is_state(rec)]
+        chain = blocks_of(records)
         if prefix is None or not (chain or first):
             return 0
         bs = self.config.block_size

@@ -33,7 +33,7 @@ from typing import Any
 from ember.errors import EmberError
 from ember.kv import disk
 from ember.kv.disk import BlockRecord
-from ember.kv.tier import is_state
+from ember.kv.tier import blocks_of
 
 MAGIC = b"EMBERCV\0"
 VERSION = 1
@@ -55,7 +55,7 @@ class Conversation:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(rec.tokens) for rec in self.records if not is_state(rec))
+        return sum(len(rec.tokens) for rec in blocks_of(self.records))
 
 
 def _frame(kind: bytes, body: bytes) -> bytes:
@@ -147,8 +147,8 @@ def save_turn(path: str | Path, fp: bytes, prior: Conversation, messages: list[d
     history so far) the file lacks — new blocks and, for a hybrid model, the state after
     the last of them. A history that no longer starts with the file's blocks (rewritten)
     starts the file over."""
-    chain = [rec.key for rec in records if not is_state(rec)]
-    have = [rec.key for rec in prior.records if not is_state(rec)]
+    chain = [rec.key for rec in blocks_of(records)]
+    have = [rec.key for rec in blocks_of(prior.records)]
     if chain[:len(have)] != have:
         prior = Conversation()
     kept = {rec.key for rec in prior.records}

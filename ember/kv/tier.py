@@ -83,6 +83,12 @@ def is_state(rec: BlockRecord) -> bool:
     return rec.key == state_key(rec.parent)
 
 
+def blocks_of(records: Sequence[BlockRecord]) -> list[BlockRecord]:
+    """The KV blocks among ``records``, in order (a hybrid's exports also carry
+    recurrent-state snapshots)."""
+    return [rec for rec in records if not is_state(rec)]
+
+
 def load_state_record(rec: BlockRecord, block_key: bytes, salt: bytes, tokens: Sequence[int],
                       storage: SnapshotBytes, slot: int,
                       discard: Callable[[bytes], None] | None = None) -> bool:
