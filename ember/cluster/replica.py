@@ -12,6 +12,7 @@ its engine metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -97,7 +98,10 @@ class EmberReplica:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def deliver(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            # an output after the caller's loop closed (it left mid-request, the engine
+            # was still aborting): nobody is waiting for it
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, out)
 
         began = time.monotonic()
         # prepare compiles grammars and a handoff is checked block by block: off the
