@@ -126,6 +126,21 @@ def test_a_grammar_that_fails_during_generation_is_a_400_not_a_500(hard, fmt, st
     no_server_errors(hard)
 
 
+def test_a_tool_grammar_that_fails_names_tools(hard):
+    """A required call to a tool whose argument's pattern the grammar compiler refuses:
+    the reply's grammar is the tools', so the 400 names ``tools``, not response_format."""
+    args = {"type": "object", "properties": {"code": {"type": "string", "pattern": "("}},
+            "required": ["code"]}
+    tool = {"type": "function", "function": {"name": "wide", "parameters": args}}
+    r = post(hard, "/v1/chat/completions", chat(hard, max_tokens=16, tools=[tool],
+                                                 tool_choice="required", temperature=0))
+    err = assert_error(r, 400, "tools")
+    assert len(err["message"]) < 500, err
+    assert err["message"].startswith("invalid tools:"), err
+    wait_for_metrics(hard, IDLE)
+    no_server_errors(hard)
+
+
 # ====================================================================== 2. content type, size
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x", None])
