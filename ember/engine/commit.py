@@ -148,7 +148,7 @@ def _stop_after(req: Request, token: int) -> FinishReason | None:
     req.text += req.detokenizer.push(token)
     cut = stops.cut(req.text, req.emitted_chars)
     if cut is not None:
-        req.text = req.text[:cut]
+        req.text, req.stop_string = req.text[:cut[0]], cut[1]
         return FinishReason.STOP
     if stops.at_length(req.num_output, len(req.token_ids)):
         req.text += req.detokenizer.flush()

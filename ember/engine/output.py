@@ -34,6 +34,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, once finished: one per prompt token (None first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_token_ids: list[int] | None = None  # set with prompt_logprobs
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @property
     def completion_tokens(self) -> int:
@@ -68,6 +69,7 @@ def output(req: Request) -> RequestOutput:
         timeline=_finished_timeline(req),
         prompt_logprobs=req.prompt_logprobs if with_prompt and req.is_finished else None,
         prompt_token_ids=req.prompt_ids if with_prompt else None,
+        stop_string=req.stop_string,
     )
 
 

@@ -83,6 +83,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_param: str | None = None  # the request parameter that caused ``error``, if any
+    stop_string: str | None = None  # the stop string that ended it, if one did
     cached_tokens: int = 0
     state_slot: int | None = None  # recurrent-state slot while it holds KV (hybrid models)
     # the chain key of a cached snapshot its slot takes before its first step (admitted

@@ -33,14 +33,14 @@ class Stops:
         return (self.max_output is not None and num_output >= self.max_output) or (
             total >= self.max_total)
 
-    def cut(self, text: str, emitted: int) -> int | None:
-        """Where the first stop string in ``text`` starts, None if there is none. Only
-        the tail that a new token can have completed is searched: text already
-        streamed (``emitted`` characters) held no stop string."""
+    def cut(self, text: str, emitted: int) -> tuple[int, str] | None:
+        """Where the first stop string in ``text`` starts, and which one it is; None if
+        there is none. Only the tail that a new token can have completed is searched:
+        text already streamed (``emitted`` characters) held no stop string."""
         if not self.strings:
             return None
         window = max(0, emitted - max(len(s) for s in self.strings))
-        hits = [i for s in self.strings if (i := text.find(s, window)) >= 0]
+        hits = [(i, s) for s in self.strings if (i := text.find(s, window)) >= 0]
         return min(hits) if hits else None
 
     def held_back(self, text: str) -> int:

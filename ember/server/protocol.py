@@ -249,34 +249,14 @@ class ChatCompletionRequest(_Sampling, _Conversation):
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
             m.check(where)
-            role = "system" if m.role == "developer" else m.role
             content = _text_content(m.content, where)
             if not content and m.refusal:
                 content = m.refusal  # what the assistant said, as a refusal
-            msg: dict[str, Any]
-            if style.native:  # calls and results as the template renders them
-                msg = {"role": role, "content": content}
-                if m.tool_calls:
-                    msg["tool_calls"] = tools.native_calls(m.tool_calls, where, style)
-                if role == "tool":
-                    msg["tool_call_id"] = tools.call_id(m.tool_call_id or "")
-            else:
-                if m.tool_calls:
-                    content = tools.history_text(content, m.tool_calls, where)
-                if role == "tool":  # as the Hermes format returns results: in a user turn
-                    role, content = "user", tools.tool_result_text(content)
-                msg = {"role": role, "content": content}
+            msg = template_turn(m.role, content, m.tool_calls, m.tool_call_id, where, style)
             if m.name is not None:
                 msg["name"] = m.name
             out.append(msg)
-        if plan is not None and not plan.style.native:
-            # the tools, told as the template cannot
-            offer = plan.system_text()
-            if out and out[0]["role"] == "system":
-                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + offer}
-            else:
-                out.insert(0, {"role": "system", "content": offer})
-        return out
+        return with_tool_offer(out, plan)
 
     @property
     def thinking_budget(self) -> tuple[int, str] | None:
@@ -317,6 +297,38 @@ def _text_content(content: Any, where: str,
                            param=f"{where}.content[{j}].text")
         parts.append(text)
     return "".join(parts)
+
+
+def template_turn(role: str, content: str, calls: list[Any] | None, call_id: str | None,
+                  where: str, style: tools.ToolStyle) -> dict[str, Any]:
+    """One message for the chat template, past calls and results as ``style`` (the served
+    model's call format) renders them: natively where the template takes them, else as
+    Hermes text (calls in the assistant's turn, results in a user turn)."""
+    role = "system" if role == "developer" else role
+    if style.native:
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = tools.native_calls(calls, where, style)
+        if role == "tool":
+            msg["tool_call_id"] = tools.call_id(call_id or "")
+        return msg
+    if calls:
+        content = tools.history_text(content, calls, where)
+    if role == "tool":
+        role, content = "user", tools.tool_result_text(content)
+    return {"role": role, "content": content}
+
+
+def with_tool_offer(msgs: list[dict[str, Any]], plan: tools.ToolPlan | None
+                    ) -> list[dict[str, Any]]:
+    """``msgs`` with ``plan``'s tools told in the system message, where the served model's
+    template cannot take them itself."""
+    if plan is None or plan.style.native:
+        return msgs
+    offer = plan.system_text()
+    if msgs and msgs[0]["role"] == "system":
+        return [{**msgs[0], "content": msgs[0]["content"] + "\n\n" + offer}, *msgs[1:]]
+    return [{"role": "system", "content": offer}, *msgs]
 
 
 # ---------------------------------------------------------------------- completions
@@ -467,13 +479,7 @@ class ResponsesRequest(_Conversation):
         if not msgs:
             raise APIError(400, "'input' must not be empty", param="input")
         msgs = [{k: v for k, v in m.items() if k != "calls"} for m in msgs]
-        if plan is not None:
-            offer = plan.system_text()
-            if msgs[0]["role"] == "system":
-                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + offer}
-            else:
-                msgs.insert(0, {"role": "system", "content": offer})
-        return msgs
+        return with_tool_offer(msgs, plan)
 
     def sampling(self, structured: StructuredOutput | None = None) -> SamplingParams:
         """Its sampling parameters; ``structured``: what constrains the reply (default:

@@ -124,22 +124,23 @@ def completion_logprobs(lps: list[TokenLogprobs | None] | None, tokenizer: Any,
             "text_offset": offsets}
 
 
-def tool_calls_of(req: Any, plan: ToolPlan | None, out: RequestOutput) -> list[Any] | None:
+def tool_calls_of(req: Any, plan: ToolPlan | None, out: RequestOutput,
+                  cap: str | None = None) -> list[Any] | None:
     """The calls in a finished reply to a request offering ``plan``'s tools (None: a
     text reply). Under ``required`` or a named tool a reply without them was cut short:
-    an error."""
+    an error naming the output cap (``cap``, else the OpenAI body's)."""
     if plan is None:
         return None
     calls = plan.parse(out.text)
     if calls is None and plan.choice != "auto":
-        param = ("max_output_tokens" if isinstance(req, P.ResponsesRequest) else
-                 "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+        param = cap or ("max_output_tokens" if isinstance(req, P.ResponsesRequest) else
+                        "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         raise APIError(400, f"the tool call did not fit in '{param}' "
                          f"({out.completion_tokens} tokens)", param=param)
     return calls
 
 
-def _split(text: str, reasoning: Reasoning) -> tuple[str | None, str]:
+def split_reply(text: str, reasoning: Reasoning) -> tuple[str | None, str]:
     """``(reasoning, answer)`` of a reply whose prompt may have opened the reasoning."""
     tags, opened = reasoning
     return split_reasoning((tags.open if opened else "") + text, tags)
@@ -152,7 +153,7 @@ def chat_body(outs: list[RequestOutput], req: P.ChatCompletionRequest, ids: Ids,
     for i, o in enumerate(outs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
         if reasoning is not None:
-            message["reasoning_content"], message["content"] = _split(o.text, reasoning)
+            message["reasoning_content"], message["content"] = split_reply(o.text, reasoning)
         finish = o.finish_reason
         calls = tool_calls_of(req, shape.tools, o)
         if calls:
@@ -194,7 +195,7 @@ async def chat_chunks(stream: AsyncIterator[tuple[int, RequestOutput]],
         if out.finished and i not in texting and plan is not None:
             calls = tool_calls_of(req, plan, out)
             if calls:
-                thought = None if reasoning is None else _split(out.text, reasoning)[0]
+                thought = None if reasoning is None else split_reply(out.text, reasoning)[0]
                 if thought:  # the reasoning before the calls (harmony), sent whole
                     yield chunk([{"index": i, "delta": {"reasoning_content": thought},
                                   "logprobs": None, "finish_reason": None}])
@@ -286,7 +287,7 @@ def response_body(req: P.ResponsesRequest, ids: Ids, out: RequestOutput | None,
         status = "incomplete"
     reasoning = None
     if split is not None:
-        reasoning, text = _split(text, split)
+        reasoning, text = split_reply(text, split)
     item = {"id": msg_id or f"msg_{ids.id[5:]}", "type": "message", "role": "assistant",
             "status": "completed" if done else "in_progress",
             "content": [{"type": "output_text", "text": text, "annotations": [],
