@@ -30,8 +30,11 @@ class ServedAdapters:
         self._allowed[name] = tenants
 
     def check_model(self, model: str | None, tenant: str) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model). An unknown name and
-        an adapter the tenant may not use get the same 404: existence does not leak."""
+        """The LoRA adapter ``model`` names (None: the base model; Ollama's ``:latest``
+        tag may follow a name). An unknown name and an adapter the tenant may not use get
+        the same 404: existence does not leak."""
+        if model is not None:
+            model = model.removesuffix(":latest")  # Ollama's default tag names the same
         if model is None or model in self.model_names():
             return None
         if model in self.for_tenant(tenant):

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP server: the ``Server`` every route shares, admission, and
-``create_app``'s routes. Beside it: who a request is (auth.py), the served adapters
-(adapters.py), the routes' prompts (routes.py), a request's outputs (generation.py),
-running it (run.py).
+"""The HTTP server: the ``Server`` every route shares, admission, and ``create_app``'s
+routes — OpenAI's API, and Anthropic's and Ollama's over the same path (anthropic.py,
+ollama.py translate their bodies and replies). Beside it: who a request is (auth.py), the
+served adapters (adapters.py), the routes' prompts (routes.py), a request's outputs
+(generation.py), running it (run.py).
 
 A generation request goes through the same steps on every route:
 
@@ -42,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
 from ember.errors import EmberError
-from ember.server import backend, openapi, tools
+from ember.server import anthropic, backend, ollama, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
 from ember.server.adapters import ServedAdapters
@@ -335,6 +336,34 @@ class Server:
                                  param=f"tokens[{i}]")
         return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
+    def count_message_tokens(self, req: anthropic.CountTokensRequest) -> list[int]:
+        """The prompt a Messages body renders to (in a preparation thread)."""
+        return anthropic.prompt_ids(self, req, req.tool_plan(self.tool_style))
+
+    @functools.cached_property
+    def _card(self) -> ollama.ModelCard:
+        return ollama.ModelCard.of(self.engine.loaded, self.model_names()[0],
+                                   self.engine.max_model_len)
+
+    def model_card(self) -> ollama.ModelCard:
+        """The served model as Ollama's model routes describe it (503 while it loads)."""
+        self.model_names()
+        return self._card
+
+    def chat_template_source(self) -> str | None:
+        template = self.engine.loaded.chat_template
+        return None if template is None else template.source
+
+    def capabilities(self) -> list[str]:
+        """Ollama's capability names for the served model: tools work on any model with
+        a chat template (described to it where its template does not take them)."""
+        caps = ["completion"]
+        if self.engine.loaded.chat_template is not None:
+            caps.append("tools")
+        if self.engine.thinking_tags is not None:
+            caps.append("thinking")
+        return caps
+
     def tokenizer_info(self) -> dict[str, Any]:
         loaded, tok = self.engine.loaded, self.engine.tokenizer
 
@@ -377,11 +406,11 @@ class AdmissionGate:
         thread = self.server.thread
         if (scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
                 and scope["method"] == "POST" and thread is not None and thread.queue_full()
-                and self.server.keys.authorized(dict(scope["headers"]).get(b"authorization", b""))):
+                and self.server.keys.authorized(dict(scope["headers"]))):
             e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
             self.server.metrics.count_http(scope["path"], 429)
             await drain_request(scope, receive)
-            body = JSONBody(e.body(), status_code=429,
+            body = JSONBody(error_body(scope["path"], e), status_code=429,
                             headers={**e.headers, "Connection": "close"})
             await body(scope, receive, send)
             return
@@ -397,7 +426,8 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
         server.metrics.count_http(request.url.path, e.status)
-        return JSONBody(e.body(), status_code=e.status, headers=e.headers)
+        return JSONBody(error_body(request.url.path, e), status_code=e.status,
+                        headers=e.headers)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, e: ClientGone) -> Response:
@@ -445,6 +475,9 @@ def create_app(server: Server) -> FastAPI:
                  "parent": None}]
         data += [{"id": n, "object": "model", "created": created, "owned_by": "ember",
                   "parent": base} for n in server.adapters.for_tenant(tenant)]
+        if "anthropic-version" in request.headers:  # Anthropic's SDK lists models here too
+            return _ok(request, server, anthropic.model_list(
+                [d["id"] for d in data], created, server.engine.max_model_len))
         return _ok(request, server, {"object": "list", "data": data})
 
     @app.post("/v1/load_lora_adapter", responses=openapi.LORA_ADMIN)
@@ -514,6 +547,56 @@ def create_app(server: Server) -> FastAPI:
         return _ok(request, server, R.response_body(req, ids, out, "completed",
                                                     shape=adm.shape))
 
+    @app.post("/v1/messages", **openapi.route(anthropic.MessagesRequest, openapi.Message))
+    async def messages(request: Request) -> Response:
+        adm = await server.admit(request, anthropic.MESSAGES)
+        req, msg_id = adm.req, anthropic.message_id()
+        stream = server.generate(adm, request)
+        if req.stream:
+            return await _sse(request, server, anthropic.message_events(
+                stream, req, adm.shape, msg_id), anthropic.error_event)
+        out = (await _collect(stream, 1))[0]
+        return _ok(request, server, anthropic.message_body(req, out, adm.shape, msg_id))
+
+    @app.post("/v1/messages/count_tokens",
+              **openapi.route(anthropic.CountTokensRequest, openapi.TokenCount))
+    async def count_tokens(request: Request) -> Response:
+        body = await _tokenizer_body(request, server, anthropic.CountTokensRequest)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(server.prep_pool, server.count_message_tokens, body)
+        return _ok(request, server, {"input_tokens": len(ids)})
+
+    @app.post("/api/chat", **openapi.route(ollama.ChatRequest, openapi.OllamaReply))
+    async def ollama_chat(request: Request) -> Response:
+        return await _ollama(request, server, ollama.CHAT, chat=True)
+
+    @app.post("/api/generate", **openapi.route(ollama.GenerateRequest, openapi.OllamaReply))
+    async def ollama_generate(request: Request) -> Response:
+        return await _ollama(request, server, ollama.GENERATE, chat=False)
+
+    @app.get("/api/tags", responses=openapi.OLLAMA_MODELS)
+    async def ollama_tags(request: Request) -> Response:
+        server.keys.tenant(request)
+        return _ok(request, server, {"models": [server.model_card().entry()]})
+
+    @app.get("/api/ps", responses=openapi.OLLAMA_MODELS)
+    async def ollama_ps(request: Request) -> Response:
+        server.keys.tenant(request)
+        return _ok(request, server, {"models": [server.model_card().running()]})
+
+    @app.post("/api/show", **openapi.route(ollama.ShowRequest, openapi.OllamaShow, False))
+    async def ollama_show(request: Request) -> Response:
+        tenant = server.keys.tenant(request)
+        body = P.parse(ollama.ShowRequest, decode_json(await read_body(
+            request, server.config.max_request_bytes, server.config.body_timeout)))
+        server.adapters.check_model(body.named, tenant)
+        return _ok(request, server, server.model_card().show(
+            server.chat_template_source(), server.capabilities()))
+
+    @app.get("/api/version", responses=openapi.OLLAMA_VERSION)
+    async def ollama_version(request: Request) -> Response:
+        return _ok(request, server, {"version": ollama.API_VERSION})
+
     @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
     async def tokenize(request: Request) -> Response:
         body = await _tokenizer_body(request, server, P.TokenizeRequest)
@@ -567,10 +650,13 @@ async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]], n: int
     return [final[i] for i in range(n)]
 
 
-async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> Response:
+async def _sse(request: Request, server: Server, events: AsyncIterator[str],
+               error_event: Callable[[APIError], str] = lambda e: R.sse_data(e.body()),
+               media_type: str = "text/event-stream") -> Response:
     """Start streaming only once the first event exists, so that errors raised before
     any token (a bad request, a grammar failing on the first token) are answered as
-    plain JSON with their status."""
+    plain JSON with their status. A failure after that is the stream's last event
+    (``error_event``)."""
     try:
         first = await events.__anext__()
     except StopAsyncIteration:
@@ -586,11 +672,35 @@ async def _sse(request: Request, server: Server, events: AsyncIterator[str]) -> 
             log.info("client disconnected mid-stream: %s %s (request aborted)",
                      request.method, request.url.path)
         except APIError as e:  # mid-stream failure: say so in-band, then end
-            yield R.sse_data(e.body())
+            yield error_event(e)
         finally:
             await events.aclose()
 
     server.metrics.count_http(request.url.path, 200)
-    return StreamingResponse(body(), media_type="text/event-stream",
+    return StreamingResponse(body(), media_type=media_type,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _ollama(request: Request, server: Server, route: Route, chat: bool) -> Response:
+    clock = ollama.Clock()
+    try:
+        adm = await server.admit(request, route)
+    except ollama.ModelLoaded as e:  # nothing to generate: the model is loaded (always)
+        return _ok(request, server, ollama.Reply(e.req, chat).loaded())
+    reply = ollama.Reply(adm.req, chat)
+    stream = server.generate(adm, request)
+    if adm.req.stream:
+        return await _sse(request, server, reply.lines(stream, adm.shape, clock),
+                          ollama.error_line, "application/x-ndjson")
+    out = (await _collect(stream, 1))[0]
+    return _ok(request, server, reply.whole(out, adm.shape, clock))
+
+
+def error_body(path: str, e: APIError) -> dict[str, Any]:
+    """An error in the shape of the API ``path`` belongs to."""
+    if path.startswith("/v1/messages"):
+        return anthropic.error_body(e)
+    if path.startswith("/api/"):
+        return ollama.error_body(e)
+    return e.body()
 

@@ -1,7 +1,9 @@
 """Who a request is: the tenant of its API key, and whether it holds the metrics or the
-admin key. Keys are kept only as digests; a presented key is compared with every
-configured one in constant time, so a response's timing tells nothing of which keys
-exist; only keys a client can send (RFC 9110 bearer tokens) are configured."""
+admin key. A key comes as OpenAI's clients send it (``Authorization: Bearer``) or as
+Anthropic's do (``x-api-key``); both name the same tenants. Keys are kept only as
+digests; a presented key is compared with every configured one in constant time, so a
+response's timing tells nothing of which keys exist; only keys a client can send (RFC
+9110 bearer tokens) are configured."""
 
 from __future__ import annotations
 
@@ -16,6 +18,14 @@ from ember.server.errors import APIError
 DEFAULT_TENANT = "default"
 
 
+def presented_key(authorization: str, x_api_key: str) -> str | None:
+    """The key a request presents: its bearer token, else its ``x-api-key``."""
+    token = bearer_token(authorization)
+    if token is None and x_api_key:
+        token = bearer_token("Bearer " + x_api_key)
+    return token
+
+
 class Keys:
     def __init__(self, config: ServerConfig) -> None:
         for where, key in [("--api-key", k) for k in config.api_keys] + [
@@ -28,10 +38,11 @@ class Keys:
         self._admin_key = key_digest(config.admin_api_key) if config.admin_api_key else None
 
     def _bearer(self, request: Request) -> bytes:
-        token = bearer_token(request.headers.get("authorization", ""))
+        token = presented_key(request.headers.get("authorization", ""),
+                              request.headers.get("x-api-key", ""))
         if token is None:
-            raise APIError(401, "missing or malformed API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
+            raise APIError(401, "missing or malformed API key: send 'Authorization: Bearer "
+                           "<key>' or 'x-api-key: <key>'", code="invalid_api_key")
         return key_digest(token)
 
     def tenant(self, request: Request) -> str:
@@ -50,11 +61,12 @@ class Keys:
                 tenant = owner
         return tenant
 
-    def authorized(self, authorization: bytes) -> bool:
-        """Whether a raw ``Authorization`` header holds a valid key (or none is needed)."""
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether raw ASGI headers hold a valid key (or none is needed)."""
         if not self._keys:
             return True
-        token = bearer_token(authorization.decode("latin-1"))
+        token = presented_key(headers.get(b"authorization", b"").decode("latin-1"),
+                              headers.get(b"x-api-key", b"").decode("latin-1"))
         return token is not None and self._owner(key_digest(token)) is not None
 
     def may_see_page(self, request: Request) -> bool:

@@ -16,11 +16,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from ember.server import anthropic, ollama
 from ember.server import protocol as P
 
 _REF = "#/components/schemas/{model}"
 BODIES = (P.ChatCompletionRequest, P.CompletionRequest, P.ResponsesRequest,
-          P.TokenizeRequest, P.DetokenizeRequest)
+          P.TokenizeRequest, P.DetokenizeRequest, anthropic.MessagesRequest,
+          anthropic.CountTokensRequest, ollama.ChatRequest, ollama.GenerateRequest,
+          ollama.ShowRequest)
 
 
 # ---------------------------------------------------------------------- common
@@ -239,13 +242,93 @@ class TokenizerInfo(BaseModel):
     chat_template: str | None
 
 
+# ---------------------------------------------------------------------- Anthropic
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+# ---------------------------------------------------------------------- Ollama
+class OllamaError(BaseModel):
+    error: str
+
+
+class OllamaReply(BaseModel):
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    message: dict[str, Any] | None = None  # /api/chat
+    response: str | None = None  # /api/generate
+    thinking: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class OllamaModel(BaseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: dict[str, Any]
+
+
+class OllamaModels(BaseModel):
+    models: list[OllamaModel]
+
+
+class OllamaShow(BaseModel):
+    modelfile: str
+    parameters: str
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class OllamaVersion(BaseModel):
+    version: str
+
+
 class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     error: str | None = None
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"model": ErrorResponse, "description": description}
+def _error(description: str, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
+    return {"model": model, "description": description}
 
 
 _AUTH = {401: _error("Missing or invalid API key.")}
@@ -270,6 +353,12 @@ CACHE_ADMIN: dict[int | str, Any] = {
 TOKENIZER_INFO: dict[int | str, Any] = {
     200: {"model": TokenizerInfo, "description": "The served model's tokenizer."}, **_AUTH,
     503: _error("The model is loading.")}
+OLLAMA_MODELS: dict[int | str, Any] = {
+    200: {"model": OllamaModels, "description": "The served model."},
+    401: _error("Missing or invalid API key.", OllamaError),
+    503: _error("The model is loading.", OllamaError)}
+OLLAMA_VERSION: dict[int | str, Any] = {
+    200: {"model": OllamaVersion, "description": "The Ollama API version these routes follow."}}
 METRICS: dict[int | str, Any] = {
     200: {"description": "Prometheus text exposition format.",
           "content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -285,14 +374,20 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
 def route(body: type[BaseModel], response: type[BaseModel], stream: bool = True
           ) -> dict[str, Any]:
     """Keyword arguments for ``app.post`` documenting a route that reads a JSON body
-    (a generation route when ``stream``)."""
+    (a generation route when ``stream``), its errors in its API's shape."""
     assert body in BODIES, body
+    error, media = ErrorResponse, "text/event-stream"
+    if body.__module__ == anthropic.__name__:
+        error = AnthropicError
+    elif body.__module__ == ollama.__name__:
+        error, media = OllamaError, "application/x-ndjson"
     ok: dict[str, Any] = {"model": response, "description": "The result."}
     if stream:
         ok = {"model": response, "description": "The generation; with \"stream\": true, "
-              "server-sent events (one JSON chunk per 'data:' line).",
-              "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
-    refusals = {429: _error("The queue is full; retry after Retry-After seconds.")} \
+              "a stream of events (server-sent events; Ollama's: one JSON object per line).",
+              "content": {media: {"schema": _SSE_EVENT if media == "text/event-stream"
+                                  else {"type": "string"}}}}
+    refusals = {429: _error("The queue is full; retry after Retry-After seconds.", error)} \
         if stream else {}
     return {
         "response_model": None,
@@ -302,14 +397,14 @@ def route(body: type[BaseModel], response: type[BaseModel], stream: bool = True
                 model=body.__name__)}}}}},
         "responses": {
             200: ok,
-            400: _error("Invalid request; 'param' names the field."),
-            **_AUTH,
-            404: _error("Unknown model."),
-            408: _error("The body did not arrive in time."),
-            413: _error("The body is larger than --max-request-bytes."),
-            415: _error("The body is not JSON."),
+            400: _error("Invalid request; the message names the field.", error),
+            401: _error("Missing or invalid API key.", error),
+            404: _error("Unknown model.", error),
+            408: _error("The body did not arrive in time.", error),
+            413: _error("The body is larger than --max-request-bytes.", error),
+            415: _error("The body is not JSON.", error),
             **refusals,
-            503: _error("The model is loading or the server is shutting down."),
+            503: _error("The model is loading or the server is shutting down.", error),
         },
     }
 

@@ -1,6 +1,7 @@
 """The generation routes' prompts: what differs between chat completions, completions and
 responses when a body becomes token ids and sampling parameters, and how the route will
-read the replies (:class:`~ember.server.render.Shape`)."""
+read the replies (:class:`~ember.server.render.Shape`). The Anthropic and Ollama routes
+build theirs from the same pieces (:mod:`ember.server.anthropic`, :mod:`ember.server.ollama`)."""
 
 from __future__ import annotations
 
@@ -68,13 +69,13 @@ def _chat_prompts(server: PromptServer, req: P.ChatCompletionRequest) -> Built:
     grammar = req.output_grammar(plan)
     params = [req.sampling(req.max_output, req.n_logprobs, j, structured=grammar)
               for j in range(req.n)]
-    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
+    budget, split = thinking(server, plan, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = [dataclasses.replace(p, thinking_budget=budget) for p in params]
     return Built([(prompt_ids, params)], R.Shape(plan, split))
 
 
-def _reasoning(server: PromptServer, plan: tools.ToolPlan | None, prompt_ids: list[int],
+def thinking(server: PromptServer, plan: tools.ToolPlan | None, prompt_ids: list[int],
                asked: tuple[int, str] | None) -> tuple[int | None, R.Reasoning | None]:
     """The thinking budget of a chat request and how its reply splits (None, None: the
     model does not think, or a tool grammar leaves it no room to)."""
@@ -106,7 +107,7 @@ def _responses_prompts(server: PromptServer, req: P.ResponsesRequest) -> Built:
     plan = req.tool_plan()  # told in a system message, whatever the model's format
     prompt_ids = server.chat_ids(req.template_messages(plan), "input")
     params = req.sampling(req.output_grammar(plan))
-    budget, split = _reasoning(server, plan, prompt_ids, req.thinking_budget)
+    budget, split = thinking(server, plan, prompt_ids, req.thinking_budget)
     if budget is not None:
         params = dataclasses.replace(params, thinking_budget=budget)
     return Built([(prompt_ids, [params])], R.Shape(plan, split))
@@ -117,6 +118,7 @@ CHAT = Route(P.ChatCompletionRequest, "messages", "response_format", _chat_promp
 COMPLETIONS = Route(P.CompletionRequest, "prompt", "response_format", _completion_prompts)
 RESPONSES = Route(P.ResponsesRequest, "input", "text.format", _responses_prompts,
                   lambda req: "max_output_tokens")
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                               "/v1/messages", "/api/chat", "/api/generate"})
 
 
