@@ -110,6 +110,42 @@ def test_every_vocabulary_llama_cpp_tests_is_exact_or_refused_by_name(vocab_dir:
     assert EXACT <= set(exact), (sorted(exact), sorted(refused))
 
 
+# ---------------------------------------------------------------- code, URLs, markup
+# llama.cpp's vocab tests are mostly prose; code, URLs and markup exercise punctuation
+# runs and mixed scripts that prose does not (deepseek-llm once split "):", "://" and
+# "|>" that llama.cpp keeps whole). The oracle: llama.cpp's ids for one corpus under
+# every exact vocabulary, written by tests/llamacpp_tokenize.py (llama-cpp-python
+# 0.3.36) into tests/golden/code_corpus/, refreshed below when EMBER_LLAMA_PYTHON is set.
+CORPUS = Path(__file__).parent / "golden" / "code_corpus"
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_code_urls_and_markup_tokenize_as_llama_cpp_does(vocab_dir: Path, name: str) -> None:
+    cases = json.loads((CORPUS / f"{name}.json").read_text("utf-8"))["cases"]
+    assert [c["text"] for c in cases] == json.loads((CORPUS / "texts.json").read_text("utf-8"))
+    with GGUFFile(vocab_dir / f"ggml-vocab-{name}.gguf") as gguf:
+        tok = Tokenizer.from_gguf(gguf)
+    wrong = [c["text"] for c in cases
+             if tok.encode(c["text"], parse_special=False, add_bos=False) != c["ids"]]
+    assert not wrong, wrong[:3]
+
+
+@pytest.mark.skipif(not os.environ.get("EMBER_LLAMA_PYTHON"),
+                    reason="set EMBER_LLAMA_PYTHON to an interpreter with llama-cpp-python")
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_code_corpus_golden_is_what_llama_cpp_says_now(vocab_dir: Path, tmp_path: Path,
+                                                      name: str) -> None:
+    out = tmp_path / "out.json"
+    subprocess.run([os.environ["EMBER_LLAMA_PYTHON"],
+                    str(Path(__file__).parent / "llamacpp_tokenize.py"),
+                    str(vocab_dir / f"ggml-vocab-{name}.gguf"), str(CORPUS / "texts.json"),
+                    str(out)], check=True)
+    if os.environ.get("EMBER_WRITE_GOLDEN"):
+        (CORPUS / f"{name}.json").write_bytes(out.read_bytes())
+    fresh = json.loads(out.read_text("utf-8"))["cases"]
+    assert fresh == json.loads((CORPUS / f"{name}.json").read_text("utf-8"))["cases"]
+
+
 # ---------------------------------------------------------------- more pre-tokenizers
 # Pre-tokenizers llama.cpp has no vocab test for: tekken (Mistral Nemo, Small 3,
 # Ministral 3) and gpt-4o (o200k: gpt-oss, Llama 4). The oracle: llama.cpp's ids for
@@ -174,7 +210,8 @@ def test_pre_tokenizer_is_llama_cpps(llama3_vocab, pre: str) -> None:
 def test_pre_tokenizer_golden_is_what_llama_cpp_says_now(llama3_vocab, vocab_dir: Path,
                                                          tmp_path: Path, pre: str) -> None:
     texts = tmp_path / "texts.json"
-    inputs = [t for t, _ in _cases(vocab_dir, "llama-bpe")] + EXTRA_TEXTS
+    inputs = [t for t, _ in _cases(vocab_dir, "llama-bpe")] + EXTRA_TEXTS + json.loads(
+        (CORPUS / "texts.json").read_text("utf-8"))
     texts.write_text(json.dumps(inputs, ensure_ascii=False), "utf-8")
     out = tmp_path / "out.json"
     subprocess.run([os.environ["EMBER_LLAMA_PYTHON"],

@@ -42,9 +42,14 @@ _DEEPSEEK_LLM = (
     r"\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184"
     r"\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b"
     r"\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
-    r"\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
-    r"\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-"
-    r"\U000118df\U0001e900-\U0001e943]+",
+    r"\uff21-\uff3a\uff41-\uff5a"
+    # astral code points as the characters themselves (not raw): Oniguruma, the regex
+    # engine of the tokenizers library, reads \uXXXX but not \UXXXXXXXX, and took
+    # "\U000..." for the letters U, 0, 0, ... (a range from "0" to "U" that swallowed
+    # :;<=>?@ and split "):", "://" or "|>" apart where llama.cpp keeps them whole)
+    "\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-"
+    "\U000118df\U0001e900-\U0001e943]+",
     r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
     r"\s+\Z",  # ECMAScript's $ (llama.cpp's std::regex): the end of the text only
     _CJK,
