@@ -208,6 +208,10 @@ class Intake:
             raise InvalidRequest("prompt", f"token id {bad} is outside the vocabulary "
                                            f"[0, {vocab})", bad)
         wanted = len(prompt_ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len and params.max_tokens is None:
+            raise InvalidRequest(
+                "prompt", f"the prompt ({len(prompt_ids)} tokens) leaves no room for a reply "
+                          f"in the context window of {self.max_model_len} tokens")
         if wanted > self.max_model_len:
             raise InvalidRequest(
                 "max_tokens",

@@ -61,6 +61,7 @@ PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by HTTP status (its "error" objects carry no param or code)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               405: "invalid_request_error", 408: "timeout_error",
                415: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 # A thinking block's signature proves to Anthropic's API that it wrote the block; a local
@@ -413,14 +414,25 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 def _stop(req: MessagesRequest, out: RequestOutput, calls: list[Any] | None
           ) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)``."""
-    if calls:
-        return "tool_use", None
+    """``(stop_reason, stop_sequence)``: ``max_tokens`` whenever the cap ended the reply,
+    even after complete calls (a further one was cut short)."""
     if out.finish_reason == "length":
         return "max_tokens", None
+    if calls:
+        return "tool_use", None
     if out.stop_string is not None and out.stop_string in (req.stop_sequences or []):
         return "stop_sequence", out.stop_string
     return "end_turn", None
+
+
+def _calls(shape: R.Shape, out: RequestOutput) -> tuple[list[tools.ToolCall] | None, bool]:
+    """The reply's complete calls, and whether its text is a call cut short by
+    ``max_tokens`` (sent as nothing: Anthropic's ``stop_reason: max_tokens`` says so)."""
+    plan = shape.tools
+    if plan is None:
+        return None, False
+    calls = plan.parse(out.text)
+    return calls, calls is None and plan.may_be_calls(out.text)
 
 
 def _tool_use(call: tools.ToolCall) -> dict[str, Any]:
@@ -441,13 +453,13 @@ def message_body(req: MessagesRequest, out: RequestOutput, shape: R.Shape,
     thought, text = None, out.text
     if shape.reasoning is not None:
         thought, text = R.split_reply(out.text, shape.reasoning)
-    calls = R.tool_calls_of(req, shape.tools, out, cap="max_tokens")
+    calls, cut_call = _calls(shape, out)
     content: list[dict[str, Any]] = []
     if thought and req.shows_thinking:
         content.append({"type": "thinking", "thinking": thought, "signature": SIGNATURE})
     if calls:
         content += [_tool_use(c) for c in calls]
-    elif text or not content:
+    elif (text or not content) and not cut_call:
         content.append({"type": "text", "text": text})
     return _message(req, msg_id, content, _usage(out), _stop(req, out, calls))
 
@@ -505,7 +517,7 @@ async def message_events(stream: AsyncIterator[tuple[int, RequestOutput]],
     block's input as one ``input_json_delta``)."""
     plan, blocks = shape.tools, _Blocks()
     splitter = ReasoningStream(*shape.reasoning) if shape.reasoning is not None else None
-    texting, started, calls = plan is None, False, None
+    texting, started, calls, cut_call = plan is None, False, None, False
     async for _, out in stream:
         if not started:
             started = True
@@ -517,8 +529,8 @@ async def message_events(stream: AsyncIterator[tuple[int, RequestOutput]],
         if not texting:
             if plan is not None and plan.may_be_calls(out.text) and not out.finished:
                 continue
-            calls = R.tool_calls_of(req, plan, out, cap="max_tokens") if out.finished else None
-            texting, delta = not calls, out.text
+            calls, cut_call = _calls(shape, out) if out.finished else (None, False)
+            texting, delta = not calls, "" if cut_call else out.text
         if calls:
             thought = None if shape.reasoning is None else R.split_reply(out.text,
                                                                          shape.reasoning)[0]
@@ -538,7 +550,7 @@ async def message_events(stream: AsyncIterator[tuple[int, RequestOutput]],
             for event in blocks.said("", delta):
                 yield event
         if out.finished:
-            if blocks.index < 0:  # an empty reply is one empty text block
+            if blocks.index < 0 and not cut_call:  # an empty reply: one empty text block
                 for event in blocks.open("text", {"type": "text", "text": ""}):
                     yield event
             for event in blocks.close():

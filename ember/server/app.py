@@ -692,8 +692,12 @@ async def _ollama(request: Request, server: Server, route: Route, chat: bool) ->
     if adm.req.stream:
         return await _sse(request, server, reply.lines(stream, adm.shape, clock),
                           ollama.error_line, "application/x-ndjson")
-    out = (await _collect(stream, 1))[0]
-    return _ok(request, server, reply.whole(out, adm.shape, clock))
+    final = None
+    async for _, out in stream:
+        clock.saw(out)  # the first token's time: where prompt_eval ends and eval starts
+        final = out if out.finished else final
+    assert final is not None
+    return _ok(request, server, reply.whole(final, adm.shape, clock))
 
 
 def error_body(path: str, e: APIError) -> dict[str, Any]:

@@ -55,6 +55,26 @@ SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predi
 RUNTIME_OPTIONS = {"num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "num_thread",
                    "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only", "f16_kv"}
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _stops(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+_OPTION_TYPES = {"temperature": _number, "top_p": _number, "min_p": _number,
+                 "repeat_penalty": _number, "presence_penalty": _number,
+                 "frequency_penalty": _number, "top_k": _integer, "seed": _integer,
+                 "num_predict": _integer, "num_ctx": lambda v: _integer(v) and v > 0,
+                 "stop": _stops}
+_OPTION_WANTS = {**dict.fromkeys(_OPTION_TYPES, "a number"), "top_k": "an integer",
+                 "seed": "an integer", "num_predict": "an integer",
+                 "num_ctx": "a positive integer", "stop": "a string or a list of strings"}
 # sampling parameter names -> Ollama's option names
 _OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
 THINK_LEVELS = {"low": P.EFFORT_BUDGETS["low"], "medium": P.EFFORT_BUDGETS["medium"],
@@ -91,9 +111,9 @@ class _OllamaRequest(P._Conversation):
         for key, value in (self.options or {}).items():
             if key not in SAMPLING_OPTIONS | RUNTIME_OPTIONS:
                 raise unsupported(f"options.{key}", "is not supported by this server")
-            if key == "num_ctx" and not (isinstance(value, int) and value > 0):
-                raise APIError(400, "options.num_ctx: must be a positive integer",
-                               param="options.num_ctx")
+            if value is not None and not _OPTION_TYPES.get(key, lambda v: True)(value):
+                raise APIError(400, f"options.{key}: {value!r} is not {_OPTION_WANTS[key]}",
+                               param=f"options.{key}")
         if self.think is not None and not isinstance(self.think, bool) \
                 and self.think not in THINK_LEVELS:
             raise APIError(400, "think: must be true, false, low, medium or high",
@@ -149,28 +169,51 @@ class ChatRequest(_OllamaRequest):
 
     def template_messages(self, style: tools.ToolStyle = P.FALLBACK_TOOLS,
                           plan: tools.ToolPlan | None = None) -> list[dict[str, Any]]:
-        return P.with_tool_offer([_message(m, f"messages[{i}]", style)
-                                  for i, m in enumerate(self.messages)], plan)
+        """The chat template's messages. A tool result names its call by
+        ``tool_call_id``, else it answers the next unanswered call of the assistant
+        message before it (ids as :func:`tools.native_calls` makes them)."""
+        out, pending = [], []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            msg = _message(m, where)
+            calls = msg.get("tool_calls")
+            if calls:
+                pending = [c.get("id") or f"{where}.{k}" for k, c in enumerate(calls)]
+            call_id = msg.get("tool_call_id")
+            if msg["role"] == "tool" and call_id is None and pending:
+                call_id = pending.pop(0)
+            out.append(P.template_turn(msg["role"], msg.get("content") or "", calls or None,
+                                       call_id, where, style))
+        return P.with_tool_offer(out, plan)
 
 
-def _message(m: Any, where: str, style: tools.ToolStyle) -> dict[str, Any]:
+_STRING_FIELDS = ("content", "thinking", "tool_name", "tool_call_id")
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    """``m`` checked: its role, string fields and calls (``id`` optional, as Ollama's)."""
     if not isinstance(m, dict):
         raise APIError(400, f"{where}: must be an object", param=where)
-    for key in set(m) - {"role", "content", "tool_calls", "thinking", "tool_name", "images"}:
+    for key in set(m) - {"role", "tool_calls", "images", *_STRING_FIELDS}:
         raise unsupported(f"{where}.{key}", "is not a recognised field")
     if m.get("images"):
         raise unsupported(f"{where}.images", "are not supported (text models only)")
-    role, content = m.get("role"), m.get("content") or ""
-    if role not in ("system", "user", "assistant", "tool"):
+    if m.get("role") not in ("system", "user", "assistant", "tool"):
         raise APIError(400, f"{where}.role: must be system, user, assistant or tool, got "
-                       f"{role!r}", param=f"{where}.role")
-    if not isinstance(content, str):
-        raise APIError(400, f"{where}.content: must be a string", param=f"{where}.content")
+                       f"{m.get('role')!r}", param=f"{where}.role")
+    for key in _STRING_FIELDS:
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise APIError(400, f"{where}.{key}: must be a string", param=f"{where}.{key}")
     calls = m.get("tool_calls")
-    if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+    if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)):
         raise APIError(400, f"{where}.tool_calls: a list, on an assistant message only",
                        param=f"{where}.tool_calls")
-    return P.template_turn(role, content, calls or None, m.get("tool_name"), where, style)
+    for k, call in enumerate(calls or []):
+        if not isinstance(call, dict) or (call.get("id") is not None
+                                          and not isinstance(call["id"], str)):
+            raise APIError(400, f"{where}.tool_calls[{k}]: an object whose id is a string",
+                           param=f"{where}.tool_calls[{k}]")
+    return m
 
 
 class GenerateRequest(_OllamaRequest):
@@ -273,8 +316,9 @@ class Clock:
                 "eval_count": out.completion_tokens, "eval_duration": end - first}
 
 
-def _call(call: tools.ToolCall) -> dict[str, Any]:
-    return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+def _call(call: tools.ToolCall, index: int) -> dict[str, Any]:
+    return {"id": call.id, "function": {"index": index, "name": call.name,
+                                        "arguments": json.loads(call.arguments)}}
 
 
 class Reply:
@@ -291,7 +335,7 @@ class Reply:
             if thought:
                 message["thinking"] = thought
             if calls:
-                message["tool_calls"] = [_call(c) for c in calls]
+                message["tool_calls"] = [_call(c, k) for k, c in enumerate(calls)]
             body["message"] = message
         else:
             body["response"] = said
@@ -300,7 +344,10 @@ class Reply:
         return {**body, "done": bool(end), **end}
 
     def loaded(self) -> dict[str, Any]:
-        return self.part(None, "", done_reason="load")
+        """The answer to a request with nothing to generate: ``unload`` when it asked
+        for ``keep_alive: 0`` (the served model stays loaded all the same)."""
+        unload = self.req.keep_alive in (0, "0", "0s", "0m")
+        return self.part(None, "", done_reason="unload" if unload else "load")
 
     def whole(self, out: RequestOutput, shape: R.Shape, clock: Clock) -> dict[str, Any]:
         thought, text = None, out.text
@@ -396,7 +443,8 @@ class ModelCard:
                 "quantization_level": self.quantization}
 
     def entry(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.name, "modified_at": self.modified_at,
+        tagged = self.name if ":" in self.name else f"{self.name}:latest"  # as Ollama lists
+        return {"name": tagged, "model": tagged, "modified_at": self.modified_at,
                 "size": self.bytes, "digest": self.digest, "details": self.details()}
 
     def running(self) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def test_chat_whole_and_streamed_answer_as_the_openai_route_does(client, smol_se
     assert whole.message.content == chat.choices[0].message.content
     assert whole.prompt_eval_count == chat.usage.prompt_tokens
     assert whole.eval_count == chat.usage.completion_tokens
-    assert whole.total_duration >= whole.prompt_eval_duration + whole.eval_duration > 0
+    assert whole.total_duration >= whole.prompt_eval_duration + whole.eval_duration
+    assert whole.prompt_eval_duration > 0 and whole.eval_duration > 0
     parts = list(client.chat(model=smol_server.model_id, messages=ASK, options=GREEDY,
                              stream=True))
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
@@ -74,6 +75,8 @@ def test_generate_applies_the_template_unless_raw(client, smol_server):
     assert system.prompt_eval_count == as_chat.prompt_eval_count
     loaded = client.generate(model=smol_server.model_id, prompt="")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    unloaded = client.generate(model=smol_server.model_id, prompt="", keep_alive=0)
+    assert unloaded.done_reason == "unload"
 
 
 def test_stop_seed_and_num_predict_are_honoured(client, smol_server):
@@ -92,7 +95,7 @@ def test_stop_seed_and_num_predict_are_honoured(client, smol_server):
 
 def test_model_routes_describe_the_served_model(client, smol_server):
     listed = client.list().models
-    assert [m.model for m in listed] == [smol_server.model_id]
+    assert [m.model for m in listed] == [f"{smol_server.model_id}:latest"]
     entry = listed[0]
     assert entry.size > 50_000_000 and entry.details.format == "gguf"
     assert entry.details.family == "llama" and entry.details.parameter_size == "134.5M"
@@ -102,7 +105,7 @@ def test_model_routes_describe_the_served_model(client, smol_server):
     assert "<|im_start|>" in shown.template and "completion" in shown.capabilities
     assert client.show(f"{smol_server.model_id}:latest").modelinfo == shown.modelinfo
     running = client.ps().models
-    assert [m.model for m in running] == [smol_server.model_id]
+    assert [m.model for m in running] == [f"{smol_server.model_id}:latest"]
     version = httpx.get(f"{smol_server.url}/api/version", timeout=10).json()["version"]
     assert version.count(".") == 2
 
@@ -161,6 +164,28 @@ def test_a_tool_call_comes_back_in_ollamas_shape_and_its_result_goes_back(client
     after = client.chat(model=smol_server.model_id, messages=history, tools=[WEATHER],
                         options={"temperature": 0, "num_predict": 8})
     assert after.prompt_eval_count > r.prompt_eval_count  # the call and result rendered
+    # Ollama's newer clients send the call's id back, and the result's tool_call_id
+    raw = _post(smol_server, "/api/chat", {"model": smol_server.model_id, "stream": False,
+                                            "messages": HISTORY, "tools": [WEATHER],
+                                            "options": {"temperature": 0, "num_predict": 80}})
+    message = raw.json()["message"]
+    call = message["tool_calls"][0]
+    assert call["id"].startswith("call_") and call["function"]["index"] == 0
+    bare = {**message, "tool_calls": [{"function": {k: v for k, v in c["function"].items()
+                                                    if k != "index"}}
+                                      for c in message["tool_calls"]]}
+
+    def prompt(history: list[dict]) -> int:
+        r = _post(smol_server, "/api/chat", {"model": smol_server.model_id, "stream": False,
+                                              "messages": history, "tools": [WEATHER],
+                                              "options": {"num_predict": 1}})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_eval_count"]
+
+    # ids (or none: the result answers the call before it) render SmolLM2's prompt alike
+    assert prompt([*HISTORY, message, {"role": "tool", "content": "18",
+                                       "tool_call_id": call["id"]}]) \
+        == prompt([*HISTORY, bare, {"role": "tool", "content": "18"}]) > r.prompt_eval_count
 
 
 def test_a_reply_offered_tools_is_text_or_valid_calls(client, smol_server):
@@ -228,6 +253,14 @@ def _post(server: EmberServer, route: str, body: dict[str, Any]) -> httpx.Respon
     ("/api/generate", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/api/generate", {"prompt": "hi", "template": "{{ .Prompt }}"}, 400, "template"),
     ("/api/show", {"model": ""}, 400, "model"),
+    ("/api/chat", {"messages": ASK, "options": {"num_predict": "4"}}, 400,
+     "options.num_predict"),
+    ("/api/chat", {"messages": ASK, "options": {"stop": 5}}, 400, "options.stop"),
+    ("/api/chat", {"messages": [{"role": "user", "content": 0}]}, 400, "messages[0].content"),
+    ("/api/chat", {"messages": [{"role": "tool", "content": "r", "tool_name": 5}]}, 400,
+     "messages[0].tool_name"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x " * 9000}]}, 400,
+     "leaves no room"),
 ])
 def test_bad_requests_get_ollamas_error_shape(smol_server, route, body, status, named):
     base = {"model": smol_server.model_id} | ({} if route == "/api/show" else {"stream": False})
