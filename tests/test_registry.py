@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from ember.errors import ChecksumError, EmberError, ModelFetchError, UnknownModelError
-from ember.models import registry
+from ember.models import files, registry
 from ember.models.registry import ModelSpec, PackagePart
 
 
@@ -70,7 +70,7 @@ def test_alias_not_installed_says_how_to_pull(home: Path) -> None:
 
 
 def test_ember_home_is_respected(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert registry.ember_home() == home
+    assert files.ember_home() == home
     assert registry.models_dir() == home / "models"
     spec = registry.MODELS["smollm2-135m"]
     assert registry.installed_path("smollm2-135m") == home / "models" / spec.filename
@@ -80,9 +80,9 @@ def test_ember_home_is_respected(home: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert registry.ensure_model("smollm2-135m") == home / "models" / spec.filename
 
     monkeypatch.delenv("EMBER_HOME")
-    assert registry.ember_home() == Path.home() / ".cache" / "ember"
+    assert files.ember_home() == Path.home() / ".cache" / "ember"
     monkeypatch.setenv("EMBER_HOME", "")  # empty means unset
-    assert registry.ember_home() == Path.home() / ".cache" / "ember"
+    assert files.ember_home() == Path.home() / ".cache" / "ember"
 
 
 # ------------------------------------------------------------------- pull
@@ -146,7 +146,7 @@ def test_pull_concatenates_parts_and_verifies(home: Path, fake: FakeIndex) -> No
     path = registry.pull("test-model")
     assert path == home / "models" / "test-model.gguf"
     assert path.read_bytes() == b"".join(PAYLOAD)
-    assert registry.sha256_of(path) == registry.MODELS["test-model"].sha256
+    assert files.sha256_of(path) == registry.MODELS["test-model"].sha256
     assert fake.calls == ["ember-test-fake-part0==1.0", "ember-test-fake-part1==1.0"]
     assert _leftovers(home) == ["test-model.gguf"]  # no .partial
 
@@ -350,7 +350,7 @@ def test_list_models_installed_and_not(home: Path) -> None:
 def test_smollm2_checksum_matches_registry(smollm2_gguf: Path) -> None:
     spec = registry.MODELS["smollm2-135m"]
     assert smollm2_gguf.stat().st_size == spec.size
-    assert registry.sha256_of(smollm2_gguf) == spec.sha256
+    assert files.sha256_of(smollm2_gguf) == spec.sha256
 
 
 def test_registry_entries_are_well_formed() -> None:
@@ -371,23 +371,23 @@ def test_a_remembered_checksum_survives_the_process_until_the_file_is_written(
     puts the size and mtime back (the ctime moves); the kept ones are bounded."""
     path = tmp_path / "model.gguf"
     path.write_bytes(b"a" * 4096)
-    first = registry.sha256_of(path, remember=True)
+    first = files.sha256_of(path, remember=True)
     assert first == hashlib.sha256(b"a" * 4096).hexdigest()
-    registry._sha256_of.cache_clear()  # noqa: SLF001 - a new process
+    files._sha256_of.cache_clear()  # noqa: SLF001 - a new process
 
     def no_reading(*args: object) -> str:
         raise AssertionError("the remembered digest was not used")
 
     with monkeypatch.context() as m:
-        m.setattr(registry, "_sha256_of", no_reading)
-        assert registry.sha256_of(path, remember=True) == first
+        m.setattr(files, "_sha256_of", no_reading)
+        assert files.sha256_of(path, remember=True) == first
     st = path.stat()
     path.write_bytes(b"b" * 4096)  # same size, then the same times
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert registry.sha256_of(path, remember=True) == hashlib.sha256(b"b" * 4096).hexdigest()
-    monkeypatch.setattr(registry, "REMEMBERED_DIGESTS", 3)
+    assert files.sha256_of(path, remember=True) == hashlib.sha256(b"b" * 4096).hexdigest()
+    monkeypatch.setattr(files, "REMEMBERED_DIGESTS", 3)
     for i in range(5):
         other = tmp_path / f"m{i}.gguf"
         other.write_bytes(bytes([i]) * 64)
-        registry.sha256_of(other, remember=True)
+        files.sha256_of(other, remember=True)
     assert len(list((home / "sha256").iterdir())) == 3

@@ -47,7 +47,7 @@ PROMPTS = ["The history of the river begins", "def parse(line):", "In the mornin
 
 
 def bench_model_path() -> Path:
-    from ember.models.registry import ember_home
+    from ember.models.files import ember_home
 
     return ember_home() / "bench" / "moe-bench-q8.gguf"
 

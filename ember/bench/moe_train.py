@@ -241,7 +241,7 @@ def write_gguf(model: TinyMoE, tokenizer_source: Any, out: Path, quantize: bool 
 
 
 def trained_moe_path() -> Path:
-    from ember.models.registry import ember_home
+    from ember.models.files import ember_home
 
     return ember_home() / "bench" / "trained-moe-q8.gguf"
 

@@ -6,10 +6,11 @@ has one, else its first GGUF; ``mmproj`` files never), with every part of a spli
 (``-00001-of-0000N.gguf``). ``hf://ORG/REPO/PATH.gguf`` (``hf://ORG/REPO@REVISION/...``
 for a branch, tag or commit) names one file exactly.
 
-Downloads go through ``huggingface_hub`` into its own cache (``HF_HUB_CACHE`` /
-``HF_HOME``), so they are shared with every other tool that uses it; ``HF_TOKEN`` and
-``HF_ENDPOINT`` (a mirror, or a test server) are read when a pull starts. An interrupted
-download resumes where it stopped. A file is used only once its size and sha256 equal
+Files go into ``huggingface_hub``'s cache, in its layout (``HF_HUB_CACHE`` /
+``HF_HOME``), so they are shared with every other tool that uses it, fetched with its
+request headers and URL scheme; ``HF_TOKEN`` and ``HF_ENDPOINT`` (a mirror, or a test
+server) are read when a pull starts. An interrupted download, even a killed process,
+resumes where it stopped. A file is used only once its size and sha256 equal
 what the Hub publishes for it (LFS metadata); the digest is then remembered, so later
 starts do not read it again. Offline (``HF_HUB_OFFLINE=1``, or the Hub unreachable), a
 name resolves to what the cache already holds.
@@ -23,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from ember.errors import ChecksumError, ModelFetchError, UnknownModelError
 
@@ -111,8 +113,7 @@ def _parts(files: list[str], first: str) -> list[str]:
 # ---------------------------------------------------------------------- the Hub
 def _hub() -> Any:
     import huggingface_hub
-    import huggingface_hub.errors  # noqa: F401  (submodules the package does not load)
-    import huggingface_hub.utils  # noqa: F401
+    import huggingface_hub.utils  # noqa: F401  (a submodule the package does not load)
 
     return huggingface_hub
 
@@ -141,33 +142,51 @@ class _Remote:
 
 
 def _remote(ref: HubRef) -> _Remote:
-    """The repository's files, sizes and LFS digests at ``ref``'s revision."""
-    hub = _hub()
-    errors = hub.errors
-    try:
-        info = hub.HfApi(endpoint=endpoint()).model_info(
-            ref.repo, revision=ref.revision, files_metadata=True,
-            token=os.environ.get("HF_TOKEN") or None)
-    except errors.GatedRepoError:
+    """The repository's files, sizes and LFS digests at ``ref``'s revision (the Hub's
+    model-info API itself, not ``HfApi.model_info``: huggingface_hub reads
+    ``HF_HUB_OFFLINE`` once, when imported; ember decides per pull)."""
+    import httpx
+
+    url = f"{endpoint()}/api/models/{ref.repo}"
+    if ref.revision:
+        url += f"/revision/{quote(ref.revision, safe='')}"
+    r = httpx.get(url, params={"blobs": "true"}, headers=_headers(), follow_redirects=True,
+                  timeout=30.0)
+    _check(r, ref)
+    info = r.json()
+    return _Remote(info["sha"], {s["rfilename"]: (s.get("size"), (s.get("lfs") or {}).get(
+        "sha256")) for s in info.get("siblings") or []})
+
+
+def _headers() -> dict[str, str]:
+    return _hub().utils.build_hf_headers(token=os.environ.get("HF_TOKEN") or None)
+
+
+def _check(r: Any, ref: HubRef, name: str | None = None) -> None:
+    """The Hub's refusal as ember's error, by its ``X-Error-Code`` (what huggingface_hub
+    reads too)."""
+    if r.status_code < 400:
+        return
+    code = r.headers.get("X-Error-Code")
+    if code == "GatedRepo":
         raise ModelFetchError(f"{ref.repo} is gated: accept its terms at {endpoint()}/"
-                              f"{ref.repo} and set HF_TOKEN to a token of that account") from None
-    except errors.RepositoryNotFoundError:
+                              f"{ref.repo} and set HF_TOKEN to a token of that account")
+    if code == "RepoNotFound" or (r.status_code == 404 and code is None and name is None):
         raise UnknownModelError(f"{ref.repo}: no such model repository at {endpoint()} (a "
-                                "private one needs HF_TOKEN)") from None
-    except errors.RevisionNotFoundError:
-        raise UnknownModelError(f"{ref.repo} has no revision {ref.revision!r}") from None
-    return _Remote(info.sha, {s.rfilename: (s.size, s.lfs.sha256 if s.lfs else None)
-                              for s in info.siblings or []})
+                                "private one needs HF_TOKEN)")
+    if code == "RevisionNotFound":
+        raise UnknownModelError(f"{ref.repo} has no revision {ref.revision!r}")
+    if code == "EntryNotFound":
+        raise UnknownModelError(f"{ref.repo} has no file {name!r}")
+    raise ModelFetchError(f"{endpoint()} answered {r.status_code} for {ref}"
+                          + (f" ({name})" if name else ""))
 
 
 def _unreachable(e: BaseException) -> bool:
-    """Whether ``e`` says the Hub could not be reached (not that it answered an error).
-    By class name: huggingface_hub raises its own vendored httpx's transport errors."""
-    errors = _hub().errors
-    if isinstance(e, errors.HfHubHTTPError):
-        return False
-    return isinstance(e, errors.OfflineModeIsEnabled | OSError) or any(
-        c.__name__ == "TransportError" for c in type(e).__mro__)
+    """Whether ``e`` says the Hub could not be reached (not that it answered an error)."""
+    import httpx
+
+    return isinstance(e, httpx.TransportError | OSError)
 
 
 def pull(ref: HubRef, *, force: bool = False) -> Path:
@@ -177,9 +196,7 @@ def pull(ref: HubRef, *, force: bool = False) -> Path:
         return cached(ref)
     try:
         remote = _remote(ref)
-    except ModelFetchError:
-        raise
-    except UnknownModelError:
+    except (ModelFetchError, UnknownModelError):
         raise
     except Exception as e:
         if not _unreachable(e):
@@ -230,7 +247,7 @@ def _download(ref: HubRef, remote: _Remote, name: str, force: bool) -> Path:
 def _verified(blob: Path, size: int | None, sha256: str | None) -> bool:
     """Size and sha256 as the Hub publishes them (the digest read once, then remembered
     for this version of the file)."""
-    from ember.models.registry import sha256_of
+    from ember.models.files import sha256_of
 
     if size is not None and blob.stat().st_size != size:
         return False
@@ -250,7 +267,7 @@ def _fetch(ref: HubRef, remote: _Remote, name: str, blob: Path, size: int | None
         partial.unlink()
         have = 0
     url = hub.hf_hub_url(ref.repo, name, revision=remote.commit, endpoint=endpoint())
-    headers = hub.utils.build_hf_headers(token=os.environ.get("HF_TOKEN") or None)
+    headers = _headers()
     if have:
         headers["Range"] = f"bytes={have}-"
     with httpx.stream("GET", url, headers=headers, follow_redirects=True,
@@ -258,9 +275,7 @@ def _fetch(ref: HubRef, remote: _Remote, name: str, blob: Path, size: int | None
         if r.status_code == 416 and size is not None and have == size:
             os.replace(partial, blob)  # it was all there
             return
-        if r.status_code >= 400:
-            r.read()  # the error's body, for the Hub's error message
-            hub.utils.hf_raise_for_status(r)
+        _check(r, ref, name)
         if r.status_code == 200:
             have = 0  # the server sent the whole file: start over
         with open(partial, "ab" if have else "wb") as f, tqdm(

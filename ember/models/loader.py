@@ -15,10 +15,11 @@ from ember.errors import ChatTemplateError
 from ember.models.architectures import ARCHITECTURES, model_config
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
+from ember.models.files import sha256_of
 from ember.models.gguf import GGUFFile
 from ember.models.linear import resolve_weights, weight_format
 from ember.models.moe import MoEOptions
-from ember.models.registry import MODELS, ensure_model, sha256_of
+from ember.models.registry import MODELS, ensure_model
 from ember.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

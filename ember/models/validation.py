@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ember.models.registry import ember_home
+from ember.models.files import ember_home
 
 MAX_KL = 0.05  # mean KL(f32 ‖ format) in nats above which a format is refused
 MIN_TOP1 = 0.90  # teacher-forced top-1 agreement with f32 below which it is refused
