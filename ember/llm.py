@@ -6,10 +6,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ember.config import EngineConfig
+from ember.engine import embedding
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.kv import conversation
+from ember.kv.blocks import KV_DTYPES
 from ember.kv.tier import blocks_of
 from ember.models.loader import LoadedModel
 from ember.models.registry import DEFAULT_MODEL
@@ -55,6 +59,14 @@ class LLM:
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Render the chat template; its control tokens (and none typed in messages) count."""
         return self.engine.loaded.encode_chat(messages, add_generation_prompt)
+
+    # ------------------------------------------------------------ embeddings
+    def embed(self, inputs: Sequence[Prompt]) -> list[torch.Tensor]:
+        """One L2-normalised embedding (float32, the hidden size) per text or list of
+        token ids, pooled as the model's file says (:mod:`ember.engine.embedding`)."""
+        return embedding.embed(self.engine.loaded.model,
+                               [embedding.input_ids(self.tokenizer, p) for p in inputs],
+                               KV_DTYPES[self.engine.config.kv_dtype])
 
     # ------------------------------------------------------------ generation
     def generate(

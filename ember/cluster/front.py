@@ -39,6 +39,7 @@ from ember.cluster.remote import (
 from ember.cluster.router import RoutingView, view
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
+from ember.engine.embedding import EmbeddingError
 from ember.engine.intake import SLO, InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.served import with_chat_template
@@ -373,6 +374,10 @@ class ReplicaSet:
                 if key != "replica":
                     total[key] = total.get(key, 0) + int(value)
         return {**total, "replicas": len(replicas)}
+
+    def embed(self, inputs: list[list[int]]) -> Any:
+        raise EmbeddingError("embeddings are not served with --replicas: run a "
+                             "single-engine server for them", "model")
 
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""

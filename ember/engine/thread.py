@@ -25,12 +25,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ember.engine import embedding
 from ember.engine.commit import finish
 from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
 from ember.engine.request import FinishReason, Request
 from ember.engine.slots import OutputCallback, QueuePlaces, Slot
 from ember.errors import EmberError
+from ember.kv.blocks import KV_DTYPES
 from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import LogitProcessor
 
@@ -58,6 +60,14 @@ class _Call:
     result: Future
 
 
+@dataclass
+class _Embed:
+    """Inputs to embed (token ids each): see EngineThread.embed."""
+
+    inputs: list[list[int]]
+    result: Future
+
+
 class RequestStream:
     """Iterate a request's outputs in the caller's thread (blocking)."""
 
@@ -79,7 +89,7 @@ class RequestStream:
 class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | _Call | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Call | _Embed | None] = queue.Queue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._lock = threading.Lock()  # guards the three fields below
@@ -87,6 +97,9 @@ class EngineThread:
         self._places = QueuePlaces(engine.config.limits_for)
         self._in_inbox: set[str] = set()  # ids handed over, not yet enqueued
         self._cancelled: set[str] = set()  # of those, the ones aborted meanwhile
+        # embedding requests: a pass per step, as many tokens as a step of generation
+        self._embeds = embedding.Batcher(KV_DTYPES[engine.config.kv_dtype],
+                                         engine.config.max_num_batched_tokens)
         self._stopping = False
         self.error: BaseException | None = None
 
@@ -148,6 +161,16 @@ class EngineThread:
             raise EngineStopped("the engine is not running")
         self._inbox.put(_Call(fn, result))
         return result.result(timeout)
+
+    def embed(self, inputs: list[list[int]]) -> Future:
+        """Embed ``inputs`` (token ids each) on the engine thread, a pass per step
+        beside generation, batched with every other embedding request (no KV outlives
+        a pass). The future holds one unit vector per input, or the error."""
+        result: Future = Future()
+        if self._stopping or not self.alive:
+            raise EngineStopped("the engine is not running")
+        self._inbox.put(_Embed(inputs, result))
+        return result
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -215,9 +238,11 @@ class EngineThread:
     def _loop(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished()
+                idle = not self.engine.has_unfinished() and not self._embeds.pending
                 if not self._take_submissions(block=idle):
                     break
+                if self._embeds.pending:
+                    self._embeds.step(self.engine.loaded.model)
                 for out in self.engine.step():
                     cb = self._callbacks.get(out.request_id)
                     if out.finished:
@@ -243,6 +268,9 @@ class EngineThread:
                 return False
             if isinstance(item, _Call):
                 self._run_call(item)
+            elif isinstance(item, _Embed):
+                if item.result.set_running_or_notify_cancel():
+                    self._embeds.add(self.engine.loaded.model, item.inputs, item.result)
             else:
                 self._enqueue(item)
 
@@ -284,12 +312,13 @@ class EngineThread:
                 log.exception("final step failed")
         with self._lock:
             self._stopping = True
+        self._embeds.fail_all(EngineStopped("the engine stopped"))
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Call):
+            if isinstance(item, _Call | _Embed):
                 item.result.set_exception(EngineStopped("the engine stopped"))
             elif item is not None:  # handed over as the engine stopped: ends like the rest
                 for req in item.group:

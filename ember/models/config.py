@@ -108,6 +108,9 @@ class ModelConfig:
     expert_ffn_size: int = 0
     expert_biases: bool = False  # the router and every expert projection carry biases
     shared_expert_ffn_size: int = 0  # an expert every token takes, sigmoid-gated (Qwen 3.5)
+    # how an embedding pools the final hidden states ({arch}.pooling_type; None: the
+    # file names none), ember.engine.embedding
+    pooling_type: int | None = None
     # hybrid models (Qwen 3.5): per layer, True where a recurrent (linear attention)
     # layer stands instead of attention; such layers keep a state per sequence, not KV
     recurrent_layers: tuple[bool, ...] = ()
@@ -183,6 +186,8 @@ class ModelConfig:
             vocab_size=int(vocab),
             context_length=int(gguf.get(f"{arch}.context_length", 2048)),
             tied_embeddings="output.weight" not in gguf.tensors,
+            pooling_type=None if gguf.get(f"{arch}.pooling_type") is None else int(
+                gguf.get(f"{arch}.pooling_type")),
         )
         value_dim = int(gguf.get(f"{arch}.attention.value_length", head_dim))
         if value_dim != head_dim:

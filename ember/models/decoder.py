@@ -361,16 +361,7 @@ class DecoderModel:
         last token of every row), shape (len(logits_index), vocab).
         """
         c = self.cfg
-        x = self.embed(tokens)
-        if c.embed_scale != 1.0:
-            x = x * c.embed_scale
-        ok = False
-        try:
-            x = self.decode_layers(x, batch, kv)
-            ok = True
-        finally:
-            if self.experts is not None:
-                self.experts.end_step(ok)
+        x = self._residual(tokens, batch, kv)
         rows = x[batch.row_ends if logits_index is None else logits_index]
         logits = self.output(self.norm(rows, self.output_norm, c.norm_eps))
         if c.logit_scale != 1.0:
@@ -378,6 +369,28 @@ class DecoderModel:
         if c.final_softcap:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
+
+    @torch.inference_mode()
+    def hidden_states(self, tokens: torch.Tensor, batch: AttentionBatch, kv: KVStorage
+                      ) -> torch.Tensor:
+        """The final hidden state of every token (T, hidden), after the output norm:
+        what the output head reads, and what an embedding pools."""
+        return self.norm(self._residual(tokens, batch, kv), self.output_norm, self.cfg.norm_eps)
+
+    def _residual(self, tokens: torch.Tensor, batch: AttentionBatch, kv: KVStorage
+                  ) -> torch.Tensor:
+        """The residual stream after the last layer, from the tokens."""
+        x = self.embed(tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        ok = False
+        try:
+            x = self.decode_layers(x, batch, kv)
+            ok = True
+        finally:
+            if self.experts is not None:
+                self.experts.end_step(ok)
+        return x
 
     @torch.inference_mode()
     def decode_layers(self, x: torch.Tensor, batch: AttentionBatch, kv: KVStorage) -> torch.Tensor:

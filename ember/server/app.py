@@ -1,6 +1,7 @@
 """The HTTP server: the ``Server`` every route shares, admission, and ``create_app``'s
 routes — OpenAI's API, and Anthropic's and Ollama's over the same path (anthropic.py,
-ollama.py translate their bodies and replies). Beside it: who a request is (auth.py), the
+ollama.py translate their bodies and replies), and embeddings (embeddings.py), run on
+the engine thread beside generation. Beside it: who a request is (auth.py), the
 served adapters (adapters.py), the routes' prompts (routes.py), a request's outputs
 (generation.py), running it (run.py).
 
@@ -35,15 +36,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember.engine.embedding import EmbeddingError
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
 from ember.errors import EmberError
-from ember.server import anthropic, backend, ollama, openapi, tools
+from ember.server import anthropic, backend, embeddings, ollama, openapi, tools
 from ember.server import protocol as P
 from ember.server import render as R
 from ember.server.adapters import ServedAdapters
@@ -55,6 +58,7 @@ from ember.server.errors import (
     APIError,
     as_api_errors,
     overloaded,
+    unsupported,
 )
 from ember.server.generation import Admitted, Streams
 from ember.server.metrics import Metrics
@@ -302,6 +306,35 @@ class Server:
                 where = param + where[len("messages"):]
             raise APIError(400, f"cannot apply the chat template: {e}",
                              param=where or param) from None
+
+    # ------------------------------------------------------------ embeddings
+    async def embed(self, request: Request, body: type[Any]
+                    ) -> tuple[Any, list[torch.Tensor], int]:
+        """An embeddings body (OpenAI's or Ollama's), its vectors and token count: the
+        inputs tokenized in a preparation thread, embedded on the engine thread beside
+        generation, holding a queue place (the same limits as generation) meanwhile."""
+        tenant = self.keys.tenant(request)
+        raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
+        thread = self._thread()
+        with as_api_errors({}), thread.slot(tenant):
+            req = await asyncio.wrap_future(self._prep.submit(
+                self._embedding_ids, body, raw, tenant))
+            try:
+                vectors = await asyncio.wrap_future(thread.embed(req.ids))
+            except EmbeddingError as e:
+                raise APIError(400, str(e), param=e.param or "model") from None
+        hidden = self.engine.loaded.model.cfg.hidden_size
+        vectors = [embeddings.shortened(v, req.body.dimensions, hidden) for v in vectors]
+        return req.body, vectors, sum(map(len, req.ids))
+
+    def _embedding_ids(self, body: type[Any], raw: bytes, tenant: str
+                       ) -> embeddings.Prepared:
+        req = P.parse(body, decode_json(raw))
+        if self.adapters.check_model(req.model, tenant) is not None:
+            raise unsupported("model", f"names the LoRA adapter '{req.model}'; embeddings "
+                              "come from the base model")
+        return embeddings.Prepared(req, embeddings.input_ids(self.engine, req.inputs(),
+                                                             req.truncates))
 
     # ------------------------------------------------------------ tokenizer routes
     @property
@@ -598,6 +631,20 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/api/version", responses=openapi.OLLAMA_VERSION)
     async def ollama_version(request: Request) -> Response:
         return _ok(request, server, {"version": ollama.API_VERSION})
+
+    @app.post("/v1/embeddings",
+              **openapi.route(embeddings.EmbeddingsRequest, openapi.EmbeddingList, False))
+    async def embed(request: Request) -> Response:
+        req, vectors, tokens = await server.embed(request, embeddings.EmbeddingsRequest)
+        return _ok(request, server, embeddings.openai_body(req, vectors, tokens))
+
+    @app.post("/api/embed",
+              **openapi.route(embeddings.OllamaEmbedRequest, openapi.OllamaEmbeddings, False))
+    async def ollama_embed(request: Request) -> Response:
+        start = time.monotonic_ns()
+        req, vectors, tokens = await server.embed(request, embeddings.OllamaEmbedRequest)
+        return _ok(request, server, embeddings.ollama_body(
+            req, vectors, tokens, time.monotonic_ns() - start))
 
     @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
     async def tokenize(request: Request) -> Response:

@@ -9,6 +9,7 @@ only these two protocols, so it never imports the cluster that builds on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -100,6 +101,8 @@ class Backend(Protocol):
     def metric_lines(self) -> list[str]: ...
 
     def purge_cache(self, tenant: str) -> dict[str, int]: ...
+
+    def embed(self, inputs: list[list[int]]) -> Future: ...
 
     def drain(self, timeout: float) -> bool: ...
 

@@ -14,16 +14,16 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from ember.server import anthropic, ollama
+from ember.server import anthropic, embeddings, ollama
 from ember.server import protocol as P
 
 _REF = "#/components/schemas/{model}"
 BODIES = (P.ChatCompletionRequest, P.CompletionRequest, P.ResponsesRequest,
           P.TokenizeRequest, P.DetokenizeRequest, anthropic.MessagesRequest,
           anthropic.CountTokensRequest, ollama.ChatRequest, ollama.GenerateRequest,
-          ollama.ShowRequest)
+          ollama.ShowRequest, embeddings.EmbeddingsRequest, embeddings.OllamaEmbedRequest)
 
 
 # ---------------------------------------------------------------------- common
@@ -225,6 +225,24 @@ class Tokenized(BaseModel):
     token_strs: list[str] | None
 
 
+class Embedding(BaseModel):
+    object: str
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of float32s")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: str
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Detokenized(BaseModel):
     prompt: str
 
@@ -278,6 +296,14 @@ class TokenCount(BaseModel):
 # ---------------------------------------------------------------------- Ollama
 class OllamaError(BaseModel):
     error: str
+
+
+class OllamaEmbeddings(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
 
 
 class OllamaReply(BaseModel):
@@ -379,7 +405,7 @@ def route(body: type[BaseModel], response: type[BaseModel], stream: bool = True
     error, media = ErrorResponse, "text/event-stream"
     if body.__module__ == anthropic.__name__:
         error = AnthropicError
-    elif body.__module__ == ollama.__name__:
+    elif body.__module__ == ollama.__name__ or body is embeddings.OllamaEmbedRequest:
         error, media = OllamaError, "application/x-ndjson"
     ok: dict[str, Any] = {"model": response, "description": "The result."}
     if stream:

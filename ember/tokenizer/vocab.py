@@ -98,6 +98,9 @@ class Tokenizer:
         self.token_to_id = {t: i for i, t in enumerate(self.tokens)}
         self._read_special_ids(metadata, backend_cls.default_ids)
         self._backend: Backend = backend_cls(self, metadata)
+        # whether a whole input ends with EOS (llama.cpp's add_special: embedders such as
+        # Qwen3-Embedding read the last token's state there)
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.add_bos = self._backend.force_bos or bool(
             metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos)
         )

@@ -33,7 +33,8 @@ def test_generated_requests_get_documented_answers_and_no_server_errors(
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
         "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
         "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /api/chat",
-        "POST /api/generate", "POST /api/show", "GET /api/tags",
+        "POST /api/generate", "POST /api/show", "GET /api/tags", "POST /v1/embeddings",
+        "POST /api/embed",
         "GET /v1/models", "GET /health", "GET /metrics"}
     statuses: list[int] = []
     for op in operations:

@@ -1,0 +1,252 @@
+"""Embeddings: a text's final hidden states (after the model's output norm, as
+llama.cpp's embeddings read them) pooled into one vector and L2-normalised.
+
+How the states are pooled is the GGUF's ``{arch}.pooling_type``: ``mean`` over the
+tokens, ``cls`` (the first token), ``last`` (the last token: decoder embedders such as
+Qwen3-Embedding). A file that says nothing, as a chat model's does, gets ``last``, as
+vLLM does for a decoder used as an embedder.
+
+A :class:`Batcher` runs the inputs of every waiting request in passes of up to
+:data:`PASS_TOKENS` tokens, one pass per engine step, beside generation. An input longer
+than what is left of a pass is run in chunks over several passes, as a long prompt's
+prefill is, so a pass costs about the same whatever the inputs and attention never spans
+more than a chunk of queries at once. Keys and values go into a private pool that lives
+while inputs are in progress and is dropped when none is: no KV outlives an input, and
+nothing is written to the engine's cache. A row's vector does not depend on what shares
+its pass (the batch-invariant kernels), which a test checks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ember.errors import EmberError
+from ember.kv.blocks import BlockAllocator, BlockTable, blocks_for
+from ember.models.layers.attention import AttentionBatch, RowSpec
+
+PASS_TOKENS = 2048  # tokens per forward pass, by default (an engine thread uses its step's)
+MAX_ROWS = 64  # inputs per pass (each may waste most of a KV block)
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum llama_pooling_type
+BLOCK_SIZE = 16
+
+
+class EmbeddingError(EmberError):
+    """A model or input that cannot give an embedding (``param`` names the culprit)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def input_ids(tokenizer: Any, text: str | list[int]) -> list[int]:
+    """An input's tokens as llama.cpp's embeddings take them: BOS and EOS where the
+    file asks for them (``add_bos_token``, ``add_eos_token``); token ids as given."""
+    if not isinstance(text, str):
+        return list(text)
+    ids = tokenizer.encode(text, add_bos=tokenizer.add_bos)
+    if tokenizer.add_eos and tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return ids
+
+
+def pooling_of(cfg: Any) -> str:
+    """The file's pooling (``last`` where it names none)."""
+    raw = cfg.pooling_type
+    if raw is None or raw == 0:
+        return "last"
+    try:
+        return POOLING_TYPES[raw]
+    except KeyError:
+        raise EmbeddingError(f"{cfg.architecture}.pooling_type {raw} (4: a reranker's "
+                             "head) is not supported for embeddings") from None
+
+
+def embed(model: Any, inputs: list[list[int]], kv_dtype: Any = "f32",
+          pass_tokens: int = PASS_TOKENS) -> list[torch.Tensor]:
+    """One unit vector (float32, the model's hidden size) per input, in order, pooled
+    as the model's file says: the passes a :class:`Batcher` makes, run to the end."""
+    batcher, result = Batcher(kv_dtype, pass_tokens), Future()
+    result.set_running_or_notify_cancel()
+    batcher.add(model, inputs, result)
+    while batcher.pending:
+        batcher.step(model)
+    return result.result()
+
+
+def check(model: Any, inputs: list[list[int]]) -> None:
+    """Refuse a model that cannot embed, or an empty input, before any pass."""
+    pooling_of(model.cfg)
+    if model.cfg.delta_net is not None:
+        raise EmbeddingError("embeddings from a hybrid (recurrent) model are not supported")
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise EmbeddingError(f"input {i} is empty", "input")
+
+
+@dataclass
+class _Work:
+    """One request: its inputs, how many have been started, their vectors by index."""
+
+    inputs: list[list[int]]
+    result: Future
+    started: int = 0
+    vectors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Input:
+    """An input in progress: ``done`` of its tokens have been through the model."""
+
+    work: _Work
+    index: int
+    table: BlockTable
+    done: int = 0
+    pooled: torch.Tensor | None = None  # the sum (mean), or the state kept (cls, last)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.work.inputs[self.index]
+
+
+class Batcher:
+    """Embedding requests waiting on an engine thread (continuous batching). A pass
+    first continues the input left unfinished by the last one, then takes the next input
+    of every waiting request in turn, round after round, so that a short request that
+    arrives behind a long one is done in the next pass. At most one input is
+    unfinished between passes, which bounds the private pool by one context window."""
+
+    def __init__(self, kv_dtype: Any = "f32", pass_tokens: int = PASS_TOKENS) -> None:
+        self.kv_dtype, self.pass_tokens = kv_dtype, pass_tokens
+        self._waiting: deque[_Work] = deque()
+        self._partial: _Input | None = None
+        self._pool: tuple[BlockAllocator, Any] | None = None  # (allocator, KV storage)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, model: Any, inputs: list[list[int]], result: Future) -> None:
+        try:
+            check(model, inputs)
+        except EmbeddingError as e:
+            result.set_exception(e)
+            return
+        self._waiting.append(_Work(inputs, result))
+
+    def step(self, model: Any) -> None:
+        """One pass; settle every request whose inputs are all embedded."""
+        try:
+            rows = self._plan(model)
+            states = self._run(model, rows)
+        except Exception as e:  # the model's (or memory's) fault, not one input's
+            self.fail_all(e)
+            return
+        pooling, first = pooling_of(model.cfg), 0
+        for row, n in rows:
+            chunk = states[first:first + n].float()
+            first += n
+            _pool_chunk(row, chunk, pooling)
+            row.done += n
+            if row.done < len(row.ids):
+                self._partial = row
+                continue
+            if self._partial is row:
+                self._partial = None
+            row.table.release()
+            vector = row.pooled / len(row.ids) if pooling == "mean" else row.pooled
+            row.work.vectors[row.index] = torch.nn.functional.normalize(vector, dim=0)
+        for work in [w for w in self._waiting if len(w.vectors) == len(w.inputs)]:
+            self._waiting.remove(work)
+            work.result.set_result([work.vectors[i] for i in range(len(work.inputs))])
+        if not self._waiting:
+            self._pool = None
+
+    def fail_all(self, error: BaseException) -> None:
+        while self._waiting:
+            self._waiting.popleft().result.set_exception(error)
+        self._partial, self._pool = None, None
+
+    # ------------------------------------------------------------ planning
+    def _plan(self, model: Any) -> list[tuple[_Input, int]]:
+        """The next pass: (input, how many of its tokens to run now)."""
+        fresh = [w for w in self._waiting if w.started < len(w.inputs)]
+        budget = self.pass_tokens
+        rows: list[tuple[_Input, int]] = []
+        if self._partial is not None:
+            row = self._partial
+            rows.append((row, min(len(row.ids) - row.done, budget // 2 if fresh else budget)))
+            budget -= rows[0][1]
+        picks = self._pick(fresh, budget, may_chunk=self._partial is None)
+        if self._partial is None:  # nothing in progress: a pool sized for this pass
+            need = sum(blocks_for(len(w.inputs[i]), BLOCK_SIZE) for w, i, _ in picks)
+            if any(n < len(w.inputs[i]) for w, i, n in picks):  # room to go on beside it
+                need += blocks_for(self.pass_tokens, BLOCK_SIZE) + MAX_ROWS
+            allocator = BlockAllocator(need)
+            self._pool = (allocator, model.new_kv_storage(need, BLOCK_SIZE, self.kv_dtype))
+        assert self._pool is not None
+        allocator, kv = self._pool
+        for work, i, n in picks:
+            table = BlockTable(allocator, BLOCK_SIZE)
+            table.reserve(len(work.inputs[i]))  # all of it: a chunked input stays
+            work.started = i + 1
+            rows.append((_Input(work, i, table), n))
+        # attention reads whole blocks: what it reads past a row's end must be zeros,
+        # not the garbage (NaN, in f16) of new memory or a finished row's keys
+        kv.zero_blocks(allocator.take_unzeroed())
+        return rows
+
+    def _pick(self, fresh: list[_Work], budget: int, may_chunk: bool
+              ) -> list[tuple[_Work, int, int]]:
+        """Inputs not yet started, the next of each request in turn: (request, input,
+        tokens now). The last may be cut to the budget (chunked) where ``may_chunk``;
+        beside an input in progress, the others must fit the pool's free blocks."""
+        free = self._pool[0].num_free if self._partial is not None and self._pool else None
+        picks: list[tuple[_Work, int, int]] = []
+        following = {id(w): w.started for w in fresh}
+        while budget > 0 and len(picks) < MAX_ROWS:
+            took = False
+            for work in fresh:
+                i = following[id(work)]
+                if i == len(work.inputs):
+                    continue
+                n = len(work.inputs[i])
+                if n > budget and not may_chunk:
+                    return picks
+                if free is not None:
+                    free -= blocks_for(n, BLOCK_SIZE)
+                    if free < 0:
+                        return picks
+                picks.append((work, i, min(n, budget)))
+                following[id(work)] = i + 1
+                budget -= picks[-1][2]
+                took = True
+                if budget == 0 or len(picks) == MAX_ROWS:
+                    return picks
+            if not took:
+                break
+        return picks
+
+    def _run(self, model: Any, rows: list[tuple[_Input, int]]) -> torch.Tensor:
+        """The final hidden states of the pass's tokens, row after row."""
+        assert self._pool is not None
+        specs = [RowSpec(row.table.block_ids(row.done + n), row.done, n) for row, n in rows]
+        tokens = torch.tensor([t for row, n in rows for t in row.ids[row.done:row.done + n]])
+        return model.hidden_states(tokens, AttentionBatch.build(specs, BLOCK_SIZE),
+                                   self._pool[1])
+
+
+def _pool_chunk(row: _Input, states: torch.Tensor, pooling: str) -> None:
+    """Fold a chunk's states into the row's pooled value."""
+    if pooling == "mean":
+        total = states.sum(0)
+        row.pooled = total if row.pooled is None else row.pooled + total
+    elif pooling == "cls":
+        if row.done == 0:
+            row.pooled = states[0]
+    else:
+        row.pooled = states[-1]

@@ -1,0 +1,167 @@
+"""Embeddings from a decoder (ember.engine.embedding): transformers' own hidden states of
+the real SmolLM2 (loaded from the same GGUF) pooled as the file's ``pooling_type`` says
+are the oracle; a row embeds the same bits alone and beside others; the file's pooling
+key is read, and refused where it names a reranker's head."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import LLM
+from ember.engine import embedding
+
+TEXTS = ["The lighthouse stood at the edge of the cliff.",
+         "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+         "Paris is the capital of France.", "ok"]
+
+
+def _hf_embedding(hf, ids: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        states = hf.model(torch.tensor([ids])).last_hidden_state[0]
+    pooled = {"last": states[-1], "mean": states.mean(0), "cls": states[0]}[pooling]
+    return torch.nn.functional.normalize(pooled, dim=0)
+
+
+@pytest.fixture(scope="module")
+def pooled_files(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Path]:
+    """SmolLM2 with each pooling_type written into its file (as an embedder's has it)."""
+    from hf_gguf import rewrite_gguf
+
+    root = tmp_path_factory.mktemp("pooling")
+    return {name: rewrite_gguf(smollm2_gguf, root / f"{name}.gguf",
+                               add_keys={"llama.pooling_type": value})
+            for name, value in (("mean", 1), ("cls", 2), ("rank", 4))}
+
+
+@pytest.mark.slow
+def test_embeddings_are_transformers_hidden_states_pooled_as_the_file_says(
+        smollm2_llm, smollm2_hf, pooled_files):
+    """f32 weights: a chat model's file names no pooling (last token); files that name
+    mean or cls pooling get it. Cosine ≥ 0.99999 with transformers (float32 rounding)."""
+    ids = [smollm2_llm.encode(t) for t in TEXTS]
+    cases = [("last", smollm2_llm)] + [
+        (p, LLM(str(pooled_files[p]), weights="f32", kv_dtype="f32", num_kv_blocks=32))
+        for p in ("mean", "cls")]
+    for pooling, llm in cases:
+        assert embedding.pooling_of(llm.engine.loaded.model.cfg) == pooling
+        ours = llm.embed(TEXTS)
+        for v, row in zip(ours, ids, strict=True):
+            theirs = _hf_embedding(smollm2_hf, row, pooling)
+            cosine = float(v @ theirs)
+            assert cosine > 0.99999, (pooling, cosine)
+            assert abs(float(v.norm()) - 1) < 1e-5
+    with pytest.raises(embedding.EmbeddingError, match="pooling_type 4"):
+        LLM(str(pooled_files["rank"]), weights="f32", num_kv_blocks=16).embed(["x"])
+
+
+def test_an_input_embeds_the_same_bits_alone_and_beside_others(smollm2_served_llm):
+    """q4's native stack is batch-invariant: a row's vector does not depend on what
+    shares its pass, nor on the order; token ids are the text's tokens."""
+    together = smollm2_served_llm.embed(TEXTS)
+    for text, v in zip(TEXTS, together, strict=True):
+        (alone,) = smollm2_served_llm.embed([text])
+        assert torch.equal(alone, v)
+    assert torch.equal(smollm2_served_llm.embed(TEXTS[::-1])[0], together[-1])
+    ids = smollm2_served_llm.encode(TEXTS[0])
+    assert torch.equal(smollm2_served_llm.embed([ids])[0], together[0])
+    assert len({tuple(v.tolist()) for v in together}) == len(TEXTS)
+
+
+def test_many_inputs_are_split_into_passes_that_keep_each_row_whole(smollm2_served_llm):
+    model = smollm2_served_llm.engine.loaded.model
+    ids = [smollm2_served_llm.encode(t) for t in TEXTS * 3]
+    whole = embedding.embed(model, ids)
+    split = embedding.embed(model, ids, pass_tokens=40)  # several passes, none chunked
+    assert all(torch.equal(a, b) for a, b in zip(whole, split, strict=True))
+    with pytest.raises(embedding.EmbeddingError, match="input 1 is empty"):
+        embedding.embed(model, [[1], []])
+
+
+def test_a_long_input_is_chunked_over_passes_like_a_prefill(smollm2_served_llm, monkeypatch):
+    """An input longer than a pass runs in chunks, its keys and values kept between
+    them: the vector is the one pass's (not bit for bit: a chunk attends its cached
+    prefix through another kernel), for every pooling."""
+    model = smollm2_served_llm.engine.loaded.model
+    long = smollm2_served_llm.encode(" ".join(TEXTS) * 6)
+    assert len(long) > 200
+    plain = model.cfg
+    for pooling in (3, 1, 2):
+        monkeypatch.setattr(model, "cfg", dataclasses.replace(plain, pooling_type=pooling))
+        (one,) = embedding.embed(model, [long])
+        (chunked,) = embedding.embed(model, [long], pass_tokens=48)
+        assert float(one @ chunked) > 0.9999, pooling
+
+
+def test_a_short_request_behind_a_long_one_is_done_in_the_next_pass(smollm2_served_llm):
+    """Continuous batching: passes of 64 tokens; a 300-token request is in progress
+    when a 10-token one arrives, and the short one is not kept waiting for it."""
+    from concurrent.futures import Future
+
+    model = smollm2_served_llm.engine.loaded.model
+    long_ids = smollm2_served_llm.encode(" ".join(TEXTS) * 6)[:300]
+    short_ids = smollm2_served_llm.encode(TEXTS[2])
+    batcher = embedding.Batcher(pass_tokens=64)
+    long, short = Future(), Future()
+    batcher.add(model, [long_ids, short_ids], long)
+    batcher.step(model)  # the long input's first chunk
+    batcher.add(model, [short_ids], short)
+    batcher.step(model)
+    assert short.done() and not long.done()
+    passes = 2
+    while batcher.pending:
+        batcher.step(model)
+        passes += 1
+    assert passes <= 300 // 32 + 2  # at least half of every pass went to the long input
+    (alone,) = embedding.embed(model, [short_ids])
+    assert torch.equal(short.result()[0], alone)
+    assert torch.equal(long.result()[1], alone)
+    (long_alone,) = embedding.embed(model, [long_ids])
+    assert float(long.result()[0] @ long_alone) > 0.9999
+
+
+def test_embeddings_run_on_the_engine_thread_beside_generation(smollm2_served_llm):
+    """An engine thread embeds between generation steps: a generation streamed at the
+    same time says what it says alone, the vectors are LLM.embed's, and a bad input
+    fails its own request only."""
+    from ember import SamplingParams
+    from ember.engine.engine import LLMEngine
+    from ember.engine.thread import EngineThread
+
+    engine = LLMEngine(smollm2_served_llm.engine.config, smollm2_served_llm.engine.loaded)
+    thread = EngineThread(engine).start()
+    try:
+        prompt = smollm2_served_llm.encode(TEXTS[0])
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        alone = list(thread.stream(prompt, params))[-1].token_ids
+        free = engine.kv.num_free  # what the engine's pool holds with the prompt cached
+        ids = [smollm2_served_llm.encode(t) for t in TEXTS]
+        stream = thread.stream(prompt, params)
+        futures = [thread.embed(ids), thread.embed([[]]), thread.embed(ids[:1])]
+        assert list(stream)[-1].token_ids == alone
+        want = smollm2_served_llm.embed(TEXTS)
+        got = futures[0].result(timeout=60)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        with pytest.raises(embedding.EmbeddingError, match="empty"):
+            futures[1].result(timeout=60)
+        assert torch.equal(futures[2].result(timeout=60)[0], want[0])
+        assert engine.kv.num_free == free  # embeddings never touch the engine's pool
+    finally:
+        thread.shutdown(timeout=30)
+
+
+def test_the_private_pool_is_zeroed_before_attention_reads_it(tiny_loaded):
+    """Attention reads whole blocks; new f16 memory past a row's end held NaNs that
+    reached every vector (found by the OpenAPI fuzz run on the tiny model)."""
+    from ember.kv.blocks import KV_DTYPES
+
+    inputs = [[1, 2, 3, 4, 5], [7] * 40, [9]]
+    exact = embedding.embed(tiny_loaded.model, inputs, "f32")
+    for _ in range(2):  # the second time, blocks a finished row wrote are handed out again
+        half = embedding.embed(tiny_loaded.model, inputs[::-1], KV_DTYPES["f16"], 16)
+        for a, b in zip(exact, half[::-1], strict=True):
+            assert torch.isfinite(b).all() and float(a @ b) > 0.999
