@@ -68,6 +68,16 @@ class LLM:
                                [embedding.input_ids(self.tokenizer, p) for p in inputs],
                                KV_DTYPES[self.engine.config.kv_dtype])
 
+    def rerank(self, query: str, documents: Sequence[str]) -> list[float]:
+        """A reranker's relevance score of each document for ``query`` (Qwen3-Reranker:
+        P("yes")), in the documents' order; the pair built by the file's rerank template."""
+        loaded = self.engine.loaded
+        ids = [embedding.rerank_ids(self.tokenizer, loaded.rerank_template, query, d)
+               for d in documents]
+        outputs = embedding.embed(loaded.model, ids, KV_DTYPES[self.engine.config.kv_dtype],
+                                  scores=True)
+        return [float(out[0]) for out in outputs]
+
     # ------------------------------------------------------------ generation
     def generate(
         self,

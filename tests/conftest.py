@@ -279,3 +279,29 @@ def smollm2_adapters(smollm2_gguf: Path, request):
     root = cached_dir("smollm2-lora", key, build)
     return {"peft": root / "peft", "gguf": root / "adapter.gguf", "zero": root / "zero",
             "oracle": torch.load(root / "oracle.pt", weights_only=True)}
+
+
+@pytest.fixture(scope="session")
+def qwen3_reranker(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path):
+    """A random-weight Qwen3 checkpoint named as a Qwen3-Reranker, converted by llama.cpp's
+    converter, which makes it one (pooling_type 4, a ``cls.output`` head of the "yes" and
+    "no" rows of the LM head, the rerank template): (GGUF path, transformers model,
+    checkpoint directory)."""
+    pytest.importorskip("transformers")
+    from hf_families import FAMILIES, Family, random_checkpoint, tokenizer_files
+    from llamacpp_source import Converter
+
+    root = tmp_path_factory.mktemp("reranker")
+    name = "qwen3-reranker"  # the converter knows a reranker by its directory's name
+    FAMILIES[name] = Family("Qwen3Config", {"head_dim": 16})
+    try:
+        hf = random_checkpoint(name, root / f"{name}-hf", tokenizer_files(root / "tok",
+                                                                          smollm2_gguf))
+    finally:
+        del FAMILIES[name]
+    converter = Converter()
+    try:
+        (gguf,) = converter.convert([(root / f"{name}-hf", root / "reranker.gguf", ())])
+    finally:
+        converter.close()
+    return gguf, hf, root / f"{name}-hf"

@@ -375,8 +375,8 @@ class ReplicaSet:
                     total[key] = total.get(key, 0) + int(value)
         return {**total, "replicas": len(replicas)}
 
-    def embed(self, inputs: list[list[int]]) -> Any:
-        raise EmbeddingError("embeddings are not served with --replicas: run a "
+    def embed(self, inputs: list[list[int]], scores: bool = False) -> Any:
+        raise EmbeddingError("embeddings and rerank are not served with --replicas: run a "
                              "single-engine server for them", "model")
 
     def metric_lines(self) -> list[str]:

@@ -18,6 +18,7 @@ its pass (the batch-invariant kernels), which a test checks.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from ember.models.layers.attention import AttentionBatch, RowSpec
 
 PASS_TOKENS = 2048  # tokens per forward pass, by default (an engine thread uses its step's)
 MAX_ROWS = 64  # inputs per pass (each may waste most of a KV block)
-POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum llama_pooling_type
+# llama.cpp's enum llama_pooling_type; "rank": a reranker's head over the last state
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 BLOCK_SIZE = 16
+SOFTMAX_RANKERS = {"qwen3"}  # whose head outputs llama.cpp softmaxes (yes/no logits)
 
 
 class EmbeddingError(EmberError):
@@ -62,25 +65,53 @@ def pooling_of(cfg: Any) -> str:
     try:
         return POOLING_TYPES[raw]
     except KeyError:
-        raise EmbeddingError(f"{cfg.architecture}.pooling_type {raw} (4: a reranker's "
-                             "head) is not supported for embeddings") from None
+        raise EmbeddingError(f"{cfg.architecture}.pooling_type {raw} is not supported "
+                             "(1 mean, 2 cls, 3 last, 4 rank)") from None
+
+
+def is_reranker(model: Any) -> bool:
+    return pooling_of(model.cfg) == "rank" and model.classifier is not None
+
+
+def rerank_ids(tokenizer: Any, template: str | None, query: str, document: str) -> list[int]:
+    """A (query, document) pair as a reranker reads it: the file's rerank template with
+    both filled in (its control tokens count, none typed in the texts), else llama.cpp's
+    plain pairing: BOS, the query, EOS, the document, EOS, as the file asks (the SEP a
+    BERT reranker puts between them has no place in a decoder's)."""
+    if template is not None:
+        segments: list[tuple[str, bool]] = []
+        for i, part in enumerate(re.split(r"(\{query\}|\{document\})", template)):
+            if i % 2:
+                segments.append((query if part == "{query}" else document, False))
+            elif part:
+                segments.append((part, True))
+        return tokenizer.encode_segments(segments)
+    ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    ends = [tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else []
+    return ids + tokenizer.encode(query) + ends + tokenizer.encode(document) + ends
 
 
 def embed(model: Any, inputs: list[list[int]], kv_dtype: Any = "f32",
-          pass_tokens: int = PASS_TOKENS) -> list[torch.Tensor]:
+          pass_tokens: int = PASS_TOKENS, scores: bool = False) -> list[torch.Tensor]:
     """One unit vector (float32, the model's hidden size) per input, in order, pooled
-    as the model's file says: the passes a :class:`Batcher` makes, run to the end."""
+    as the model's file says: the passes a :class:`Batcher` makes, run to the end.
+    ``scores``: a reranker's head outputs instead (see :func:`score`)."""
     batcher, result = Batcher(kv_dtype, pass_tokens), Future()
     result.set_running_or_notify_cancel()
-    batcher.add(model, inputs, result)
+    batcher.add(model, inputs, result, scores)
     while batcher.pending:
         batcher.step(model)
     return result.result()
 
 
-def check(model: Any, inputs: list[list[int]]) -> None:
-    """Refuse a model that cannot embed, or an empty input, before any pass."""
-    pooling_of(model.cfg)
+def check(model: Any, inputs: list[list[int]], scores: bool = False) -> None:
+    """Refuse a model that cannot embed (or score), or an empty input, before any pass."""
+    if scores and not is_reranker(model):
+        raise EmbeddingError("the model is not a reranker (its file has no "
+                             "pooling_type 4 with a cls.output head)", "model")
+    if not scores and pooling_of(model.cfg) == "rank":
+        raise EmbeddingError("the model is a reranker: it scores pairs (/v1/rerank), "
+                             "it gives no embeddings", "model")
     if model.cfg.delta_net is not None:
         raise EmbeddingError("embeddings from a hybrid (recurrent) model are not supported")
     for i, ids in enumerate(inputs):
@@ -130,9 +161,11 @@ class Batcher:
     def pending(self) -> bool:
         return bool(self._waiting)
 
-    def add(self, model: Any, inputs: list[list[int]], result: Future) -> None:
+    def add(self, model: Any, inputs: list[list[int]], result: Future,
+            scores: bool = False) -> None:
+        """Queue a request; ``scores``: a reranker's scores, not embeddings."""
         try:
-            check(model, inputs)
+            check(model, inputs, scores)
         except EmbeddingError as e:
             result.set_exception(e)
             return
@@ -158,8 +191,7 @@ class Batcher:
             if self._partial is row:
                 self._partial = None
             row.table.release()
-            vector = row.pooled / len(row.ids) if pooling == "mean" else row.pooled
-            row.work.vectors[row.index] = torch.nn.functional.normalize(vector, dim=0)
+            row.work.vectors[row.index] = _output(model, row, pooling)
         for work in [w for w in self._waiting if len(w.vectors) == len(w.inputs)]:
             self._waiting.remove(work)
             work.result.set_result([work.vectors[i] for i in range(len(work.inputs))])
@@ -240,6 +272,23 @@ class Batcher:
                                    self._pool[1])
 
 
+def _output(model: Any, row: _Input, pooling: str) -> torch.Tensor:
+    """An input's answer: its unit vector, or a reranker's head outputs (llama.cpp's
+    rank pooling: the last state through ``cls.output``, softmaxed for Qwen3, whose
+    two outputs are its "yes" and "no" logits: the first is then P(yes))."""
+    assert row.pooled is not None
+    if pooling != "rank":
+        vector = row.pooled / len(row.ids) if pooling == "mean" else row.pooled
+        return torch.nn.functional.normalize(vector, dim=0)
+    weight, bias = model.classifier
+    out = weight.float() @ row.pooled
+    if bias is not None:
+        out = out + bias.float()
+    if model.cfg.architecture in SOFTMAX_RANKERS:
+        out = torch.softmax(out, dim=0)
+    return out
+
+
 def _pool_chunk(row: _Input, states: torch.Tensor, pooling: str) -> None:
     """Fold a chunk's states into the row's pooled value."""
     if pooling == "mean":
@@ -248,5 +297,5 @@ def _pool_chunk(row: _Input, states: torch.Tensor, pooling: str) -> None:
     elif pooling == "cls":
         if row.done == 0:
             row.pooled = states[0]
-    else:
+    else:  # last, and rank: a causal reranker reads the last state
         row.pooled = states[-1]

@@ -66,6 +66,7 @@ class _Embed:
 
     inputs: list[list[int]]
     result: Future
+    scores: bool  # a reranker's scores, not embeddings
 
 
 class RequestStream:
@@ -162,14 +163,15 @@ class EngineThread:
         self._inbox.put(_Call(fn, result))
         return result.result(timeout)
 
-    def embed(self, inputs: list[list[int]]) -> Future:
+    def embed(self, inputs: list[list[int]], scores: bool = False) -> Future:
         """Embed ``inputs`` (token ids each) on the engine thread, a pass per step
         beside generation, batched with every other embedding request (no KV outlives
-        a pass). The future holds one unit vector per input, or the error."""
+        a pass). The future holds one unit vector per input (``scores``: a reranker's
+        outputs), or the error."""
         result: Future = Future()
         if self._stopping or not self.alive:
             raise EngineStopped("the engine is not running")
-        self._inbox.put(_Embed(inputs, result))
+        self._inbox.put(_Embed(inputs, result, scores))
         return result
 
     def abort(self, request_id: str) -> None:
@@ -270,7 +272,8 @@ class EngineThread:
                 self._run_call(item)
             elif isinstance(item, _Embed):
                 if item.result.set_running_or_notify_cancel():
-                    self._embeds.add(self.engine.loaded.model, item.inputs, item.result)
+                    self._embeds.add(self.engine.loaded.model, item.inputs, item.result,
+                                     item.scores)
             else:
                 self._enqueue(item)
 

@@ -23,6 +23,7 @@ from ember.models.registry import MODELS, ensure_model
 from ember.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"
 
 
 @dataclass
@@ -35,6 +36,8 @@ class LoadedModel:
     weights: str
     load_seconds: float
     files: tuple[Path, ...] = ()  # every file the model was read from (a split model's parts)
+    # a reranker's prompt, {query} and {document} in it (tokenizer.chat_template.rerank)
+    rerank_template: str | None = None
 
     @property
     def name(self) -> str:
@@ -86,8 +89,9 @@ def load_model_meta(name: str, weights: str = "auto") -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(gguf)
         template = _chat_template(gguf, config)
         files = tuple(p for p, _ in gguf.parts)
+        rerank = gguf.get(RERANK_TEMPLATE_KEY)
     return LoadedModel(path, config, None, tokenizer, template,  # type: ignore[arg-type]
-                       resolve_weights(weights), time.perf_counter() - start, files)
+                       resolve_weights(weights), time.perf_counter() - start, files, rerank)
 
 
 def _chat_template(gguf: GGUFFile, config: ModelConfig) -> ChatTemplate | None:
@@ -130,7 +134,8 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     gguf.release_pages()
     gguf.drop_array_metadata()
     return LoadedModel(path, config, model, tokenizer, template, weights,
-                       time.perf_counter() - start, tuple(p for p, _ in gguf.parts))
+                       time.perf_counter() - start, tuple(p for p, _ in gguf.parts),
+                       gguf.get(RERANK_TEMPLATE_KEY))
 
 
 def physical_cores() -> int:

@@ -310,9 +310,10 @@ class Server:
     # ------------------------------------------------------------ embeddings
     async def embed(self, request: Request, body: type[Any]
                     ) -> tuple[Any, list[torch.Tensor], int]:
-        """An embeddings body (OpenAI's or Ollama's), its vectors and token count: the
-        inputs tokenized in a preparation thread, embedded on the engine thread beside
-        generation, holding a queue place (the same limits as generation) meanwhile."""
+        """An embeddings body (OpenAI's or Ollama's) or a rerank body, its vectors (or
+        scores) and token count: the inputs tokenized in a preparation thread, run on
+        the engine thread beside generation, holding a queue place (the same limits as
+        generation) meanwhile."""
         tenant = self.keys.tenant(request)
         raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
         thread = self._thread()
@@ -320,11 +321,12 @@ class Server:
             req = await asyncio.wrap_future(self._prep.submit(
                 self._embedding_ids, body, raw, tenant))
             try:
-                vectors = await asyncio.wrap_future(thread.embed(req.ids))
+                vectors = await asyncio.wrap_future(thread.embed(req.ids, req.body.scores))
             except EmbeddingError as e:
                 raise APIError(400, str(e), param=e.param or "model") from None
         hidden = self.engine.loaded.model.cfg.hidden_size
-        vectors = [embeddings.shortened(v, req.body.dimensions, hidden) for v in vectors]
+        dimensions = getattr(req.body, "dimensions", None)
+        vectors = [embeddings.shortened(v, dimensions, hidden) for v in vectors]
         return req.body, vectors, sum(map(len, req.ids))
 
     def _embedding_ids(self, body: type[Any], raw: bytes, tenant: str
@@ -332,9 +334,8 @@ class Server:
         req = P.parse(body, decode_json(raw))
         if self.adapters.check_model(req.model, tenant) is not None:
             raise unsupported("model", f"names the LoRA adapter '{req.model}'; embeddings "
-                              "come from the base model")
-        return embeddings.Prepared(req, embeddings.input_ids(self.engine, req.inputs(),
-                                                             req.truncates))
+                              "and scores come from the base model")
+        return embeddings.Prepared(req, req.input_ids(self.engine))
 
     # ------------------------------------------------------------ tokenizer routes
     @property
@@ -645,6 +646,12 @@ def create_app(server: Server) -> FastAPI:
         req, vectors, tokens = await server.embed(request, embeddings.OllamaEmbedRequest)
         return _ok(request, server, embeddings.ollama_body(
             req, vectors, tokens, time.monotonic_ns() - start))
+
+    @app.post("/v1/rerank", **openapi.route(embeddings.RerankRequest, openapi.Reranked, False))
+    @app.post("/rerank", include_in_schema=False)
+    async def rerank(request: Request) -> Response:
+        req, scores, tokens = await server.embed(request, embeddings.RerankRequest)
+        return _ok(request, server, embeddings.rerank_body(req, scores, tokens))
 
     @app.post("/tokenize", **openapi.route(P.TokenizeRequest, openapi.Tokenized, False))
     async def tokenize(request: Request) -> Response:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ember.engine import embedding
 from ember.server import protocol as P
@@ -60,12 +60,14 @@ class EmbeddingsRequest(P._Body):
                               "(float or base64)")
         self.inputs()
 
+    scores: ClassVar[bool] = False
+
     def inputs(self) -> list[str | list[int]]:
         return _ids_or_texts(self.input, "input")
 
-    @property
-    def truncates(self) -> bool:
-        return False  # OpenAI refuses an input longer than the model takes
+    def input_ids(self, engine: Any) -> list[list[int]]:
+        # OpenAI refuses an input longer than the model takes
+        return input_ids(engine, self.inputs(), truncate=False)
 
 
 def input_ids(engine: Any, inputs: list[str | list[int]], truncate: bool
@@ -114,12 +116,48 @@ class OllamaEmbedRequest(P._Body):
         if not self.input:
             raise APIError(400, "input: must not be empty", param="input")
 
+    scores: ClassVar[bool] = False
+
     def inputs(self) -> list[str | list[int]]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
-    @property
-    def truncates(self) -> bool:
-        return self.truncate
+    def input_ids(self, engine: Any) -> list[list[int]]:
+        return input_ids(engine, self.inputs(), self.truncate)
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+
+
+class RerankRequest(P._Body):
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument] = Field(min_length=1, max_length=MAX_INPUTS)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = False
+    scores: ClassVar[bool] = True
+
+    def validate_request(self) -> None:
+        self.reject_extra()
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    def input_ids(self, engine: Any) -> list[list[int]]:
+        """Each (query, document) pair as the reranker reads it; a pair longer than the
+        context window is a 400 naming its document."""
+        loaded, limit = engine.loaded, engine.max_model_len
+        out = []
+        for i, text in enumerate(self.texts()):
+            ids = embedding.rerank_ids(loaded.tokenizer, loaded.rerank_template,
+                                       self.query, text)
+            if len(ids) > limit:
+                raise APIError(400, f"'documents[{i}]' with the query is {len(ids)} tokens "
+                               f"long; the context window is {limit} tokens",
+                               param=f"documents[{i}]", code="context_length_exceeded")
+            out.append(ids)
+        return out
 
 
 def shortened(vector: torch.Tensor, dimensions: int | None, hidden: int) -> torch.Tensor:
@@ -143,6 +181,22 @@ def openai_body(req: EmbeddingsRequest, vectors: list[torch.Tensor], prompt_toke
             value = v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     return {"object": "list", "data": data, "model": req.model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def rerank_body(req: RerankRequest, outputs: list[torch.Tensor], prompt_tokens: int
+                ) -> dict[str, Any]:
+    """Results by relevance, highest first, ``top_n`` of them (llama.cpp's server reads a
+    reranker's first output as the score; Qwen3-Reranker's is P(yes))."""
+    texts = req.texts()
+    results = []
+    for i, out in enumerate(outputs):
+        result: dict[str, Any] = {"index": i, "relevance_score": float(out[0])}
+        if req.return_documents:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
+    results.sort(key=lambda r: -r["relevance_score"])
+    return {"model": req.model, "object": "list", "results": results[:req.top_n],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 

@@ -23,7 +23,8 @@ _REF = "#/components/schemas/{model}"
 BODIES = (P.ChatCompletionRequest, P.CompletionRequest, P.ResponsesRequest,
           P.TokenizeRequest, P.DetokenizeRequest, anthropic.MessagesRequest,
           anthropic.CountTokensRequest, ollama.ChatRequest, ollama.GenerateRequest,
-          ollama.ShowRequest, embeddings.EmbeddingsRequest, embeddings.OllamaEmbedRequest)
+          ollama.ShowRequest, embeddings.EmbeddingsRequest, embeddings.OllamaEmbedRequest,
+          embeddings.RerankRequest)
 
 
 # ---------------------------------------------------------------------- common
@@ -240,6 +241,19 @@ class EmbeddingList(BaseModel):
     object: str
     data: list[Embedding]
     model: str
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: dict[str, str] | None = None
+
+
+class Reranked(BaseModel):
+    model: str | None
+    object: str
+    results: list[RerankResult]
     usage: EmbeddingUsage
 
 

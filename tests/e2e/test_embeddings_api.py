@@ -1,7 +1,8 @@
 """``POST /v1/embeddings`` through the official ``openai`` client and ``/api/embed``
-through the ``ollama`` client, against the real SmolLM2 (the shared ``smol_server``).
-The oracle is ``LLM.embed`` on the same loaded model, itself checked against
-transformers' hidden states (tests/test_embeddings.py)."""
+through the ``ollama`` client, against the real SmolLM2 (the shared ``smol_server``);
+``POST /v1/rerank`` against a converted Qwen3 reranker. The oracles are ``LLM.embed``
+and ``LLM.rerank`` on the same files, themselves checked against transformers
+(tests/test_embeddings.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import ollama
 import openai
 import pytest
 import torch
-from e2e_server import KEY_A, EmberServer
+from e2e_server import KEY_A, EmberServer, serve_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +128,43 @@ def test_ollama_truncates_to_the_window_by_default(tiny_small_server):
     got = client.embed(model=tiny_small_server.model_id, input=long)
     assert got.embeddings[0] == cut.data[0].embedding
     assert got.prompt_eval_count == 64
+
+
+def test_rerank_orders_documents_by_the_models_scores(qwen3_reranker, e2e_log_dir,
+                                                     smol_server):
+    path = qwen3_reranker[0]
+    server = serve_in_process(path, e2e_log_dir, "--num-kv-blocks", "64")
+    try:
+        server.wait_ready()
+        from ember import LLM
+
+        query, docs = "What is the capital of France?", TEXTS + ["Berlin is in Germany."]
+        want = LLM(str(path), weights="f32", num_kv_blocks=64).rerank(query, docs)
+
+        def rerank(**body) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/rerank", timeout=60,
+                              json={"model": server.model_id, "query": query, **body})
+
+        got = rerank(documents=docs, top_n=3, return_documents=True).json()
+        order = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
+        assert [r["index"] for r in got["results"]] == order
+        for r in got["results"]:
+            assert abs(r["relevance_score"] - want[r["index"]]) < 1e-4
+            assert r["document"]["text"] == docs[r["index"]]
+        assert got["usage"]["prompt_tokens"] > 0
+        jina = httpx.post(f"{server.url}/rerank", timeout=60, json={
+            "query": query, "documents": [{"text": d} for d in docs]}).json()
+        assert len(jina["results"]) == len(docs) and "document" not in jina["results"][0]
+        for body, param in (({"documents": []}, "documents"), ({"documents": ["a"],
+                            "top_n": 0}, "top_n"), ({"documents": ["a"], "rank": 1}, "rank")):
+            refused = rerank(**body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        embed = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                           json={"model": server.model_id, "input": "x"})
+        assert embed.status_code == 400 and "reranker" in embed.json()["error"]["message"]
+    finally:
+        server.stop()
+    # a chat model has no head to score with: a 400 naming the model
+    refused = httpx.post(f"{smol_server.url}/v1/rerank", timeout=60, headers={
+        "Authorization": f"Bearer {KEY_A}"}, json={"query": "q", "documents": ["d"]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"

@@ -34,7 +34,7 @@ def test_generated_requests_get_documented_answers_and_no_server_errors(
         "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
         "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /api/chat",
         "POST /api/generate", "POST /api/show", "GET /api/tags", "POST /v1/embeddings",
-        "POST /api/embed",
+        "POST /api/embed", "POST /v1/rerank",
         "GET /v1/models", "GET /health", "GET /metrics"}
     statuses: list[int] = []
     for op in operations:
