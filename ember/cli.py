@@ -129,10 +129,22 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     from ember.config import EngineConfig
     from ember.models.registry import ensure_model
     from ember.server.config import ServerConfig, load_api_keys, load_tenant_limits
+    from ember.server.models import model_sources
 
+    given = args.model or [DEFAULT_MODEL]
+    several = len(given) > 1 or args.models_dir is not None
+    sources = model_sources(args.model or [], args.models_dir) if several else given
+    if not several and (args.models_idle is not None or args.models_max_bytes is not None):
+        raise ValueError("--models-idle and --models-max-bytes act on several models "
+                         "(--model repeated, or --models-dir)")
+    if several and args.served_model_name:
+        raise ValueError("--served-model-name names one model; with several, each is "
+                         "named by its file (or alias)")
+    if args.models_idle is not None and args.models_idle <= 0:
+        raise ValueError(f"--models-idle must be positive, got {args.models_idle}")
     engine = EngineConfig(
         tenant_limits=load_tenant_limits(args.tenant_limits) if args.tenant_limits else {},
-        model=args.model, weights=args.weights, threads=args.threads,
+        model=sources[0], weights=args.weights, threads=args.threads,
         allow_drift=args.allow_drift, moe_stream=args.moe_stream,
         moe_cache_bytes=args.moe_cache_bytes, moe_pilot=args.moe_pilot,
         moe_expert_top_p=args.moe_expert_top_p, moe_pinned_share=args.moe_pinned_share,
@@ -148,7 +160,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         spec_references=tuple(f.read_text(encoding="utf-8") for f in args.spec_ref),
         chat_template=(args.chat_template.read_text(encoding="utf-8")
                        if args.chat_template else None), **_kv_options(args))
-    ensure_model(args.model)  # a bad name fails here, before the server starts
+    if not several:
+        ensure_model(sources[0])  # a bad name fails here, before the server starts
     keys, weights = load_api_keys(args.api_key, args.api_keys_file)
     for name in ("max_request_bytes", "header_timeout", "body_timeout", "slo_ttft",
                  "slo_tpot"):
@@ -164,12 +177,24 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         admin_api_key=args.admin_api_key, lora_dir=args.lora_dir,
                         chat_page=not args.no_ui,
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        trace_content=args.trace_content, request_log=args.request_log)
+                        trace_content=args.trace_content, request_log=args.request_log,
+                        models=tuple(sources) if several else (),
+                        models_idle=args.models_idle,
+                        models_max_bytes=args.models_max_bytes)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _model_args(s)
+    _model_args(s, several=True)
+    s.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                   help="also serve every .gguf in DIR (several models: each loads on "
+                        "first use; docs/server.md#several-models)")
+    s.add_argument("--models-idle", type=float, default=None, metavar="SECONDS",
+                   help="with several models: unload one idle this long")
+    s.add_argument("--models-max-bytes", type=byte_size, default=None,
+                   help="with several models: loaded models' files and KV pools together "
+                        "at most this (the least recently used idle one is unloaded to "
+                        "make room; K, M, G suffixes: powers of 1024)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[],
@@ -273,6 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = config.engine
     if args.replicas < 0 or (args.ray_address and not args.replicas):
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
+    if args.replicas and config.models:
+        raise ValueError("--replicas serves one model; several models run in one process")
     prefill = _prefill_replicas(args.prefill_replicas, args.replicas)
     if not args.replicas:
         return run_server(config, args.host, args.port, args.graceful_seconds)
@@ -799,8 +826,14 @@ def byte_size(text: str) -> int:
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).upper()])
 
 
-def _model_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="alias or .gguf path")
+def _model_args(s: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:  # ember serve: one model, or several behind one port
+        s.add_argument("--model", "-m", action="append", default=None,
+                       help="alias, .gguf path or Hub name (default: smollm2-135m); repeat "
+                            "to serve several, the first the default (docs/server.md)")
+    else:
+        s.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                       help="alias, .gguf path or Hub name")
     s.add_argument("--weights", default="auto",
                    help="weight format: auto (q4 where the native kernel builds, else f32), "
                         "q4, f32 (the exact oracle), bf16")

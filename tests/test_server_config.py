@@ -175,3 +175,39 @@ def test_no_response_writes_a_non_finite_number() -> None:
     assert strict(JSONBody(body).body.decode()) == want
     assert strict(sse(body).removeprefix("data: ").strip()) == want
     assert not math.isnan(strict(JSONBody({"a": 1.0}).body.decode())["a"])
+
+
+def test_several_models_come_from_repeated_models_and_a_directory(tmp_path: Path):
+    from ember import cli
+    from ember.server.models import merge_metrics, model_name, model_sources
+
+    for name in ("b.gguf", "a-00001-of-00002.gguf", "a-00002-of-00002.gguf", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    sources = model_sources(["smollm2-135m"], tmp_path)
+    assert sources == ["smollm2-135m", str(tmp_path / "a-00001-of-00002.gguf"),
+                       str(tmp_path / "b.gguf")]
+    assert [model_name(s) for s in sources] == ["smollm2-135m", "a", "b"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .gguf"):
+        model_sources([], tmp_path / "empty")
+    with pytest.raises(ValueError, match="not a directory"):
+        model_sources([], tmp_path / "b.gguf")
+
+    def config(*args: str):
+        return cli.server_config(cli._build_parser().parse_args(["serve", *args]))
+
+    several = config("--models-dir", str(tmp_path), "--models-idle", "30")
+    assert several.models == tuple(sources[1:]) and several.models_idle == 30
+    assert several.engine.model == sources[1]
+    assert config().models == ()  # one model: the single-model server, as before
+    for args, match in ((("--models-idle", "5"), "several models"),
+                        (("--models-dir", str(tmp_path), "--served-model-name", "x"),
+                         "names one model"),
+                        (("--models-dir", str(tmp_path), "--models-idle", "0"), "positive")):
+        with pytest.raises(ValueError, match=match):
+            config(*args)
+    merged = merge_metrics({
+        "m1": "# HELP x X.\n# TYPE x counter\nx_total 1\ny{a=\"1\"} 2\n",
+        "m2": "# HELP x X.\n# TYPE x counter\nx_total 3\n"})
+    assert merged == ['# HELP x X.', '# TYPE x counter', 'x_total{model="m1"} 1',
+                      'y{model="m1",a="1"} 2', 'x_total{model="m2"} 3']

@@ -36,6 +36,11 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None  # export one trace per request (OTLP/HTTP)
     trace_content: bool = False  # prompt and completion text in the traces
     request_log: str | None = None  # one JSON line per finished request
+    # several models behind one port (ember/server/models.py): every model's source (the
+    # engine's ``model`` is then the first); empty: one model, the engine's
+    models: tuple[str, ...] = ()
+    models_idle: float | None = None  # unload a model idle this many seconds
+    models_max_bytes: int | None = None  # loaded models' files + KV pools, at most
 
 
 def load_api_keys(keys: list[str], keys_file: Path | None

@@ -14,6 +14,7 @@ from typing import Any
 from ember.server.app import AdmissionGate, Server, create_app
 from ember.server.backend import Backend
 from ember.server.config import ServerConfig
+from ember.server.models import ModelRouter
 from ember.server.transport import guarded_protocol
 
 SHUTDOWN_FLUSH_SECONDS = 2.0  # after aborting, time for the aborted responses to flush
@@ -33,19 +34,26 @@ class Serving:
                  start: Callable[[], Backend] | None = None) -> None:
         import uvicorn
 
-        self.server = Server(config, start)
         self.graceful_seconds = graceful_seconds
+        # one model: its server; several: a router over one server per model
+        self.server: Server | None = None
+        self.router: ModelRouter | None = None
+        if config.models:
+            self.router = ModelRouter(config, graceful_seconds)
+            app: Any = self.router
+            slow_close, abort_all = self.router.count_slow_close, self.router.abort_all
+        else:
+            self.server = Server(config, start)
+            app = AdmissionGate(create_app(self.server), self.server)
+            slow_close, abort_all = self.server.metrics.count_slow_close, self.server.abort_all
         # uvicorn cancels whatever is still running after its own timeout; ember aborts
         # the generations first, at ``graceful_seconds``, and leaves uvicorn time to
         # flush them.
-        uv_config = uvicorn.Config(AdmissionGate(create_app(self.server), self.server),
-                                   host=host, port=port, log_level="warning",
-                                   http=guarded_protocol(config.header_timeout,
-                                                         self.server.metrics.count_slow_close),
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                   http=guarded_protocol(config.header_timeout, slow_close),
                                    timeout_graceful_shutdown=graceful_seconds
                                    + SHUTDOWN_FLUSH_SECONDS)
-        self._uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds,
-                                   self.server.abort_all)
+        self._uv = _uvicorn_server(uvicorn.Server, uv_config, graceful_seconds, abort_all)
         # The port is taken before the backend starts: Ray's processes bind ports of
         # their own while it starts, and one of them could otherwise take this one first.
         self._sock = uv_config.bind_socket()
@@ -53,13 +61,24 @@ class Serving:
 
     def run(self) -> int:
         server = self.server
-        server.start_loading()
-        print(f"ember: listening on {self.url}/v1 (model loading; GET /health)", flush=True)
+        if server is not None:
+            server.start_loading()
+            print(f"ember: listening on {self.url}/v1 (model loading; GET /health)",
+                  flush=True)
+        else:
+            assert self.router is not None
+            names = ", ".join(m.name for m in self.router.models)
+            print(f"ember: listening on {self.url}/v1 (models, loaded on first use: {names})",
+                  flush=True)
         self._uv.run(sockets=[self._sock])
-        if server.thread is not None:
-            server.thread.drain(timeout=self.graceful_seconds)
-            server.thread.shutdown(timeout=self.graceful_seconds)
-        server.telemetry.close()
+        if server is not None:
+            if server.thread is not None:
+                server.thread.drain(timeout=self.graceful_seconds)
+                server.thread.shutdown(timeout=self.graceful_seconds)
+            server.telemetry.close()
+        else:
+            assert self.router is not None
+            self.router.shutdown()
         print("ember: stopped", flush=True)
         return 0
 

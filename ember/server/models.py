@@ -1,0 +1,467 @@
+"""Many models behind one port (``ember serve --model A --model B``, ``--models-dir``).
+
+Each model is served by a whole single-model server: its own :class:`Server` and app
+(engine thread, queue and tenant quotas, LoRA adapters, prefix cache, metrics), so
+nothing a request meets differs from ``ember serve`` with one model. The
+:class:`ModelRouter` in front reads which model a request names (the JSON body's
+``model``, or ``?model=`` on routes without a body; none: the first model), loads it on
+first use (the request waits, its TTFT counting the load), hands the request to that
+model's app with its body replayed, and unloads a model that has been idle for
+``--models-idle`` seconds or whose memory another model needs under
+``--models-max-bytes`` (least recently used first, never one with requests in flight).
+
+The router answers the routes about every model itself: ``/v1/models`` (each with its
+state: available, loading, loaded, failed), Ollama's ``/api/tags`` and ``/api/ps``,
+``/health``, ``/metrics`` (each model's metrics labelled ``model``), and the admin
+routes ``POST /models/load`` and ``/models/unload`` (behind ``--admin-api-key``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.requests import Request
+
+from ember.models.gguf import SPLIT_NAME
+from ember.models.registry import MODELS, resolve_model
+from ember.server.app import AdmissionGate, Server, create_app, error_body
+from ember.server.auth import Keys
+from ember.server.config import ServerConfig
+from ember.server.errors import APIError
+from ember.server.transport import JSONBody, decode_json, read_body
+
+log = logging.getLogger("ember.server")
+IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for
+LOAD_POLL_SECONDS = 0.02  # how often a request waiting for a load looks again
+ROUTES = ("/v1/models", "/models", "/api/tags", "/api/ps", "/health", "/metrics",
+          "/models/load", "/models/unload")
+
+
+def model_sources(models: list[str], models_dir: Path | None) -> list[str]:
+    """What ``--model`` (repeated) and ``--models-dir`` name, in that order: every
+    ``.gguf`` in the directory (a split model by its first part), sorted by name."""
+    sources = list(models)
+    if models_dir is not None:
+        if not models_dir.is_dir():
+            raise ValueError(f"--models-dir: {models_dir} is not a directory")
+        for path in sorted(models_dir.glob("*.gguf")):
+            split = SPLIT_NAME.match(path.name)
+            if split is None or int(split["no"]) == 1:
+                sources.append(str(path))
+    if not sources:
+        raise ValueError(f"--models-dir: no .gguf file in {models_dir}")
+    return sources
+
+
+def model_name(source: str) -> str:
+    """The id a model is listed and requested by: a registered file's alias, a file's
+    stem (a split model's prefix), else the alias or Hub name as given."""
+    path = Path(source)
+    alias = next((m.alias for m in MODELS.values() if m.filename == path.name), None)
+    if alias is not None:
+        return alias
+    if source.endswith(".gguf"):
+        split = SPLIT_NAME.match(path.name)
+        return split["prefix"] if split else path.stem
+    return source
+
+
+@dataclass
+class ServedModel:
+    """One model of the router: where it comes from and, while loaded, its server."""
+
+    name: str
+    source: str
+    server: Server | None = None
+    app: Any = None
+    running: int = 0  # requests in the router for it (waiting for the load included)
+    last_used: float = 0.0
+    error: str | None = None  # why the last load failed
+
+    @property
+    def state(self) -> str:
+        if self.server is None:
+            return "failed" if self.error else "available"
+        return "loaded" if self.server.ready else "loading"
+
+    def names(self) -> set[str]:
+        names = {self.name, self.source}
+        if self.server is not None and self.server.ready:
+            names.update(self.server.model_names())
+        return names
+
+    def file_bytes(self) -> int:
+        """The model's file(s) on disk (0 where not pulled yet)."""
+        try:
+            first = resolve_model(self.source)
+        except Exception:  # not pulled yet, or missing: the load will say so
+            return 0
+        split = SPLIT_NAME.match(first.name)
+        if split is None:
+            return first.stat().st_size
+        return sum(p.stat().st_size for p in first.parent.glob(
+            f"{split['prefix']}-*-of-{split['count']}.gguf"))
+
+
+class ModelRouter:
+    """The ASGI app of a many-model server (module docstring)."""
+
+    def __init__(self, config: ServerConfig, graceful_seconds: float = 10.0) -> None:
+        self.config, self.graceful_seconds = config, graceful_seconds
+        self.keys = Keys(config)
+        self.models: list[ServedModel] = []
+        for source in config.models:
+            entry = ServedModel(model_name(source), source)
+            if any(entry.name in m.names() for m in self.models):
+                raise ValueError(f"two models are named {entry.name!r}; rename a file")
+            self.models.append(entry)
+        self._lock = asyncio.Lock()  # one load or unload decision at a time
+        self._idle_task: asyncio.Task | None = None
+        self.slow_closes = 0
+        self._own: dict[str, Callable[[Request], Awaitable[Any]]] = {
+            "/v1/models": self._list, "/models": self._list, "/api/tags": self._tags,
+            "/api/ps": self._ps, "/health": self._health, "/metrics": self._metrics,
+            "/models/load": self._load_route, "/models/unload": self._unload_route}
+
+    # ------------------------------------------------------------ ASGI
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        try:
+            if scope["path"] in self._own:
+                answer = await self._own[scope["path"]](request)
+                await (JSONBody(answer) if isinstance(answer, dict) else answer)(
+                    scope, receive, send)
+                return
+            self.keys.tenant(request)  # no load for a request without a key
+            entry, receive = await self._pick(request, receive)
+        except APIError as e:
+            await self._error(scope, receive, send, e)
+            return
+        entry.running += 1
+        try:
+            await self._ensure_loaded(entry)
+        except APIError as e:
+            entry.running -= 1
+            await self._error(scope, receive, send, e)
+            return
+        try:
+            await entry.app(scope, receive, send)
+        finally:
+            entry.running -= 1
+            entry.last_used = time.monotonic()
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if self.config.models_idle is not None:
+                    self._idle_task = asyncio.create_task(self._unload_idle())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._idle_task is not None:
+                    self._idle_task.cancel()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _error(self, scope: dict[str, Any], receive: Any, send: Any,
+                     e: APIError) -> None:
+        body = JSONBody(error_body(scope["path"], e), status_code=e.status, headers=e.headers)
+        await body(scope, receive, send)
+
+    # ------------------------------------------------------------ picking a model
+    async def _pick(self, request: Request, receive: Any) -> tuple[ServedModel, Any]:
+        """The model a request names, and the ``receive`` that replays its body."""
+        name = parse_qs(request.scope.get("query_string", b"").decode()).get("model", [None])[0]
+        if name is None and request.method == "POST" and "json" in request.headers.get(
+                "content-type", ""):
+            raw = await read_body(request, self.config.max_request_bytes,
+                                  self.config.body_timeout)
+            name = await asyncio.to_thread(_named_model, raw)
+            receive = _replay(raw, receive)
+        return self.find(name, self.keys.tenant(request)), receive
+
+    def find(self, name: str | None, tenant: str = "") -> ServedModel:
+        """The model ``name`` names (a LoRA adapter's name: its base's, while loaded);
+        None: the first model. Unknown: a 404 listing the models."""
+        if name is None:
+            return self.models[0]
+        name = name.removesuffix(":latest")  # Ollama's default tag names the same
+        for entry in self.models:
+            if name in entry.names():
+                return entry
+        for entry in self.models:
+            if entry.server is not None and entry.server.ready and \
+                    name in entry.server.adapters.for_tenant(tenant):
+                return entry
+        served = ", ".join(m.name for m in self.models)
+        raise APIError(404, f"the model '{name}' does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    # ------------------------------------------------------------ loading
+    async def _ensure_loaded(self, entry: ServedModel) -> None:
+        """Load ``entry`` unless it is (making room under the memory budget first) and
+        wait until it serves."""
+        async with self._lock:
+            if entry.server is None:
+                await self._make_room(entry)
+                config = dataclasses.replace(
+                    self.config, models=(), served_model_name=entry.name,
+                    engine=dataclasses.replace(self.config.engine, model=entry.source))
+                entry.server, entry.error = Server(config), None
+                entry.app = AdmissionGate(create_app(entry.server), entry.server)
+                entry.server.start_loading()
+                entry.last_used = time.monotonic()
+                log.info("loading model %s (%s)", entry.name, entry.source)
+        server = entry.server
+        while not server.ready:
+            if server.load_error is not None:
+                async with self._lock:
+                    if entry.server is server:
+                        entry.server, entry.app, entry.error = None, None, server.load_error
+                raise APIError(503, f"loading the model '{entry.name}' failed: "
+                               f"{server.load_error}", type="server_error",
+                               code="model_load_failed")
+            await asyncio.sleep(LOAD_POLL_SECONDS)
+
+    def budget_bytes(self, entry: ServedModel) -> int:
+        """What a loaded model is counted at: its file(s) and its KV pool."""
+        engine = self.config.engine
+        return entry.file_bytes() + (engine.kv_cache_bytes if engine.num_kv_blocks is None
+                                     else 0)
+
+    async def _make_room(self, entry: ServedModel) -> None:
+        """Unload least recently used idle models until ``entry`` fits the budget."""
+        limit = self.config.models_max_bytes
+        if limit is None:
+            return
+        need = self.budget_bytes(entry)
+        if need > limit:
+            raise APIError(503, f"the model '{entry.name}' needs about {need} bytes (its "
+                           f"file and KV pool), more than --models-max-bytes ({limit})",
+                           type="server_error", code="model_too_large")
+        while True:
+            loaded = [m for m in self.models if m.server is not None and m is not entry]
+            if sum(self.budget_bytes(m) for m in loaded) + need <= limit:
+                return
+            idle = [m for m in loaded if m.running == 0 and m.server is not None
+                    and m.server.ready]
+            if not idle:
+                raise APIError(503, f"no room to load '{entry.name}' under "
+                               f"--models-max-bytes ({limit}): every loaded model is "
+                               "serving requests; retry later", type="server_error",
+                               code="models_busy", headers={"Retry-After": "5"})
+            await self._unload(min(idle, key=lambda m: m.last_used))
+
+    async def _unload(self, entry: ServedModel) -> None:
+        """Stop ``entry``'s engine (finishing what it runs) and free its memory."""
+        server, entry.server, entry.app = entry.server, None, None
+        if server is None:
+            return
+        log.info("unloading model %s", entry.name)
+        await asyncio.to_thread(self._stop, server)
+
+    def _stop(self, server: Server) -> None:
+        if server.thread is not None:
+            server.thread.drain(timeout=self.graceful_seconds)
+            server.thread.shutdown(timeout=self.graceful_seconds)
+        server.telemetry.close()
+        # a loaded model's objects were frozen out of the collector (Server._load): let
+        # it find the unloaded one's cycles, then freeze what is left again
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+    async def _unload_idle(self) -> None:
+        idle = self.config.models_idle
+        assert idle is not None
+        while True:
+            await asyncio.sleep(min(IDLE_CHECK_SECONDS, idle))
+            now = time.monotonic()
+            async with self._lock:
+                for entry in self.models:
+                    if (entry.server is not None and entry.server.ready and entry.running == 0
+                            and now - entry.last_used >= idle):
+                        await self._unload(entry)
+
+    def abort_all(self) -> None:
+        for entry in self.models:
+            if entry.server is not None:
+                entry.server.abort_all()
+
+    def shutdown(self) -> None:
+        """Stop every loaded engine (the end of ``ember serve``)."""
+        for entry in self.models:
+            server, entry.server, entry.app = entry.server, None, None
+            if server is not None:
+                if server.thread is not None:
+                    server.thread.drain(timeout=self.graceful_seconds)
+                    server.thread.shutdown(timeout=self.graceful_seconds)
+                server.telemetry.close()
+
+    def count_slow_close(self) -> None:
+        self.slow_closes += 1
+
+    # ------------------------------------------------------------ the router's routes
+    async def _list(self, request: Request) -> dict[str, Any]:
+        tenant = self.keys.tenant(request)
+        created = int(time.time())
+        data = []
+        for m in self.models:
+            item = {"id": m.name, "object": "model", "created": created, "owned_by": "ember",
+                    "parent": None, "status": {"value": m.state}}
+            if m.error:
+                item["status"]["error"] = m.error
+            data.append(item)
+            if m.state == "loaded":
+                assert m.server is not None
+                data += [{"id": n, "object": "model", "created": created,
+                          "owned_by": "ember", "parent": m.name, "status": {"value": m.state}}
+                         for n in m.server.adapters.for_tenant(tenant)]
+        return {"object": "list", "data": data}
+
+    async def _tags(self, request: Request) -> dict[str, Any]:
+        self.keys.tenant(request)
+        return {"models": [self._card(m) for m in self.models]}
+
+    async def _ps(self, request: Request) -> dict[str, Any]:
+        self.keys.tenant(request)
+        return {"models": [m.server.model_card().running() for m in self.models
+                           if m.server is not None and m.server.ready]}
+
+    def _card(self, m: ServedModel) -> dict[str, Any]:
+        """A model as Ollama's /api/tags lists it (from its file while not loaded)."""
+        if m.server is not None and m.server.ready:
+            return m.server.model_card().entry()
+        try:
+            modified = datetime.fromtimestamp(resolve_model(m.source).stat().st_mtime, UTC)
+        except Exception:
+            modified = datetime.now(UTC)
+        tagged = f"{m.name}:latest"
+        return {"name": tagged, "model": tagged, "size": m.file_bytes(), "digest": "",
+                "modified_at": modified.isoformat().replace("+00:00", "Z"),
+                "details": {"format": "gguf"}}
+
+    async def _health(self, request: Request) -> dict[str, Any]:
+        return {"status": "ok", "models": {m.name: m.state for m in self.models}}
+
+    async def _metrics(self, request: Request) -> Any:
+        from fastapi.responses import PlainTextResponse
+
+        self.keys.check_metrics_access(request)
+        texts = {}
+        for m in self.models:
+            if m.server is not None and m.server.ready:
+                texts[m.name] = await asyncio.to_thread(m.server.metrics.render)
+        lines = ["# HELP ember_models_loaded Models loaded by the router.",
+                 "# TYPE ember_models_loaded gauge",
+                 f"ember_models_loaded {sum(m.state == 'loaded' for m in self.models)}"]
+        return PlainTextResponse("\n".join(lines + merge_metrics(texts)) + "\n",
+                                 media_type="text/plain; version=0.0.4")
+
+    async def _admin_model(self, request: Request) -> ServedModel:
+        if request.method != "POST":
+            raise APIError(405, "use POST")
+        self.keys.check_admin(request, "loading and unloading models")
+        body = decode_json(await read_body(request, self.config.max_request_bytes,
+                                           self.config.body_timeout))
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise APIError(400, "'model' must name a model", param="model")
+        return self.find(body["model"])
+
+    async def _load_route(self, request: Request) -> dict[str, Any]:
+        entry = await self._admin_model(request)
+        entry.running += 1
+        try:
+            await self._ensure_loaded(entry)
+        finally:
+            entry.running -= 1
+            entry.last_used = time.monotonic()
+        return {"model": entry.name, "status": entry.state}
+
+    async def _unload_route(self, request: Request) -> dict[str, Any]:
+        entry = await self._admin_model(request)
+        async with self._lock:
+            if entry.running:
+                raise APIError(409, f"the model '{entry.name}' is serving {entry.running} "
+                               "request(s); unload it when they end", code="model_busy")
+            await self._unload(entry)
+        return {"model": entry.name, "status": entry.state}
+
+
+def _named_model(raw: bytes) -> str | None:
+    """The ``model`` a JSON body names (None where it names none or does not parse: the
+    model's own route then answers the 400)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    name = body.get("model") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _replay(raw: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the body already read over once, then waits as the
+    original does (for the client's disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def merge_metrics(texts: dict[str, str]) -> list[str]:
+    """Several models' Prometheus texts as one: each family once (its HELP and TYPE),
+    every sample labelled with its model."""
+    families: dict[str, list[str]] = {}
+    heads: dict[str, list[str]] = {}
+    order: list[str] = []
+    for model, text in texts.items():
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                family = parts[2] if len(parts) > 2 else family
+                if family not in heads:
+                    heads[family], families[family] = [], []
+                    order.append(family)
+                if line not in heads[family]:
+                    heads[family].append(line)
+                continue
+            if not line.strip():
+                continue
+            families.setdefault(family, [])
+            if family not in order:
+                heads.setdefault(family, [])
+                order.append(family)
+            families[family].append(_labelled(line, model))
+    return [line for f in order for line in heads[f] + families[f]]
+
+
+def _labelled(sample: str, model: str) -> str:
+    value = model.replace("\\", "\\\\").replace('"', '\\"')
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f'{name}{{model="{value}",{rest}'
+    name, space, rest = sample.partition(" ")
+    return f'{name}{{model="{value}"}} {rest}'
