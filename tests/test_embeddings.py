@@ -7,6 +7,9 @@ reranker converted by llama.cpp scores pairs as transformers' yes/no logits say.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -201,3 +204,58 @@ def test_a_qwen3_reranker_scores_pairs_as_transformers_yes_and_no_logits(qwen3_r
 def test_a_model_without_a_head_is_not_a_reranker(smollm2_served_llm):
     with pytest.raises(embedding.EmbeddingError, match="not a reranker"):
         smollm2_served_llm.rerank("q", ["d"])
+
+
+LLAMA_PYTHON = os.environ.get("EMBER_LLAMA_PYTHON")
+needs_llama_cpp = pytest.mark.skipif(not LLAMA_PYTHON, reason="set EMBER_LLAMA_PYTHON to an "
+                                     "interpreter with llama-cpp-python to compare with "
+                                     "llama.cpp")
+
+
+def _llama_cpp(path: Path, pooling: int, inputs: list[list[int]], tmp_path: Path
+               ) -> torch.Tensor:
+    """llama.cpp's pooled outputs of ``inputs`` on the file (tests/llamacpp_embed.py)."""
+    import numpy as np
+
+    ids, out = tmp_path / "ids.json", tmp_path / "out.npy"
+    ids.write_text(json.dumps(inputs))
+    subprocess.run([str(LLAMA_PYTHON), str(Path(__file__).with_name("llamacpp_embed.py")),
+                    str(path), str(out), str(pooling), str(ids)], check=True)
+    return torch.from_numpy(np.load(out))
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_embeddings_match_llama_cpp_on_the_same_file(smollm2_gguf, smollm2_llm, pooled_files,
+                                                     tmp_path):
+    """llama.cpp's embeddings of the real SmolLM2 (its Q4_1 file, which llama.cpp
+    multiplies by activations rounded to 8 bits) and ember's f32 read of the same file:
+    last (the chat model's file names none: asked for), mean and cls (the file's key)."""
+    ids = [smollm2_llm.encode(t) for t in TEXTS]
+    cases = [(smollm2_gguf, 3, smollm2_llm)] + [
+        (pooled_files[p], -1, LLM(str(pooled_files[p]), weights="f32", kv_dtype="f32",
+                                  num_kv_blocks=32)) for p in ("mean", "cls")]
+    for path, pooling, llm in cases:
+        theirs = torch.nn.functional.normalize(_llama_cpp(path, pooling, ids, tmp_path), dim=1)
+        ours = torch.stack(llm.embed(ids))
+        cosines = (ours * theirs).sum(1)
+        print(path.name, pooling, [f"{c:.6f}" for c in cosines.tolist()])
+        assert (cosines > 0.999).all(), cosines
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_rerank_matches_llama_cpp_on_the_same_file(qwen3_reranker, tmp_path):
+    """llama.cpp's rank pooling on the converted reranker, fed ember's pairs: its first
+    output (P(yes), what llama-server answers as the score) is ember's score."""
+    path = qwen3_reranker[0]
+    llm = LLM(str(path), weights="f32", kv_dtype="f32", num_kv_blocks=64)
+    loaded = llm.engine.loaded
+    query = "What is the capital of France?"
+    ids = [embedding.rerank_ids(loaded.tokenizer, loaded.rerank_template, query, d)
+           for d in TEXTS]
+    theirs = _llama_cpp(path, -1, ids, tmp_path)
+    ours = llm.rerank(query, TEXTS)
+    print("rerank", ours, theirs[:, 0].tolist())
+    assert theirs.shape[1] == 2
+    assert max(abs(a - b) for a, b in zip(ours, theirs[:, 0].tolist(), strict=True)) < 1e-4
