@@ -57,7 +57,7 @@ oracle: install
 	  && $(VENV)-llamacpp/bin/python -m pip install --quiet 'llama-cpp-python==0.3.36'; }
 	EMBER_LLAMA_PYTHON=$(LLAMA_PYTHON) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
 	  --dist loadfile -k "llama_cpp" tests/test_converted_families.py tests/test_lora.py \
-	  tests/test_tokenizer_vocabs.py
+	  tests/test_tokenizer_vocabs.py tests/test_embeddings.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
