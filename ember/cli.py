@@ -50,7 +50,8 @@ def _build_parser() -> argparse.ArgumentParser:
     for add in (_bench_throughput_parser, _bench_constrained_parser, _bench_serve_parser,
                 _bench_simulate_parser, _bench_spec_parser, _bench_kv_parser,
                 _bench_isolation_parser, _bench_lora_parser, _bench_moe_parser,
-                _bench_synth_parser, _bench_spec_cost_parser, _bench_compare_parser):
+                _bench_synth_parser, _bench_spec_cost_parser, _bench_compare_parser,
+                _bench_embed_parser, _bench_switch_parser):
         add(bench)
     return p
 
@@ -581,6 +582,73 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
     bench_main(str(ensure_model(args.model)), args.weights, args.threads, args.streams,
                args.rank, args.prompt_len, args.gen, args.reps, args.out, args.llama_server,
                args.lora_dtype)
+    return 0
+
+
+def _bench_embed_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("embed", help="embeddings/s of ember serve vs llama-server "
+                                       "--embedding on the same file")
+    b.add_argument("--model", "-m", default="qwen3-embedding-0.6b",
+                   help="a .gguf path, alias, or a shape of `ember bench synth` (written "
+                        "with random weights at --quant on first use)")
+    b.add_argument("--quant", default="Q8_0", help="with a shape: its llama.cpp file type")
+    b.add_argument("--batches", default="1,16,64", help="inputs per request")
+    b.add_argument("--tokens", type=int, default=128, help="tokens per input")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--weights", default="auto")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also run llama.cpp's server (this binary) on the same requests")
+    b.add_argument("--out", type=Path, default=Path("bench-results/embed.json"))
+    b.set_defaults(func=cmd_bench_embed)
+
+
+def cmd_bench_embed(args: argparse.Namespace) -> int:
+    from ember.bench import synth
+    from ember.bench.embed import main as bench_main
+    from ember.models.registry import ensure_model, synth_dir
+
+    if min(args.tokens, args.threads, args.reps) < 1:
+        raise ValueError("--tokens, --threads and --reps must be >= 1")
+    if args.model in synth.SHAPES:
+        path = synth_dir() / f"{args.model}-{synth.file_type(args.quant).name}.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            synth.write_synth(path, args.model, args.quant)
+    else:
+        path = ensure_model(args.model)
+    bench_main(path, _int_list(args.batches, "--batches"), args.tokens, args.threads,
+               args.reps, args.weights, args.llama_server, args.out)
+    return 0
+
+
+def _bench_switch_parser(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("switch", help="several models: first token of an unloaded model "
+                                        "and memory with two, vs llama.cpp's router mode")
+    b.add_argument("--shape", default="llama-1b", help="a shape of `ember bench synth`")
+    b.add_argument("--quant", default="Q4_K_M")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also run llama.cpp's server in router mode (this binary)")
+    b.add_argument("--out", type=Path, default=Path("bench-results/switch.json"))
+    b.set_defaults(func=cmd_bench_switch)
+
+
+def cmd_bench_switch(args: argparse.Namespace) -> int:
+    from ember.bench import synth
+    from ember.bench.switch import main as bench_main
+    from ember.models.registry import synth_dir
+
+    quant = synth.file_type(args.quant).name
+    directory = synth_dir() / f"switch-{args.shape}-{quant}"
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for seed in (0, 1):  # two files of one shape: two models
+        path = directory / f"{args.shape}-{quant}-seed{seed}.gguf"
+        if not path.exists():
+            synth.write_synth(path, args.shape, quant, seed=seed)
+        files.append(path)
+    bench_main(files, args.threads, args.llama_server, args.out)
     return 0
 
 

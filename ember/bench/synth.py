@@ -4,14 +4,15 @@ Decode speed depends on a model's shapes and tensor types, not on its weight val
 and it has to be measured at the sizes people run (1-8B, and mixtures of experts of
 20-30B): a model that fits in the CPU's last-level cache measures the cache, not the
 engine. No such model ships on PyPI, so this writes them: ``SHAPES`` holds the exact
-hyper-parameters of Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B, Gemma 3 1B, Qwen3-30B-A3B
-(128 experts, 8 per token), gpt-oss-20b (32 experts, 4 per token, sinks and biases) and
-the Qwen 3.5 hybrids 0.8B, 4B and 35B-A3B (three Gated DeltaNet layers to one of gated attention),
-and ``write_synth`` writes one of them at a llama.cpp file type (``Q4_K_M``, ...,
-``MXFP4_MOE`` as gpt-oss ships) with the per-tensor types llama-quantize would choose
-(``tensor_type``), so ember and llama.cpp read the same bytes per token as they would
-from the real model's GGUF. ``layers`` cuts a shape's depth to what a machine holds
-(every layer is the real one; a step's cost scales with their number).
+hyper-parameters of Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B, Qwen3-Embedding 0.6B, Gemma
+3 1B, Qwen3-30B-A3B (128 experts, 8 per token), gpt-oss-20b (32 experts, 4 per token,
+sinks and biases) and the Qwen 3.5 hybrids 0.8B, 4B and 35B-A3B (three Gated DeltaNet
+layers to one of gated attention), and ``write_synth`` writes one of them at a llama.cpp
+file type (``Q4_K_M``, ..., ``MXFP4_MOE`` as gpt-oss ships) with the per-tensor types
+llama-quantize would choose (``tensor_type``), so ember and llama.cpp read the same
+bytes per token as they would from the real model's GGUF. ``layers`` cuts a shape's
+depth to what a machine holds (every layer is the real one; a step's cost scales with
+their number).
 
 Weights are random code bytes with each block's scales set so that the dequantized
 weights have a standard deviation of about 1/sqrt(in_features): finite, and the model
@@ -82,6 +83,7 @@ class Shape:
     full_attention_interval: int = 0
     rope_dim: int = 0  # 0: the whole head
     shared_expert_ffn: int = 0
+    pooling: int = 0  # an embedder's {arch}.pooling_type (3: last token); 0: none written
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -146,6 +148,11 @@ SHAPES: dict[str, Shape] = {
         Shape("llama-8b", "llama", hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
               head_dim=128, ffn=14336, vocab=128256, tied=False, rope_base=500000.0,
               context=131072, norm_eps=1e-5, description="Llama 3.1 8B"),
+        # Qwen3-Embedding-0.6B: Qwen3 0.6B's decoder, read at its last token
+        Shape("qwen3-embedding-0.6b", "qwen3", hidden=1024, n_layers=28, n_heads=16,
+              n_kv_heads=8, head_dim=128, ffn=3072, vocab=151669, tied=True,
+              rope_base=1e6, context=32768, norm_eps=1e-6, pooling=3,
+              description="Qwen3-Embedding 0.6B"),
         Shape("qwen3-4b", "qwen3", hidden=2560, n_layers=36, n_heads=32, n_kv_heads=8,
               head_dim=128, ffn=9728, vocab=151936, tied=True, rope_base=1e6,
               context=40960, norm_eps=1e-6, description="Qwen3 4B"),
@@ -536,6 +543,8 @@ def model_metadata(shape: Shape, quant: str) -> dict[str, Any]:
     }
     if shape.sliding_window:
         md[f"{a}.attention.sliding_window"] = shape.sliding_window
+    if shape.pooling:
+        md[f"{a}.pooling_type"] = shape.pooling
     if shape.n_experts:
         md[f"{a}.expert_count"] = shape.n_experts
         md[f"{a}.expert_used_count"] = shape.n_experts_used

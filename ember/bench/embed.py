@@ -1,0 +1,153 @@
+"""``ember bench embed``: embeddings per second from ``ember serve``'s ``/v1/embeddings``
+beside llama.cpp's ``llama-server --embedding`` on the same file, in one run.
+
+Each server runs alone (one after the other, never both at once: on a small machine a
+second process distorts every figure) with the same threads, and gets the same
+requests: batches of N inputs of exactly T token ids each (random ids from the
+vocabulary's ordinary tokens, sent as ids so that both run the very same tokens), one
+request at a time, a warm-up first, then ``reps`` timed requests. A figure is N divided
+by the median request time: what a client sees, HTTP and JSON included on both sides.
+llama-server runs with as many slots as the largest batch (its continuous batching
+over slots), a context of slots x (T + 16), a KV region per slot, ubatches of 512
+tokens, pooling as the file says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ember.bench.spec import LlamaServer
+
+
+def _inputs(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    low, high = 300, min(vocab, 100_000) - 1  # ordinary tokens, clear of control ones
+    return [[rng.randint(low, high) for _ in range(tokens)] for _ in range(batch)]
+
+
+def _time(url: str, model: str, batches: dict[int, list[list[int]]], reps: int
+          ) -> dict[int, float]:
+    """Embeddings per second at each batch size (N / median request seconds)."""
+    out = {}
+    with httpx.Client(timeout=3600) as client:
+        for n, inputs in batches.items():
+            body = {"model": model, "input": inputs, "encoding_format": "float"}
+            client.post(f"{url}/v1/embeddings", json=body).raise_for_status()  # warm-up
+            seconds = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                reply = client.post(f"{url}/v1/embeddings", json=body)
+                seconds.append(time.perf_counter() - start)
+                reply.raise_for_status()
+                assert len(reply.json()["data"]) == n
+            out[n] = n / statistics.median(seconds)
+    return out
+
+
+def _llama_cpp(binary: str, gguf: Path, threads: int, pooling: int | None,
+               inputs: dict[int, list[list[int]]], tokens: int, reps: int
+               ) -> tuple[dict[int, float], list[str]]:
+    """llama-server's figures, with as many slots as the largest batch. Its default
+    weight repacking (the extra CPU buffer types: AMX, x8 repack) is tried first; where
+    the server does not start with it (on an AMX machine its embedding warm-up crashes),
+    the run is repeated with ``--no-repack``, and the flags used are returned."""
+    slots = max(inputs)
+    # each slot its own KV (no unified pool): a sequence attends its own 128 positions,
+    # not a mask over every slot's; ubatches of 512 tokens (llama-server's default). Of
+    # the configurations tried on batch 16 (unified or not, ubatch 512 or batch x T,
+    # 4 or 16 slots) this one was llama.cpp's fastest.
+    flags = ["--embedding", "--pooling", {1: "mean", 2: "cls", 4: "rank"}.get(pooling or 3,
+                                                                               "last"),
+             "-b", "2048", "-ub", "512", "--no-kv-unified"]
+    for extra in ([], ["--no-repack"]):
+        server = LlamaServer(binary, gguf, threads, slots, flags + extra)
+        server.cmd[server.cmd.index("-c") + 1] = str(slots * (tokens + 16))
+        try:
+            with server as url:
+                return _time(url, "x", inputs, reps), flags + extra
+        except RuntimeError as e:
+            if extra:
+                raise
+            print(f"llama-server did not start with its default repacking ({e}); "
+                  "again with --no-repack")
+    raise AssertionError("unreachable")
+
+
+class EmberServer:
+    """``ember serve`` on the file, as its own process, for the duration of a ``with``."""
+
+    def __init__(self, gguf: Path, threads: int, weights: str) -> None:
+        import socket
+
+        self.threads = threads
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cmd = [sys.executable, "-c", "import sys; from ember.cli import main; "
+                    "sys.exit(main())", "serve", "--model", str(gguf), "--port",
+                    str(self.port), "--threads", str(threads), "--weights", weights,
+                    "--no-ui", "--speculation", "off"]
+
+    def __enter__(self) -> str:
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
+        url = f"http://127.0.0.1:{self.port}"
+        for _ in range(3000):
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        self.log.seek(0)
+        raise RuntimeError("ember serve did not start: "
+                           + self.log.read().decode(errors="replace")[-2000:])
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def main(gguf: Path, batches: list[int], tokens: int, threads: int, reps: int,
+         weights: str, llama_server: str | None, out: Path) -> dict[str, Any]:
+    from ember.models.gguf import GGUFFile
+
+    with GGUFFile(gguf) as f:
+        arch = f.architecture
+        vocab = int(f.get(f"{arch}.vocab_size") or len(f.get("tokenizer.ggml.tokens")))
+        pooling = f.get(f"{arch}.pooling_type")
+    inputs = {n: _inputs(vocab, n, tokens, seed=n) for n in batches}
+    print(f"{gguf.name}: batches of {batches} inputs x {tokens} tokens, {threads} threads, "
+          f"{reps} reps (median)")
+    result: dict[str, Any] = {"model": str(gguf), "tokens": tokens, "threads": threads,
+                              "reps": reps, "weights": weights}
+    with EmberServer(gguf, threads, weights) as url:
+        served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        result["ember"] = _time(url, served, inputs, reps)
+    if llama_server:
+        result["llama.cpp"], result["llama.cpp flags"] = _llama_cpp(
+            llama_server, gguf, threads, pooling, inputs, tokens, reps)
+    print(f"{'batch':>6} {'ember emb/s':>12} {'llama.cpp emb/s':>16} {'ratio':>7}")
+    for n in batches:
+        ours = result["ember"][n]
+        theirs = result.get("llama.cpp", {}).get(n)
+        ratio = f"{ours / theirs:6.2f}x" if theirs else "      -"
+        print(f"{n:>6} {ours:>12.2f} {theirs or float('nan'):>16.2f} {ratio:>7}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
