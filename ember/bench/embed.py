@@ -36,11 +36,11 @@ def _inputs(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randint(low, high) for _ in range(tokens)] for _ in range(batch)]
 
 
-def _time(url: str, model: str, batches: dict[int, list[list[int]]], reps: int
-          ) -> dict[int, float]:
+def _time(url: str, model: str, batches: dict[int, list[list[int]]], reps: int,
+          headers: dict[str, str] | None = None) -> dict[int, float]:
     """Embeddings per second at each batch size (N / median request seconds)."""
     out = {}
-    with httpx.Client(timeout=3600) as client:
+    with httpx.Client(timeout=3600, headers=headers) as client:
         for n, inputs in batches.items():
             body = {"model": model, "input": inputs, "encoding_format": "float"}
             client.post(f"{url}/v1/embeddings", json=body).raise_for_status()  # warm-up

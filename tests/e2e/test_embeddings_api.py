@@ -168,3 +168,19 @@ def test_rerank_orders_documents_by_the_models_scores(qwen3_reranker, e2e_log_di
     refused = httpx.post(f"{smol_server.url}/v1/rerank", timeout=60, headers={
         "Authorization": f"Bearer {KEY_A}"}, json={"query": "q", "documents": ["d"]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def test_the_embed_benchs_timing_counts_what_the_server_answers(smol_server):
+    """ember bench embed's measurement against a live server: positive rates, one per
+    batch size, each request answered with as many vectors as it sent (the bench's own
+    check); its memory probe of the switch bench reads this process's tree."""
+    import os
+
+    from ember.bench import embed, switch
+
+    batches = {n: embed._inputs(49152, n, 8, seed=n) for n in (1, 3)}
+    assert all(len(ids) == 8 and min(ids) >= 300 for b in batches.values() for ids in b)
+    rates = embed._time(smol_server.url, smol_server.model_id, batches, reps=1,
+                        headers={"Authorization": f"Bearer {KEY_A}"})
+    assert set(rates) == {1, 3} and all(r > 0 for r in rates.values())
+    assert switch._tree_rss(os.getpid()) > 50_000_000
