@@ -203,7 +203,9 @@ def test_several_models_come_from_repeated_models_and_a_directory(tmp_path: Path
     for args, match in ((("--models-idle", "5"), "several models"),
                         (("--models-dir", str(tmp_path), "--served-model-name", "x"),
                          "names one model"),
-                        (("--models-dir", str(tmp_path), "--models-idle", "0"), "positive")):
+                        (("--models-dir", str(tmp_path), "--models-idle", "0"), "positive"),
+                        (("--models-dir", str(tmp_path), "--kv-cache-dir", str(tmp_path)),
+                         "disk tier")):
         with pytest.raises(ValueError, match=match):
             config(*args)
     merged = merge_metrics({

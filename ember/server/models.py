@@ -35,17 +35,16 @@ from starlette.requests import Request
 
 from ember.models.gguf import SPLIT_NAME
 from ember.models.registry import MODELS, resolve_model
+from ember.server import anthropic
 from ember.server.app import AdmissionGate, Server, create_app, error_body
 from ember.server.auth import Keys
 from ember.server.config import ServerConfig
-from ember.server.errors import APIError
+from ember.server.errors import APIError, as_api_errors
 from ember.server.transport import JSONBody, decode_json, read_body
 
 log = logging.getLogger("ember.server")
 IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for
 LOAD_POLL_SECONDS = 0.02  # how often a request waiting for a load looks again
-ROUTES = ("/v1/models", "/models", "/api/tags", "/api/ps", "/health", "/metrics",
-          "/models/load", "/models/unload")
 
 
 def model_sources(models: list[str], models_dir: Path | None) -> list[str]:
@@ -132,7 +131,8 @@ class ModelRouter:
         self._own: dict[str, Callable[[Request], Awaitable[Any]]] = {
             "/v1/models": self._list, "/models": self._list, "/api/tags": self._tags,
             "/api/ps": self._ps, "/health": self._health, "/metrics": self._metrics,
-            "/models/load": self._load_route, "/models/unload": self._unload_route}
+            "/models/load": self._load_route, "/models/unload": self._unload_route,
+            "/v1/cache": self._purge}
 
     # ------------------------------------------------------------ ASGI
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -321,6 +321,11 @@ class ModelRouter:
     async def _list(self, request: Request) -> dict[str, Any]:
         tenant = self.keys.tenant(request)
         created = int(time.time())
+        if "anthropic-version" in request.headers:  # the Anthropic SDK's model list
+            context = self.config.engine.max_model_len or max(
+                (m.server.engine.max_model_len for m in self.models
+                 if m.server is not None and m.server.ready), default=0)
+            return anthropic.model_list([m.name for m in self.models], created, context)
         data = []
         for m in self.models:
             item = {"id": m.name, "object": "model", "created": created, "owned_by": "ember",
@@ -373,6 +378,32 @@ class ModelRouter:
                  f"ember_models_loaded {sum(m.state == 'loaded' for m in self.models)}"]
         return PlainTextResponse("\n".join(lines + merge_metrics(texts)) + "\n",
                                  media_type="text/plain; version=0.0.4")
+
+    async def _purge(self, request: Request) -> dict[str, Any]:
+        """``DELETE /v1/cache?tenant=NAME``: the tenant's cached prefixes forgotten in
+        every loaded model (``&model=``: in that one). A model not loaded holds none
+        (its RAM went with it; several models run without a disk tier)."""
+        if request.method != "DELETE":
+            raise APIError(405, "use DELETE")
+        self.keys.check_admin(request, "purging cached prefixes")
+        query = parse_qs(request.scope.get("query_string", b"").decode())
+        tenant = query.get("tenant", [""])[0]
+        if not tenant:
+            raise APIError(400, "name the tenant whose cache to purge: "
+                           "DELETE /v1/cache?tenant=NAME", param="tenant")
+        named = query.get("model", [None])[0]
+        entries = [self.find(named)] if named is not None else self.models
+        total: dict[str, Any] = {"tenant": tenant, "ram_blocks": 0, "models": {}}
+        for entry in entries:
+            server = entry.server
+            if server is None or not server.ready or server.thread is None:
+                continue
+            with as_api_errors({}):
+                removed = await server.run_admin(server.thread.purge_cache, tenant)
+            total["models"][entry.name] = removed
+            total["ram_blocks"] += removed.get("ram_blocks", 0)
+        log.info("purged the cached prefixes of tenant %r: %s", tenant, total["models"])
+        return total
 
     async def _admin_model(self, request: Request) -> ServedModel:
         if request.method != "POST":

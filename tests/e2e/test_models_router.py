@@ -19,11 +19,13 @@ from ember import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 ADMIN = "sk-admin-router-1234567890"
+KEY = "sk-router-tenant-alice-12345"  # tenant "alice" (the fixture's keys file)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 ASK = [{"role": "user", "content": "Name a colour."}]
 
 
 def _states(url: str) -> dict[str, str]:
-    data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    data = httpx.get(f"{url}/v1/models", timeout=30, headers=AUTH).json()["data"]
     return {m["id"]: m["status"]["value"] for m in data if m["parent"] is None}
 
 
@@ -35,11 +37,13 @@ def _wait_state(url: str, name: str, state: str, seconds: float = 20) -> None:
 
 
 @pytest.fixture(scope="module")
-def router(tiny_gguf: Path, smollm2_gguf: Path, e2e_log_dir: Path):
+def router(tiny_gguf: Path, smollm2_gguf: Path, e2e_log_dir: Path, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("router") / "keys.txt"
+    keys.write_text(f"{KEY} alice\n")
     server = serve_in_process(tiny_gguf, e2e_log_dir, "--model", str(smollm2_gguf),
                               "--models-idle", "2", "--num-kv-blocks", "64",
-                              "--admin-api-key", ADMIN)
-    server.wait_ready()
+                              "--admin-api-key", ADMIN, "--api-keys-file", str(keys))
+    server.wait_ready(api_key=KEY)
     yield server
     server.stop()
 
@@ -48,7 +52,7 @@ def test_models_load_on_first_use_and_answer_as_alone(router, tiny_gguf):
     assert _states(router.url) == {"tiny-llama": "available",
                                    "smollm2-135m": "available"}
     assert httpx.get(f"{router.url}/health", timeout=30).status_code == 200
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY)
     reply = client.completions.create(model="tiny-llama", prompt="one two three",
                                       max_tokens=12, temperature=0)
     alone = LLM(str(tiny_gguf), weights="f32", num_kv_blocks=64).generate(
@@ -61,35 +65,57 @@ def test_models_load_on_first_use_and_answer_as_alone(router, tiny_gguf):
         model="smollm2-135m", messages=ASK, max_tokens=8, temperature=0,
         stream=True))
     streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
-    whole = httpx.post(f"{router.url}/api/chat", timeout=60, json={
+    whole = httpx.post(headers=AUTH, url=f"{router.url}/api/chat", timeout=60, json={
         "model": "smollm2-135m:latest", "messages": ASK, "stream": False,
         "options": {"temperature": 0, "num_predict": 8}}).json()
     assert streamed and whole["message"]["content"] == streamed
     assert _states(router.url)["smollm2-135m"] == "loaded"
-    tags = httpx.get(f"{router.url}/api/tags", timeout=30).json()["models"]
+    tags = httpx.get(f"{router.url}/api/tags", timeout=30, headers=AUTH).json()["models"]
     assert {t["name"] for t in tags} == {"tiny-llama:latest",
                                          "smollm2-135m:latest"}
 
 
 def test_unknown_models_are_404s_in_each_apis_shape(router):
-    openai_404 = httpx.post(f"{router.url}/v1/chat/completions", timeout=30, json={
-        "model": "nope", "messages": ASK})
+    openai_404 = httpx.post(f"{router.url}/v1/chat/completions", timeout=30, headers=AUTH,
+                            json={"model": "nope", "messages": ASK})
     assert openai_404.status_code == 404
     assert openai_404.json()["error"]["param"] == "model"
     assert "tiny-llama" in openai_404.json()["error"]["message"]
-    ollama_404 = httpx.post(f"{router.url}/api/chat", timeout=30, json={
+    ollama_404 = httpx.post(headers=AUTH, url=f"{router.url}/api/chat", timeout=30, json={
         "model": "nope", "messages": ASK})
     assert ollama_404.status_code == 404 and "nope" in ollama_404.json()["error"]
     # a body that does not parse reaches the default model's route: its 400
     bad = httpx.post(f"{router.url}/v1/chat/completions", timeout=30, content=b"{",
-                     headers={"Content-Type": "application/json"})
+                     headers={**AUTH, "Content-Type": "application/json"})
     assert bad.status_code == 400
 
 
+def test_a_tenant_purge_reaches_every_loaded_model(router):
+    """DELETE /v1/cache?tenant= forgets the tenant's prefixes in each loaded model (a
+    privacy purge must not stop at the default one); the Anthropic SDK's model list."""
+    prompt = "one two three four five six seven eight nine ten " * 4
+    for model in ("tiny-llama", "smollm2-135m"):
+        httpx.post(headers=AUTH, url=f"{router.url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": 1})
+    url = f"{router.url}/v1/cache?tenant=alice"
+    assert httpx.delete(url, timeout=30).status_code == 401
+    purged = httpx.delete(url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert purged.status_code == 200
+    counts = {m: r["ram_blocks"] for m, r in purged.json()["models"].items()}
+    loaded = {m for m, state in _states(router.url).items() if state == "loaded"}
+    assert set(counts) == loaded and all(n > 0 for n in counts.values()), counts
+    again = httpx.delete(url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert again.json()["ram_blocks"] == 0
+    listed = httpx.get(f"{router.url}/v1/models", timeout=30,
+                       headers={**AUTH, "anthropic-version": "2023-06-01"}).json()
+    assert [m["id"] for m in listed["data"]] == ["tiny-llama", "smollm2-135m"]
+    assert listed["data"][0]["type"] == "model"
+
+
 def test_metrics_label_each_models_samples(router):
-    httpx.post(f"{router.url}/v1/completions", timeout=60, json={
+    httpx.post(headers=AUTH, url=f"{router.url}/v1/completions", timeout=60, json={
         "model": "tiny-llama", "prompt": "a", "max_tokens": 2})
-    text = httpx.get(f"{router.url}/metrics", timeout=30).text
+    text = httpx.get(headers=AUTH, url=f"{router.url}/metrics", timeout=30).text
     families = list(text_string_to_metric_families(text))  # parses: one HELP per family
     names = [f.name for f in families]
     assert len(names) == len(set(names))
@@ -99,7 +125,7 @@ def test_metrics_label_each_models_samples(router):
 
 
 def test_idle_models_unload_and_admin_routes(router):
-    httpx.post(f"{router.url}/v1/completions", timeout=60, json={
+    httpx.post(headers=AUTH, url=f"{router.url}/v1/completions", timeout=60, json={
         "model": "tiny-llama", "prompt": "a", "max_tokens": 2})
     _wait_state(router.url, "tiny-llama", "available")  # --models-idle 2
     load = f"{router.url}/models/load"
