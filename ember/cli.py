@@ -138,6 +138,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if not several and (args.models_idle is not None or args.models_max_bytes is not None):
         raise ValueError("--models-idle and --models-max-bytes act on several models "
                          "(--model repeated, or --models-dir)")
+    if several and args.lora:
+        raise ValueError("--lora names an adapter of one base model; with several, load "
+                         "adapters at run time naming their model (?model=NAME)")
     if several and args.kv_cache_dir:
         raise ValueError("--kv-cache-dir serves one model: with several, a tenant's purge "
                          "could not reach the disk tier of a model that is not loaded")

@@ -169,9 +169,10 @@ class EngineThread:
         a pass). The future holds one unit vector per input (``scores``: a reranker's
         outputs), or the error."""
         result: Future = Future()
-        if self._stopping or not self.alive:
-            raise EngineStopped("the engine is not running")
-        self._inbox.put(_Embed(inputs, result, scores))
+        with self._lock:  # not after the engine's last look at its inbox
+            if self._stopping or not self.alive:
+                raise EngineStopped("the engine is not running")
+            self._inbox.put(_Embed(inputs, result, scores))
         return result
 
     def abort(self, request_id: str) -> None:
@@ -322,7 +323,8 @@ class EngineThread:
             except queue.Empty:
                 break
             if isinstance(item, _Call | _Embed):
-                item.result.set_exception(EngineStopped("the engine stopped"))
+                if not item.result.done():  # (a caller may have cancelled it)
+                    item.result.set_exception(EngineStopped("the engine stopped"))
             elif item is not None:  # handed over as the engine stopped: ends like the rest
                 for req in item.group:
                     finish(req, FinishReason.ABORT)

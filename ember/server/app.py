@@ -130,6 +130,16 @@ class Server:
             log.exception("loading the model failed")
             self.load_error = str(e)
 
+    def release(self) -> None:
+        """Forget the engine (stopped by the caller) and all that was read from it, so
+        that its memory can go; :meth:`start_loading` loads it again (a several-model
+        server's unload: ember/server/models.py). Adapters loaded at run time go with
+        it; ``--lora`` ones load again with the model."""
+        self.thread, self.load_error = None, None
+        self.adapters = ServedAdapters(self.config, lambda: self.engine, self.model_names)
+        for cached in ("tool_style", "_card"):
+            self.__dict__.pop(cached, None)
+
     @property
     def ready(self) -> bool:
         return self.thread is not None and self.thread.alive
@@ -335,6 +345,11 @@ class Server:
         if self.adapters.check_model(req.model, tenant) is not None:
             raise unsupported("model", f"names the LoRA adapter '{req.model}'; embeddings "
                               "and scores come from the base model")
+        dimensions = getattr(req, "dimensions", None)
+        hidden = self.engine.loaded.model.cfg.hidden_size
+        if dimensions is not None and dimensions > hidden:  # before any compute
+            raise APIError(400, f"'dimensions' ({dimensions}) exceeds the model's "
+                           f"embedding size ({hidden})", param="dimensions")
         return embeddings.Prepared(req, req.input_ids(self.engine))
 
     # ------------------------------------------------------------ tokenizer routes

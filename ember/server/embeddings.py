@@ -96,11 +96,15 @@ def input_ids(engine: Any, inputs: list[str | list[int]], truncate: bool
                                code="context_length_exceeded")
             ids = ids[:limit]
         out.append(ids)
-    total = sum(map(len, out))
+    return _capped(out, "input")
+
+
+def _capped(ids: list[list[int]], param: str) -> list[list[int]]:
+    total = sum(map(len, ids))
     if total > MAX_TOTAL_TOKENS:
-        raise APIError(400, f"'input' holds {total} tokens in all; at most "
-                       f"{MAX_TOTAL_TOKENS} per request", param="input")
-    return out
+        raise APIError(400, f"'{param}' holds {total} tokens in all; at most "
+                       f"{MAX_TOTAL_TOKENS} per request", param=param)
+    return ids
 
 
 class OllamaEmbedRequest(P._Body):
@@ -157,7 +161,7 @@ class RerankRequest(P._Body):
                                f"long; the context window is {limit} tokens",
                                param=f"documents[{i}]", code="context_length_exceeded")
             out.append(ids)
-        return out
+        return _capped(out, "documents")
 
 
 def shortened(vector: torch.Tensor, dimensions: int | None, hidden: int) -> torch.Tensor:

@@ -40,9 +40,12 @@ from ember.server.app import AdmissionGate, Server, create_app, error_body
 from ember.server.auth import Keys
 from ember.server.config import ServerConfig
 from ember.server.errors import APIError, as_api_errors
-from ember.server.transport import JSONBody, decode_json, read_body
+from ember.server.transport import ClientGone, JSONBody, decode_json, read_body
 
 log = logging.getLogger("ember.server")
+# routes that need no model: the default model's app answers them, loading nothing
+STATIC = ("/", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/api/version",
+          "/favicon.ico")
 IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for
 LOAD_POLL_SECONDS = 0.02  # how often a request waiting for a load looks again
 
@@ -78,25 +81,35 @@ def model_name(source: str) -> str:
 
 @dataclass
 class ServedModel:
-    """One model of the router: where it comes from and, while loaded, its server."""
+    """One model of the router: where it comes from, and its server. The server and its
+    app are made once, at first use, and kept (the app's routes hold the server);
+    loading starts its engine, unloading stops it and drops everything it read."""
 
     name: str
     source: str
     server: Server | None = None
     app: Any = None
+    active: bool = False  # loading or loaded
     running: int = 0  # requests in the router for it (waiting for the load included)
     last_used: float = 0.0
     error: str | None = None  # why the last load failed
 
     @property
+    def loaded(self) -> bool:
+        return self.active and self.server is not None and self.server.ready
+
+    @property
     def state(self) -> str:
-        if self.server is None:
+        if not self.active or self.server is None:
             return "failed" if self.error else "available"
-        return "loaded" if self.server.ready else "loading"
+        if self.server.ready:
+            return "loaded"
+        return "failed" if _failure(self.server) else "loading"
 
     def names(self) -> set[str]:
         names = {self.name, self.source}
-        if self.server is not None and self.server.ready:
+        if self.loaded:
+            assert self.server is not None
             names.update(self.server.model_names())
         return names
 
@@ -128,11 +141,14 @@ class ModelRouter:
         self._lock = asyncio.Lock()  # one load or unload decision at a time
         self._idle_task: asyncio.Task | None = None
         self.slow_closes = 0
-        self._own: dict[str, Callable[[Request], Awaitable[Any]]] = {
-            "/v1/models": self._list, "/models": self._list, "/api/tags": self._tags,
-            "/api/ps": self._ps, "/health": self._health, "/metrics": self._metrics,
-            "/models/load": self._load_route, "/models/unload": self._unload_route,
-            "/v1/cache": self._purge}
+        get, post = ("GET",), ("POST",)
+        self._own: dict[str, tuple[tuple[str, ...], Callable[[Request], Awaitable[Any]]]] = {
+            "/v1/models": (get, self._list), "/models": (get, self._list),
+            "/api/tags": (get, self._tags), "/api/ps": (get, self._ps),
+            "/health": (get, self._health), "/metrics": (get, self._metrics),
+            "/models/load": (post, self._load_route),
+            "/models/unload": (post, self._unload_route),
+            "/v1/cache": (("DELETE",), self._purge)}
 
     # ------------------------------------------------------------ ASGI
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -142,29 +158,59 @@ class ModelRouter:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
+        path = scope["path"]
+        if path in STATIC or path.startswith("/ui/"):  # no model needed: the default's app
+            await self._app_of(self.models[0])(scope, receive, send)
+            return
         try:
-            if scope["path"] in self._own:
-                answer = await self._own[scope["path"]](request)
+            if path in self._own:
+                methods, handler = self._own[path]
+                if scope["method"] not in methods:
+                    raise APIError(405, f"{path} takes {' or '.join(methods)}")
+                answer = await handler(request)
                 await (JSONBody(answer) if isinstance(answer, dict) else answer)(
                     scope, receive, send)
                 return
-            self.keys.tenant(request)  # no load for a request without a key
-            entry, receive = await self._pick(request, receive)
+            tenant = self._may_load(request)  # no load for a request without a key
+            entry, receive = await self._pick(request, receive, tenant)
         except APIError as e:
             await self._error(scope, receive, send, e)
+            return
+        except ClientGone:  # left while sending its body: nothing to answer
             return
         entry.running += 1
         try:
-            await self._ensure_loaded(entry)
-        except APIError as e:
-            entry.running -= 1
-            await self._error(scope, receive, send, e)
-            return
-        try:
-            await entry.app(scope, receive, send)
+            try:
+                await self._ensure_loaded(entry)
+            except APIError as e:
+                await self._error(scope, receive, send, e)
+                return
+            await self._app_of(entry)(scope, receive, send)
         finally:
             entry.running -= 1
             entry.last_used = time.monotonic()
+
+    def _may_load(self, request: Request) -> str:
+        """The caller's tenant when its API key (or the admin key) is valid, else the
+        401 the model's own route would answer: a request without a key loads nothing."""
+        try:
+            return self.keys.tenant(request)
+        except APIError as e:
+            try:
+                self.keys.check_admin(request)
+            except APIError:
+                raise e from None
+            return ""
+
+    def _app_of(self, entry: ServedModel) -> Any:
+        """``entry``'s server and app, made at first use (not loading the model)."""
+        if entry.server is None:
+            config = dataclasses.replace(
+                self.config, models=(), served_model_name=entry.name,
+                engine=dataclasses.replace(self.config.engine, model=entry.source))
+            entry.server = Server(config)
+            entry.app = AdmissionGate(create_app(entry.server), entry.server)
+        return entry.app
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -185,16 +231,20 @@ class ModelRouter:
         await body(scope, receive, send)
 
     # ------------------------------------------------------------ picking a model
-    async def _pick(self, request: Request, receive: Any) -> tuple[ServedModel, Any]:
-        """The model a request names, and the ``receive`` that replays its body."""
-        name = parse_qs(request.scope.get("query_string", b"").decode()).get("model", [None])[0]
-        if name is None and request.method == "POST" and "json" in request.headers.get(
-                "content-type", ""):
+    async def _pick(self, request: Request, receive: Any, tenant: str
+                    ) -> tuple[ServedModel, Any]:
+        """The model a request names (its JSON body's, else ``?model=``), and the
+        ``receive`` that replays the body."""
+        name = None
+        if request.method == "POST" and "json" in request.headers.get("content-type", ""):
             raw = await read_body(request, self.config.max_request_bytes,
                                   self.config.body_timeout)
             name = await asyncio.to_thread(_named_model, raw)
             receive = _replay(raw, receive)
-        return self.find(name, self.keys.tenant(request)), receive
+        if name is None:
+            name = parse_qs(request.scope.get("query_string", b"").decode()).get(
+                "model", [None])[0]
+        return self.find(name, tenant), receive
 
     def find(self, name: str | None, tenant: str = "") -> ServedModel:
         """The model ``name`` names (a LoRA adapter's name: its base's, while loaded);
@@ -206,8 +256,7 @@ class ModelRouter:
             if name in entry.names():
                 return entry
         for entry in self.models:
-            if entry.server is not None and entry.server.ready and \
-                    name in entry.server.adapters.for_tenant(tenant):
+            if entry.loaded and name in entry.server.adapters.for_tenant(tenant):  # type: ignore[union-attr]
                 return entry
         served = ", ".join(m.name for m in self.models)
         raise APIError(404, f"the model '{name}' does not exist; this server serves {served}",
@@ -216,27 +265,33 @@ class ModelRouter:
     # ------------------------------------------------------------ loading
     async def _ensure_loaded(self, entry: ServedModel) -> None:
         """Load ``entry`` unless it is (making room under the memory budget first) and
-        wait until it serves."""
+        wait until it serves; a load that fails, or an engine that stopped, is a 503
+        and the next request loads it again."""
+        if entry.loaded:
+            return
         async with self._lock:
-            if entry.server is None:
+            if not entry.active:
                 await self._make_room(entry)
-                config = dataclasses.replace(
-                    self.config, models=(), served_model_name=entry.name,
-                    engine=dataclasses.replace(self.config.engine, model=entry.source))
-                entry.server, entry.error = Server(config), None
-                entry.app = AdmissionGate(create_app(entry.server), entry.server)
+                self._app_of(entry)
+                assert entry.server is not None
+                entry.active, entry.error = True, None
                 entry.server.start_loading()
                 entry.last_used = time.monotonic()
                 log.info("loading model %s (%s)", entry.name, entry.source)
         server = entry.server
+        assert server is not None
         while not server.ready:
-            if server.load_error is not None:
+            failure = _failure(server)
+            if failure is not None:
                 async with self._lock:
-                    if entry.server is server:
-                        entry.server, entry.app, entry.error = None, None, server.load_error
-                raise APIError(503, f"loading the model '{entry.name}' failed: "
-                               f"{server.load_error}", type="server_error",
-                               code="model_load_failed")
+                    if entry.active and entry.server is server and not server.ready:
+                        entry.active, entry.error = False, failure
+                        await asyncio.to_thread(self._stop, server)
+                raise APIError(503, f"the model '{entry.name}' cannot serve: {failure}",
+                               type="server_error", code="model_load_failed")
+            if not entry.active:  # unloaded meanwhile (an admin): load it again
+                await self._ensure_loaded(entry)
+                return
             await asyncio.sleep(LOAD_POLL_SECONDS)
 
     def budget_bytes(self, entry: ServedModel) -> int:
@@ -256,11 +311,10 @@ class ModelRouter:
                            f"file and KV pool), more than --models-max-bytes ({limit})",
                            type="server_error", code="model_too_large")
         while True:
-            loaded = [m for m in self.models if m.server is not None and m is not entry]
+            loaded = [m for m in self.models if m.active and m is not entry]
             if sum(self.budget_bytes(m) for m in loaded) + need <= limit:
                 return
-            idle = [m for m in loaded if m.running == 0 and m.server is not None
-                    and m.server.ready]
+            idle = [m for m in loaded if m.running == 0 and m.loaded]
             if not idle:
                 raise APIError(503, f"no room to load '{entry.name}' under "
                                f"--models-max-bytes ({limit}): every loaded model is "
@@ -270,17 +324,19 @@ class ModelRouter:
 
     async def _unload(self, entry: ServedModel) -> None:
         """Stop ``entry``'s engine (finishing what it runs) and free its memory."""
-        server, entry.server, entry.app = entry.server, None, None
-        if server is None:
+        if not entry.active or entry.server is None:
             return
+        entry.active = False
         log.info("unloading model %s", entry.name)
-        await asyncio.to_thread(self._stop, server)
+        await asyncio.to_thread(self._stop, entry.server)
 
     def _stop(self, server: Server) -> None:
-        if server.thread is not None:
-            server.thread.drain(timeout=self.graceful_seconds)
-            server.thread.shutdown(timeout=self.graceful_seconds)
-        server.telemetry.close()
+        thread = server.thread
+        if thread is not None:
+            thread.drain(timeout=self.graceful_seconds)
+            thread.shutdown(timeout=self.graceful_seconds)
+        server.release()
+        del thread
         # a loaded model's objects were frozen out of the collector (Server._load): let
         # it find the unloaded one's cycles, then freeze what is left again
         gc.unfreeze()
@@ -293,11 +349,14 @@ class ModelRouter:
         while True:
             await asyncio.sleep(min(IDLE_CHECK_SECONDS, idle))
             now = time.monotonic()
-            async with self._lock:
-                for entry in self.models:
-                    if (entry.server is not None and entry.server.ready and entry.running == 0
-                            and now - entry.last_used >= idle):
-                        await self._unload(entry)
+            try:
+                async with self._lock:
+                    for entry in self.models:
+                        if entry.loaded and entry.running == 0 and \
+                                now - entry.last_used >= idle:
+                            await self._unload(entry)
+            except Exception:  # an unload that failed: say so, keep watching
+                log.exception("unloading an idle model failed")
 
     def abort_all(self) -> None:
         for entry in self.models:
@@ -307,7 +366,7 @@ class ModelRouter:
     def shutdown(self) -> None:
         """Stop every loaded engine (the end of ``ember serve``)."""
         for entry in self.models:
-            server, entry.server, entry.app = entry.server, None, None
+            server, entry.active = entry.server, False
             if server is not None:
                 if server.thread is not None:
                     server.thread.drain(timeout=self.graceful_seconds)
@@ -324,7 +383,7 @@ class ModelRouter:
         if "anthropic-version" in request.headers:  # the Anthropic SDK's model list
             context = self.config.engine.max_model_len or max(
                 (m.server.engine.max_model_len for m in self.models
-                 if m.server is not None and m.server.ready), default=0)
+                 if m.loaded), default=0)
             return anthropic.model_list([m.name for m in self.models], created, context)
         data = []
         for m in self.models:
@@ -347,11 +406,11 @@ class ModelRouter:
     async def _ps(self, request: Request) -> dict[str, Any]:
         self.keys.tenant(request)
         return {"models": [m.server.model_card().running() for m in self.models
-                           if m.server is not None and m.server.ready]}
+                           if m.loaded]}
 
     def _card(self, m: ServedModel) -> dict[str, Any]:
         """A model as Ollama's /api/tags lists it (from its file while not loaded)."""
-        if m.server is not None and m.server.ready:
+        if m.loaded:
             return m.server.model_card().entry()
         try:
             modified = datetime.fromtimestamp(resolve_model(m.source).stat().st_mtime, UTC)
@@ -371,7 +430,7 @@ class ModelRouter:
         self.keys.check_metrics_access(request)
         texts = {}
         for m in self.models:
-            if m.server is not None and m.server.ready:
+            if m.loaded:
                 texts[m.name] = await asyncio.to_thread(m.server.metrics.render)
         lines = ["# HELP ember_models_loaded Models loaded by the router.",
                  "# TYPE ember_models_loaded gauge",
@@ -383,8 +442,6 @@ class ModelRouter:
         """``DELETE /v1/cache?tenant=NAME``: the tenant's cached prefixes forgotten in
         every loaded model (``&model=``: in that one). A model not loaded holds none
         (its RAM went with it; several models run without a disk tier)."""
-        if request.method != "DELETE":
-            raise APIError(405, "use DELETE")
         self.keys.check_admin(request, "purging cached prefixes")
         query = parse_qs(request.scope.get("query_string", b"").decode())
         tenant = query.get("tenant", [""])[0]
@@ -396,7 +453,7 @@ class ModelRouter:
         total: dict[str, Any] = {"tenant": tenant, "ram_blocks": 0, "models": {}}
         for entry in entries:
             server = entry.server
-            if server is None or not server.ready or server.thread is None:
+            if not entry.loaded or server is None or server.thread is None:
                 continue
             with as_api_errors({}):
                 removed = await server.run_admin(server.thread.purge_cache, tenant)
@@ -406,8 +463,6 @@ class ModelRouter:
         return total
 
     async def _admin_model(self, request: Request) -> ServedModel:
-        if request.method != "POST":
-            raise APIError(405, "use POST")
         self.keys.check_admin(request, "loading and unloading models")
         body = decode_json(await read_body(request, self.config.max_request_bytes,
                                            self.config.body_timeout))
@@ -435,14 +490,27 @@ class ModelRouter:
         return {"model": entry.name, "status": entry.state}
 
 
+def _failure(server: Server) -> str | None:
+    """Why a model that was being loaded does not serve: its load failed, or its engine
+    stopped (None: it is still loading, or serves)."""
+    if server.load_error is not None:
+        return server.load_error
+    thread = server.thread
+    if thread is not None and not thread.alive:
+        return f"its engine stopped ({getattr(thread, 'error', None) or 'no error given'})"
+    return None
+
+
 def _named_model(raw: bytes) -> str | None:
-    """The ``model`` a JSON body names (None where it names none or does not parse: the
-    model's own route then answers the 400)."""
+    """The ``model`` a JSON body names (Ollama's /api/show may say ``name``); None where
+    it names none or does not parse: the model's own route then answers the 400."""
     try:
         body = json.loads(raw)
     except ValueError:
         return None
-    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return None
+    name = body.get("model") or body.get("name")
     return name if isinstance(name, str) else None
 
 

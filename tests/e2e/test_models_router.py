@@ -5,7 +5,9 @@ request), by the admin routes; a model's answers are the single-model server's."
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -124,10 +126,17 @@ def test_metrics_label_each_models_samples(router):
     assert "tiny-llama" in models
 
 
+def _entry(router, name: str):
+    return next(m for m in router.serving.router.models if m.name == name)
+
+
 def test_idle_models_unload_and_admin_routes(router):
     httpx.post(headers=AUTH, url=f"{router.url}/v1/completions", timeout=60, json={
         "model": "tiny-llama", "prompt": "a", "max_tokens": 2})
+    engine = weakref.ref(_entry(router, "tiny-llama").server.thread.engine)
     _wait_state(router.url, "tiny-llama", "available")  # --models-idle 2
+    gc.collect()
+    assert engine() is None  # the unloaded engine (and its weights) is gone
     load = f"{router.url}/models/load"
     assert httpx.post(load, json={"model": "tiny-llama"}, timeout=30).status_code == 401
     loaded = httpx.post(load, json={"model": "tiny-llama"}, timeout=60,
@@ -136,6 +145,22 @@ def test_idle_models_unload_and_admin_routes(router):
     unloaded = httpx.post(f"{router.url}/models/unload", json={"model": "tiny-llama"},
                           timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
     assert unloaded.json() == {"model": "tiny-llama", "status": "available"}
+
+
+def test_a_model_whose_engine_stopped_is_a_503_then_loads_again(router):
+    complete = {"model": "tiny-llama", "prompt": "a", "max_tokens": 2}
+    url = f"{router.url}/v1/completions"
+    assert httpx.post(url, json=complete, headers=AUTH, timeout=60).status_code == 200
+    _entry(router, "tiny-llama").server.thread.shutdown(timeout=10)  # as if it crashed
+    dead = httpx.post(url, json=complete, headers=AUTH, timeout=60)
+    assert dead.status_code == 503 and dead.json()["error"]["code"] == "model_load_failed"
+    assert httpx.post(url, json=complete, headers=AUTH, timeout=60).status_code == 200
+    # the admin key alone reaches a model's admin routes, as on a single-model server
+    admin = httpx.post(f"{router.url}/v1/unload_lora_adapter?model=tiny-llama", timeout=30,
+                       json={"lora_name": "none"}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert admin.status_code == 404, admin.text  # the adapter's absence, not a 401
+    assert httpx.get(f"{router.url}/api/version", timeout=30).status_code == 200
+    assert httpx.post(f"{router.url}/v1/models", headers=AUTH, timeout=30).status_code == 405
 
 
 def test_a_memory_budget_unloads_the_least_recently_used_idle_model(
