@@ -305,3 +305,21 @@ def qwen3_reranker(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path)
     finally:
         converter.close()
     return gguf, hf, root / f"{name}-hf"
+
+
+@pytest.fixture(scope="session")
+def bert_files(tmp_path_factory: pytest.TempPathFactory):
+    """A random BERT (transformers, the oracle) and its GGUF with mean and with CLS
+    pooling: (model, {"mean": path, "cls": path})."""
+    pytest.importorskip("transformers")
+    from bert_model import random_bert, write_bert
+    from llamacpp_source import llamacpp_source
+
+    from ember.models.gguf import GGUFFile
+
+    vocab_file = llamacpp_source() / "models" / "ggml-vocab-bert-bge.gguf"
+    vocab = len(GGUFFile(vocab_file).metadata["tokenizer.ggml.tokens"])
+    model = random_bert(vocab)
+    root = tmp_path_factory.mktemp("bert")
+    return model, {name: write_bert(root / f"bert-{name}.gguf", model, vocab_file, pooling)
+                   for name, pooling in (("mean", 1), ("cls", 2))}

@@ -23,9 +23,11 @@ TEXTS = ["The lighthouse stood at the edge of the cliff.",
          "Paris is the capital of France.", "ok"]
 
 
-def _hf_embedding(hf, ids: list[int], pooling: str) -> torch.Tensor:
+def _hf_embedding(backbone, ids: list[int], pooling: str) -> torch.Tensor:
+    """transformers' last hidden states of ``ids`` (``backbone``: the model without its
+    head), pooled and normalised."""
     with torch.no_grad():
-        states = hf.model(torch.tensor([ids])).last_hidden_state[0]
+        states = backbone(torch.tensor([ids])).last_hidden_state[0]
     pooled = {"last": states[-1], "mean": states.mean(0), "cls": states[0]}[pooling]
     return torch.nn.functional.normalize(pooled, dim=0)
 
@@ -55,7 +57,7 @@ def test_embeddings_are_transformers_hidden_states_pooled_as_the_file_says(
         assert embedding.pooling_of(llm.engine.loaded.model.cfg) == pooling
         ours = llm.embed(TEXTS)
         for v, row in zip(ours, ids, strict=True):
-            theirs = _hf_embedding(smollm2_hf, row, pooling)
+            theirs = _hf_embedding(smollm2_hf.model, row, pooling)
             cosine = float(v @ theirs)
             assert cosine > 0.99999, (pooling, cosine)
             assert abs(float(v.norm()) - 1) < 1e-5
@@ -244,6 +246,20 @@ def test_embeddings_match_llama_cpp_on_the_same_file(smollm2_gguf, smollm2_llm, 
 
 
 @needs_llama_cpp
+def test_a_bert_encoder_matches_llama_cpp_on_the_same_file(bert_files, tmp_path):
+    """llama.cpp reads the BERT file as ember does (its names, keys and vocabulary) and
+    pools it the same: it is a second oracle beside transformers."""
+    _, files = bert_files
+    for pooling, path in files.items():
+        llm = LLM(str(path), weights="f32", num_kv_blocks=16)
+        ids = [embedding.input_ids(llm.tokenizer, t) for t in TEXTS]
+        theirs = torch.nn.functional.normalize(_llama_cpp(path, -1, ids, tmp_path), dim=1)
+        cosines = (torch.stack(llm.embed(ids)) * theirs).sum(1)
+        print("bert", pooling, [f"{c:.6f}" for c in cosines.tolist()])
+        assert (cosines > 0.999).all(), cosines
+
+
+@needs_llama_cpp
 @pytest.mark.slow
 def test_rerank_matches_llama_cpp_on_the_same_file(qwen3_reranker, tmp_path):
     """llama.cpp's rank pooling on the converted reranker, fed ember's pairs: its first
@@ -259,3 +275,27 @@ def test_rerank_matches_llama_cpp_on_the_same_file(qwen3_reranker, tmp_path):
     print("rerank", ours, theirs[:, 0].tolist())
     assert theirs.shape[1] == 2
     assert max(abs(a - b) for a, b in zip(ours, theirs[:, 0].tolist(), strict=True)) < 1e-4
+
+
+def test_a_bert_encoder_embeds_as_transformers_does(bert_files):
+    """A BERT (bidirectional, post-LayerNorm, GELU) written as llama.cpp's GGUF: its
+    mean- and CLS-pooled vectors are transformers' hidden states pooled the same way,
+    [CLS] ... [SEP] as llama.cpp adds them; it generates nothing, by name."""
+    from ember import SamplingParams
+    from ember.engine.intake import InvalidRequest
+
+    hf, files = bert_files
+    for pooling, path in files.items():
+        llm = LLM(str(path), weights="f32", num_kv_blocks=16)
+        tokenizer = llm.tokenizer
+        ours = llm.embed(TEXTS)
+        for text, v in zip(TEXTS, ours, strict=True):
+            ids = embedding.input_ids(tokenizer, text)
+            assert ids[0] == 101 and ids[-1] == 102  # [CLS] ... [SEP]
+            theirs = _hf_embedding(hf, ids, pooling)
+            assert float(v @ theirs) > 0.99999, (pooling, text)
+        # inputs of different lengths in one pass see only themselves
+        (alone,) = llm.embed([TEXTS[1]])
+        assert torch.allclose(alone, ours[1], atol=1e-6)
+    with pytest.raises(InvalidRequest, match="embedding model"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))

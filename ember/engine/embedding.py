@@ -47,13 +47,15 @@ class EmbeddingError(EmberError):
 
 
 def input_ids(tokenizer: Any, text: str | list[int]) -> list[int]:
-    """An input's tokens as llama.cpp's embeddings take them: BOS and EOS where the
-    file asks for them (``add_bos_token``, ``add_eos_token``); token ids as given."""
+    """An input's tokens as llama.cpp's embeddings take them: BOS, EOS and SEP where the
+    file (or its tokenizer model) asks for them; token ids as given."""
     if not isinstance(text, str):
         return list(text)
     ids = tokenizer.encode(text, add_bos=tokenizer.add_bos)
     if tokenizer.add_eos and tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
+    if tokenizer.add_sep and tokenizer.sep_id is not None:  # BERT's [SEP]
+        ids.append(tokenizer.sep_id)
     return ids
 
 
@@ -213,13 +215,16 @@ class Batcher:
             row = self._partial
             rows.append((row, min(len(row.ids) - row.done, budget // 2 if fresh else budget)))
             budget -= rows[0][1]
-        picks = self._pick(fresh, budget, may_chunk=self._partial is None)
+        causal = model.cfg.causal  # an encoder runs every input whole, keeping no KV
+        picks = self._pick(fresh, budget, may_chunk=self._partial is None and causal,
+                           whole=not causal)
         if self._partial is None:  # nothing in progress: a pool sized for this pass
             need = sum(blocks_for(len(w.inputs[i]), BLOCK_SIZE) for w, i, _ in picks)
             if any(n < len(w.inputs[i]) for w, i, n in picks):  # room to go on beside it
                 need += blocks_for(self.pass_tokens, BLOCK_SIZE) + MAX_ROWS
             allocator = BlockAllocator(need)
-            self._pool = (allocator, model.new_kv_storage(need, BLOCK_SIZE, self.kv_dtype))
+            kv = model.new_kv_storage(need, BLOCK_SIZE, self.kv_dtype) if causal else None
+            self._pool = (allocator, kv)
         assert self._pool is not None
         allocator, kv = self._pool
         for work, i, n in picks:
@@ -229,13 +234,15 @@ class Batcher:
             rows.append((_Input(work, i, table), n))
         # attention reads whole blocks: what it reads past a row's end must be zeros,
         # not the garbage (NaN, in f16) of new memory or a finished row's keys
-        kv.zero_blocks(allocator.take_unzeroed())
+        if kv is not None:
+            kv.zero_blocks(allocator.take_unzeroed())
         return rows
 
-    def _pick(self, fresh: list[_Work], budget: int, may_chunk: bool
+    def _pick(self, fresh: list[_Work], budget: int, may_chunk: bool, whole: bool = False
               ) -> list[tuple[_Work, int, int]]:
         """Inputs not yet started, the next of each request in turn: (request, input,
         tokens now). The last may be cut to the budget (chunked) where ``may_chunk``;
+        ``whole``: an input longer than the pass runs alone, whole (an encoder's);
         beside an input in progress, the others must fit the pool's free blocks."""
         free = self._pool[0].num_free if self._partial is not None and self._pool else None
         picks: list[tuple[_Work, int, int]] = []
@@ -248,7 +255,9 @@ class Batcher:
                     continue
                 n = len(work.inputs[i])
                 if n > budget and not may_chunk:
-                    return picks
+                    if not (whole and not picks):
+                        return picks
+                    budget = n  # alone in its pass
                 if free is not None:
                     free -= blocks_for(n, BLOCK_SIZE)
                     if free < 0:

@@ -139,6 +139,10 @@ class Intake:
         started reading the request. ``lora``: the adapter its tokens run with (its
         identity joins the prefix-cache salt: no prefix is shared across adapters).
         """
+        if not self.loaded.config.causal:
+            raise InvalidRequest("model", f"{{param}}: {self.loaded.name} is an embedding "
+                                 f"model ({self.loaded.config.architecture}): it embeds "
+                                 "(/v1/embeddings) and generates nothing")
         choices = [params] if isinstance(params, SamplingParams) else list(params)
         self._check_options(choices, priority, weight, processors)
         window = self.window_for(tenant)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ember.errors import UnsupportedModelError
 from ember.models import (
+    bert,
     gemma2,
     gemma3,
     gpt_oss,
@@ -55,6 +56,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt-oss": Architecture(gpt_oss.configure, rope_scalings=("yarn",)),
     "qwen35": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
     "qwen35moe": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
+    "bert": Architecture(bert.configure, model=bert.BertModel),  # type: ignore[arg-type]
 }
 
 

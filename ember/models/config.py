@@ -111,6 +111,8 @@ class ModelConfig:
     # how an embedding pools the final hidden states ({arch}.pooling_type; None: the
     # file names none), ember.engine.embedding
     pooling_type: int | None = None
+    # False: an encoder (BERT): tokens attend both ways, it embeds and does not generate
+    causal: bool = True
     # hybrid models (Qwen 3.5): per layer, True where a recurrent (linear attention)
     # layer stands instead of attention; such layers keep a state per sequence, not KV
     recurrent_layers: tuple[bool, ...] = ()
@@ -182,7 +184,8 @@ class ModelConfig:
             rope_dim=int(gguf.get(f"{arch}.rope.dimension_count", head_dim)),
             rope_base=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scale=rope_linear_scale(gguf),
-            norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            norm_eps=float(gguf.get(f"{arch}.attention.layer_norm_rms_epsilon")
+                           or key("attention.layer_norm_epsilon")),
             vocab_size=int(vocab),
             context_length=int(gguf.get(f"{arch}.context_length", 2048)),
             tied_embeddings="output.weight" not in gguf.tensors,

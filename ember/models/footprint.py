@@ -28,6 +28,8 @@ def _parts(model: Any) -> dict[str, int]:
     from ember.models.linear import linear_nbytes
     from ember.models.moe import MoEFeedForward
 
+    if hasattr(model, "footprint_parts"):  # a model that is not a decoder (an encoder)
+        return model.footprint_parts()
     step = model.output_norm.nbytes + linear_nbytes(model.output)
     routed = 0
     for layer in model.layers:  # every kind of layer: its tensors, linears and router

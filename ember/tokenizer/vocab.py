@@ -101,6 +101,9 @@ class Tokenizer:
         # whether a whole input ends with EOS (llama.cpp's add_special: embedders such as
         # Qwen3-Embedding read the last token's state there)
         self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        # and with SEP (BERT's [SEP]; llama.cpp's add_sep, default on for WordPiece)
+        self.add_sep = bool(metadata.get("tokenizer.ggml.add_sep_token",
+                                         getattr(self._backend, "add_sep", False)))
         self.add_bos = self._backend.force_bos or bool(
             metadata.get("tokenizer.ggml.add_bos_token", self._backend.add_bos)
         )
@@ -148,6 +151,7 @@ class Tokenizer:
         self.eos_id = special("eos")
         self.unk_id = special("unknown")
         self.pad_id = special("padding")
+        self.sep_id = special("seperator")  # (llama.cpp's spelling of the key)
         by_text = self.token_to_id
         eog = {by_text[t] for t in EOG_TEXTS if t in by_text}
         for key, texts in FIM_EOG_TEXTS.items():

@@ -90,11 +90,12 @@ class WpmBackend:
     ``piece``, so decoding (``▁`` → space) joins continuations to the word before them.
     """
 
-    default_ids = {"bos": 101, "unknown": 100, "padding": 0}  # llama.cpp's for "bert"
+    default_ids = {"bos": 101, "unknown": 100, "padding": 0, "seperator": 102}  # llama.cpp's
 
     def __init__(self, owner: Vocabulary, metadata: dict[str, Any]) -> None:
         self.owner = owner
-        self.add_bos = True  # BERT's [CLS] (llama.cpp also appends [SEP]; ember does not)
+        self.add_bos = True  # BERT's [CLS]; a whole input also ends with [SEP] (add_sep)
+        self.add_sep = True
         self.force_bos = False
         self.missing_bytes: frozenset[int] = frozenset()  # nothing dropped: [UNK] instead
         self.lowercase = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))

@@ -184,3 +184,24 @@ def test_the_embed_benchs_timing_counts_what_the_server_answers(smol_server):
                         headers={"Authorization": f"Bearer {KEY_A}"})
     assert set(rates) == {1, 3} and all(r > 0 for r in rates.values())
     assert switch._tree_rss(os.getpid()) > 50_000_000
+
+
+def test_a_bert_encoder_is_served_for_embeddings_only(bert_files, e2e_log_dir):
+    from ember import LLM
+
+    path = bert_files[1]["mean"]
+    server = serve_in_process(path, e2e_log_dir, "--num-kv-blocks", "16")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+        got = client.embeddings.create(model=server.model_id, input=TEXTS,
+                                       encoding_format="float")
+        want = LLM(str(path), weights="f32", num_kv_blocks=16).embed(TEXTS)
+        for d, v in zip(got.data, want, strict=True):
+            assert len(d.embedding) == 64
+            assert torch.allclose(torch.tensor(d.embedding), v, atol=1e-5)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=server.model_id, prompt="hi", max_tokens=2)
+        assert e.value.body["param"] == "model" and "embedding model" in e.value.body["message"]
+    finally:
+        server.stop()
