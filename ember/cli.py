@@ -595,8 +595,9 @@ def _bench_embed_parser(bench: argparse._SubParsersAction) -> None:
     b = bench.add_parser("embed", help="embeddings/s of ember serve vs llama-server "
                                        "--embedding on the same file")
     b.add_argument("--model", "-m", default="qwen3-embedding-0.6b",
-                   help="a .gguf path, alias, or a shape of `ember bench synth` (written "
-                        "with random weights at --quant on first use)")
+                   help="a .gguf path, alias, a shape of `ember bench synth` (written "
+                        "with random weights at --quant on first use), or bert-base (a "
+                        "random BERT-base-shaped encoder, F16)")
     b.add_argument("--quant", default="Q8_0", help="with a shape: its llama.cpp file type")
     b.add_argument("--batches", default="1,16,64", help="inputs per request")
     b.add_argument("--tokens", type=int, default=128, help="tokens per input")
@@ -616,7 +617,14 @@ def cmd_bench_embed(args: argparse.Namespace) -> int:
 
     if min(args.tokens, args.threads, args.reps) < 1:
         raise ValueError("--tokens, --threads and --reps must be >= 1")
-    if args.model in synth.SHAPES:
+    if args.model == "bert-base":
+        from ember.bench.embed import write_bert_base
+
+        path = synth_dir() / "bert-base-F16.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bert_base(path)
+    elif args.model in synth.SHAPES:
         path = synth_dir() / f"{args.model}-{synth.file_type(args.quant).name}.gguf"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

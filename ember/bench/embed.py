@@ -29,6 +29,69 @@ import httpx
 
 from ember.bench.spec import LlamaServer
 
+BERT_BASE = {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "context": 512}
+
+
+def write_bert_base(path: Path, seed: int = 0) -> Path:
+    """A random-weight BERT-base-shaped encoder (12 layers of 768, F16 matrices, mean
+    pooling) with SmolLM2's tokenizer (its 49,152-token table stands in for BERT's
+    30,522: a lookup, not a matmul); the bench sends token ids, so the vocabulary's kind
+    does not matter. Written to ``path.partial`` and renamed when complete."""
+    import gguf
+    import numpy as np
+
+    from ember.bench.moe_model import copy_tokenizer
+    from ember.models.gguf import GGUFFile
+    from ember.models.registry import DEFAULT_MODEL, ensure_model
+
+    b = BERT_BASE
+    source = GGUFFile(ensure_model(DEFAULT_MODEL))
+    vocab = len(source.metadata["tokenizer.ggml.tokens"])
+    rng = np.random.default_rng(seed)
+    partial = path.with_name(path.name + ".partial")
+    w = gguf.GGUFWriter(str(partial), "bert")
+    w.add_context_length(b["context"])
+    w.add_embedding_length(b["hidden"])
+    w.add_feed_forward_length(b["ffn"])
+    w.add_head_count(b["heads"])
+    w.add_block_count(b["layers"])
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    copy_tokenizer(w, source)
+    w.add_token_type_count(2)  # llama.cpp refuses a BERT without it
+    eos = int(source.metadata["tokenizer.ggml.eos_token_id"])
+    w.add_sep_token_id(eos)  # a BERT's [SEP] and [CLS]: llama.cpp reads both
+    w.add_uint32("tokenizer.ggml.cls_token_id", int(source.metadata["tokenizer.ggml.bos_token_id"]))
+
+    def matrix(name: str, rows: int, cols: int, dtype: Any = np.float16) -> None:
+        w.add_tensor(name, (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(dtype))
+
+    def vector(name: str, n: int, center: float) -> None:
+        w.add_tensor(name, (center + 0.02 * rng.standard_normal(n)).astype(np.float32))
+
+    h, f = b["hidden"], b["ffn"]
+    matrix("token_embd.weight", vocab, h)
+    # added, not multiplied: F32, as llama.cpp's converter writes them (ggml adds no F16)
+    matrix("position_embd.weight", b["context"], h, np.float32)
+    matrix("token_types.weight", 2, h, np.float32)
+    vector("token_embd_norm.weight", h, 1.0)
+    vector("token_embd_norm.bias", h, 0.0)
+    for i in range(b["layers"]):
+        for name, rows, cols in (("attn_q", h, h), ("attn_k", h, h), ("attn_v", h, h),
+                                 ("attn_output", h, h), ("ffn_up", f, h), ("ffn_down", h, f)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols)
+            vector(f"blk.{i}.{name}.bias", rows, 0.0)
+        for name in ("attn_output_norm", "layer_output_norm"):
+            vector(f"blk.{i}.{name}.weight", h, 1.0)
+            vector(f"blk.{i}.{name}.bias", h, 0.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    partial.replace(path)
+    return path
+
 
 def _inputs(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
