@@ -299,3 +299,30 @@ def test_a_bert_encoder_embeds_as_transformers_does(bert_files):
         assert torch.allclose(alone, ours[1], atol=1e-6)
     with pytest.raises(InvalidRequest, match="embedding model"):
         llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+def test_a_request_whose_client_left_is_dropped_before_its_next_pass(smollm2_served_llm):
+    """Batcher.cancel (called when the HTTP client leaves): the request, mid-way through
+    a chunked input, is dropped at the next pass with EmbeddingCancelled, its private KV
+    given back; the request beside it finishes as if alone."""
+    from concurrent.futures import Future
+
+    model = smollm2_served_llm.engine.loaded.model
+    long_ids = smollm2_served_llm.encode(" ".join(TEXTS) * 6)[:300]
+    short_ids = smollm2_served_llm.encode(TEXTS[2])
+    batcher = embedding.Batcher(pass_tokens=64)
+    leaving, staying = Future(), Future()
+    for f in (leaving, staying):
+        f.set_running_or_notify_cancel()
+    batcher.add(model, [long_ids], leaving)
+    batcher.add(model, [short_ids, short_ids], staying)
+    batcher.step(model)  # the long input is in progress, its KV in the pool
+    assert batcher._partial is not None and batcher._partial.work.result is leaving
+    batcher.cancel(leaving)
+    while batcher.pending:
+        batcher.step(model)
+    with pytest.raises(embedding.EmbeddingCancelled):
+        leaving.result()
+    assert batcher._partial is None and batcher._pool is None
+    (alone,) = embedding.embed(model, [short_ids])
+    assert all(torch.equal(v, alone) for v in staying.result())

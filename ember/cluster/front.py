@@ -379,6 +379,9 @@ class ReplicaSet:
         raise EmbeddingError("embeddings and rerank are not served with --replicas: run a "
                              "single-engine server for them", "model")
 
+    def cancel_embed(self, result: Any) -> None:
+        pass  # no embedding is ever started here (embed refuses)
+
     def metric_lines(self) -> list[str]:
         """Per-replica and router metrics, in the Prometheus text format."""
         return replica_lines(self.view, self.planner)

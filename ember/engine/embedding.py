@@ -38,6 +38,10 @@ BLOCK_SIZE = 16
 SOFTMAX_RANKERS = {"qwen3"}  # whose head outputs llama.cpp softmaxes (yes/no logits)
 
 
+class EmbeddingCancelled(EmberError):
+    """An embedding request dropped before it finished (its client left)."""
+
+
 class EmbeddingError(EmberError):
     """A model or input that cannot give an embedding (``param`` names the culprit)."""
 
@@ -156,6 +160,7 @@ class Batcher:
     def __init__(self, kv_dtype: Any = "f32", pass_tokens: int = PASS_TOKENS) -> None:
         self.kv_dtype, self.pass_tokens = kv_dtype, pass_tokens
         self._waiting: deque[_Work] = deque()
+        self._cancelled: set[Future] = set()  # added from any thread (see cancel)
         self._partial: _Input | None = None
         self._pool: tuple[BlockAllocator, Any] | None = None  # (allocator, KV storage)
 
@@ -173,8 +178,27 @@ class Batcher:
             return
         self._waiting.append(_Work(inputs, result))
 
+    def cancel(self, result: Future) -> None:
+        """Drop the request ``result`` belongs to before its next pass (its client left);
+        callable from any thread. The future then holds :class:`EmbeddingCancelled`."""
+        self._cancelled.add(result)
+
+    def _drop_cancelled(self) -> None:
+        for work in [w for w in self._waiting if w.result in self._cancelled]:
+            self._waiting.remove(work)
+            if self._partial is not None and self._partial.work is work:
+                self._partial.table.release()
+                self._partial = None
+            work.result.set_exception(EmbeddingCancelled("the client left"))
+        if not self._waiting:
+            self._cancelled.clear()
+            self._pool = None
+
     def step(self, model: Any) -> None:
         """One pass; settle every request whose inputs are all embedded."""
+        self._drop_cancelled()
+        if not self._waiting:
+            return
         try:
             rows = self._plan(model)
             states = self._run(model, rows)

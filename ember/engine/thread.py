@@ -175,6 +175,10 @@ class EngineThread:
             self._inbox.put(_Embed(inputs, result, scores))
         return result
 
+    def cancel_embed(self, result: Future) -> None:
+        """Drop the embedding request ``result`` is for before its next pass."""
+        self._embeds.cancel(result)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._in_inbox:

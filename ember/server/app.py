@@ -331,13 +331,29 @@ class Server:
             req = await asyncio.wrap_future(self._prep.submit(
                 self._embedding_ids, body, raw, tenant))
             try:
-                vectors = await asyncio.wrap_future(thread.embed(req.ids, req.body.scores))
+                vectors = await self._embedded(request, thread, req)
             except EmbeddingError as e:
                 raise APIError(400, str(e), param=e.param or "model") from None
         hidden = self.engine.loaded.model.cfg.hidden_size
         dimensions = getattr(req.body, "dimensions", None)
         vectors = [embeddings.shortened(v, dimensions, hidden) for v in vectors]
         return req.body, vectors, sum(map(len, req.ids))
+
+    async def _embedded(self, request: Request, thread: Backend,
+                        req: embeddings.Prepared) -> list[torch.Tensor]:
+        """The engine's answer, or, when the client leaves first, the request dropped
+        before its next pass (and ClientGone)."""
+        future = thread.embed(req.ids, req.body.scores)
+        answer, gone = asyncio.wrap_future(future), disconnected(request)
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                thread.cancel_embed(future)
+                answer.cancel()  # nobody will read what the engine settles it with
+                raise ClientGone()
+            return answer.result()
+        finally:
+            gone.cancel()
 
     def _embedding_ids(self, body: type[Any], raw: bytes, tenant: str
                        ) -> embeddings.Prepared:

@@ -7,6 +7,7 @@ and ``LLM.rerank`` on the same files, themselves checked against transformers
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -205,3 +206,29 @@ def test_a_bert_encoder_is_served_for_embeddings_only(bert_files, e2e_log_dir):
         assert e.value.body["param"] == "model" and "embedding model" in e.value.body["message"]
     finally:
         server.stop()
+
+
+def test_an_embedding_request_whose_client_leaves_is_dropped(smol_server):
+    """A client that gives up on a long batch: the server notices (a client disconnect
+    in its metrics, the request dropped before its next pass) and serves the next one."""
+    import re
+
+    def disconnects() -> float:
+        text = httpx.get(f"{smol_server.url}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {KEY_A}"}).text
+        return float(re.search(r"^ember_client_disconnects_total (\S+)$", text, re.M)[1])
+
+    before = disconnects()
+    body = {"model": smol_server.model_id, "encoding_format": "float",
+            "input": [[300 + (i * 7 + j) % 9000 for i in range(200)] for j in range(64)]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{smol_server.url}/v1/embeddings", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    deadline = time.monotonic() + 30
+    while disconnects() < before + 1:
+        assert time.monotonic() < deadline, "the disconnect was never noticed"
+        time.sleep(0.1)
+    again = httpx.post(f"{smol_server.url}/v1/embeddings", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY_A}"},
+                       json={"model": smol_server.model_id, "input": "still here"})
+    assert again.status_code == 200
