@@ -42,11 +42,16 @@ def test_smollm2_report_matches_gguf_py(smollm2_gguf: Path) -> None:
     assert "smollm2" in format_report(report).lower() or "SmolLM2" in format_report(report)
 
 
-def test_a_refused_architecture_still_reports_its_tokenizer() -> None:
-    path = llamacpp_source() / "models" / "ggml-vocab-bert-bge.gguf"
+def test_a_refused_architecture_still_reports_its_tokenizer(tmp_path: Path) -> None:
+    """The bge vocabulary file relabelled as an architecture ember does not run."""
+    from hf_gguf import rewrite_gguf
+
+    source = llamacpp_source() / "models" / "ggml-vocab-bert-bge.gguf"
+    path = rewrite_gguf(source, tmp_path / "mamba.gguf",
+                        add_keys={"general.architecture": "mamba"})
     with GGUFFile(path) as f:
         report = inspect_gguf(f)
-    assert "'bert' is not supported" in report["model"]["refused"]
+    assert "'mamba' is not supported" in report["model"]["refused"]
     assert report["native"]["fused_stack"] is False
     assert report["tokenizer"]["model"] == "bert"
     assert "REFUSED" in format_report(report)
