@@ -46,6 +46,7 @@ log = logging.getLogger("ember.server")
 # routes that need no model: the default model's app answers them, loading nothing
 STATIC = ("/", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/api/version",
           "/favicon.ico")
+OLLAMA_GENERATION = ("/api/generate", "/api/chat")  # where keep_alive 0 unloads
 IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for
 LOAD_POLL_SECONDS = 0.02  # how often a request waiting for a load looks again
 
@@ -77,6 +78,14 @@ def model_name(source: str) -> str:
         split = SPLIT_NAME.match(path.name)
         return split["prefix"] if split else path.stem
     return source
+
+
+class OllamaUnload(Exception):
+    """A request that is Ollama's unload (answered by the router, loading nothing)."""
+
+    def __init__(self, entry: ServedModel) -> None:
+        super().__init__(entry.name)
+        self.entry = entry
 
 
 @dataclass
@@ -178,6 +187,9 @@ class ModelRouter:
             return
         except ClientGone:  # left while sending its body: nothing to answer
             return
+        except OllamaUnload as e:
+            await JSONBody(await self._ollama_unload(e.entry, path))(scope, receive, send)
+            return
         entry.running += 1
         try:
             try:
@@ -235,16 +247,19 @@ class ModelRouter:
                     ) -> tuple[ServedModel, Any]:
         """The model a request names (its JSON body's, else ``?model=``), and the
         ``receive`` that replays the body."""
-        name = None
+        name, unload = None, False
         if request.method == "POST" and "json" in request.headers.get("content-type", ""):
             raw = await read_body(request, self.config.max_request_bytes,
                                   self.config.body_timeout)
-            name = await asyncio.to_thread(_named_model, raw)
+            name, unload = await asyncio.to_thread(_named_model, raw)
             receive = _replay(raw, receive)
         if name is None:
             name = parse_qs(request.scope.get("query_string", b"").decode()).get(
                 "model", [None])[0]
-        return self.find(name, tenant), receive
+        entry = self.find(name, tenant)
+        if unload and request.url.path in OLLAMA_GENERATION:
+            raise OllamaUnload(entry)
+        return entry, receive
 
     def find(self, name: str | None, tenant: str = "") -> ServedModel:
         """The model ``name`` names (a LoRA adapter's name: its base's, while loaded);
@@ -462,6 +477,21 @@ class ModelRouter:
         log.info("purged the cached prefixes of tenant %r: %s", tenant, total["models"])
         return total
 
+    async def _ollama_unload(self, entry: ServedModel, path: str) -> dict[str, Any]:
+        """Ollama's ``keep_alive: 0`` with nothing to generate: the model is unloaded
+        now unless it serves requests (then it stays, as after any request)."""
+        async with self._lock:
+            if entry.loaded and entry.running == 0:
+                await self._unload(entry)
+        reply: dict[str, Any] = {
+            "model": entry.name, "done": True, "done_reason": "unload",
+            "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
+        if path == "/api/chat":
+            reply["message"] = {"role": "assistant", "content": ""}
+        else:
+            reply["response"] = ""
+        return reply
+
     async def _admin_model(self, request: Request) -> ServedModel:
         self.keys.check_admin(request, "loading and unloading models")
         body = decode_json(await read_body(request, self.config.max_request_bytes,
@@ -501,17 +531,20 @@ def _failure(server: Server) -> str | None:
     return None
 
 
-def _named_model(raw: bytes) -> str | None:
-    """The ``model`` a JSON body names (Ollama's /api/show may say ``name``); None where
-    it names none or does not parse: the model's own route then answers the 400."""
+def _named_model(raw: bytes) -> tuple[str | None, bool]:
+    """The ``model`` a JSON body names (Ollama's /api/show may say ``name``; None where
+    it names none or does not parse: the model's own route then answers the 400), and
+    whether it is Ollama's unload: ``keep_alive: 0`` with nothing to generate."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return None
+        return None, False
     if not isinstance(body, dict):
-        return None
+        return None, False
     name = body.get("model") or body.get("name")
-    return name if isinstance(name, str) else None
+    unload = body.get("keep_alive") in (0, "0", "0s", "0m") and not body.get(
+        "prompt") and not body.get("messages")
+    return (name if isinstance(name, str) else None), unload
 
 
 def _replay(raw: bytes, receive: Any) -> Any:

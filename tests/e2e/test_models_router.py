@@ -193,3 +193,17 @@ def test_a_memory_budget_unloads_the_least_recently_used_idle_model(
         assert _states(server.url) == {"tiny-llama": "loaded", smol: "available"}
     finally:
         server.stop()
+
+
+def test_ollama_keep_alive_0_unloads_the_model(router):
+    """Ollama's unload (`ollama stop`): keep_alive 0 with nothing to generate."""
+    import ollama
+
+    client = ollama.Client(host=router.url, headers=AUTH, timeout=60)
+    client.generate(model="tiny-llama", prompt="a", options={"num_predict": 1})
+    assert _states(router.url)["tiny-llama"] == "loaded"
+    gone = client.generate(model="tiny-llama", prompt="", keep_alive=0)
+    assert gone.done and gone.done_reason == "unload"
+    assert _states(router.url)["tiny-llama"] == "available"
+    again = client.chat(model="tiny-llama", messages=[], keep_alive=0)  # loads nothing
+    assert again.done_reason == "unload" and _states(router.url)["tiny-llama"] == "available"
