@@ -11,22 +11,12 @@ import sys
 
 import llama_cpp
 import numpy as np
+from llamacpp_buffers import use_plain_buffers
 
 path, out, pooling = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with open(sys.argv[4]) as f:
     inputs = json.load(f)
-# ggml's extra CPU buffer types (AMX, the x8 repack) crash llama.cpp's embedding decode
-# on an AMX machine (a segfault in llama_decode); plain buffers compute the same
-defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-
-def plain_buffers():
-    params = defaults()
-    params.use_extra_bufts = False
-    return params
-
-
-llama_cpp.llama_cpp.llama_model_default_params = plain_buffers
+use_plain_buffers()  # the extra ones segfault in llama_decode on an AMX machine
 llm = llama_cpp.Llama(model_path=path, embedding=True, pooling_type=pooling, n_ctx=2048,
                       n_batch=2048, n_ubatch=2048, n_threads=2, type_k=0, type_v=0,
                       flash_attn=False, verbose=False)

@@ -9,20 +9,12 @@ import sys
 
 import llama_cpp
 import numpy as np
+from llamacpp_buffers import use_plain_buffers
 
 path, out, ids = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
 lora = sys.argv[4] if len(sys.argv) > 4 else None  # a GGUF LoRA adapter, applied at scale 1
 if lora:
-    # llama.cpp's adapters cannot use the repacked weight buffers (AMX, or the CPU's
-    # x8 repack): it logs "cannot use buft 'AMX'" and then crashes; plain buffers work
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def plain_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    llama_cpp.llama_cpp.llama_model_default_params = plain_buffers
+    use_plain_buffers()  # llama.cpp's adapters crash on the repacked weight buffers
 llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=256, n_batch=256, n_threads=2,
                       type_k=0, type_v=0, flash_attn=False, verbose=False,  # 0: GGML_TYPE_F32
                       lora_path=lora)

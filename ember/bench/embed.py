@@ -18,15 +18,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ember.bench.server_process import ServerProcess, free_port
 from ember.bench.spec import LlamaServer
 
 BERT_BASE = {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "context": 512}
@@ -134,8 +133,8 @@ def _llama_cpp(binary: str, gguf: Path, threads: int, pooling: int | None,
                                                                                "last"),
              "-b", "2048", "-ub", "512", "--no-kv-unified"]
     for extra in ([], ["--no-repack"]):
-        server = LlamaServer(binary, gguf, threads, slots, flags + extra)
-        server.cmd[server.cmd.index("-c") + 1] = str(slots * (tokens + 16))
+        server = LlamaServer(binary, gguf, threads, slots, flags + extra,
+                             context=slots * (tokens + 16))
         try:
             with server as url:
                 return _time(url, "x", inputs, reps), flags + extra
@@ -147,43 +146,14 @@ def _llama_cpp(binary: str, gguf: Path, threads: int, pooling: int | None,
     raise AssertionError("unreachable")
 
 
-class EmberServer:
+def ember_server(gguf: Path, threads: int, weights: str) -> ServerProcess:
     """``ember serve`` on the file, as its own process, for the duration of a ``with``."""
-
-    def __init__(self, gguf: Path, threads: int, weights: str) -> None:
-        import socket
-
-        self.threads = threads
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.cmd = [sys.executable, "-c", "import sys; from ember.cli import main; "
-                    "sys.exit(main())", "serve", "--model", str(gguf), "--port",
-                    str(self.port), "--threads", str(threads), "--weights", weights,
-                    "--no-ui", "--speculation", "off"]
-
-    def __enter__(self) -> str:
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
-        url = f"http://127.0.0.1:{self.port}"
-        for _ in range(3000):
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__()
-        self.log.seek(0)
-        raise RuntimeError("ember serve did not start: "
-                           + self.log.read().decode(errors="replace")[-2000:])
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from ember.cli import main; sys.exit(main())",
+           "serve", "--model", str(gguf), "--port", str(port), "--threads", str(threads),
+           "--weights", weights, "--no-ui", "--speculation", "off"]
+    return ServerProcess(cmd, port, {**os.environ, "OMP_NUM_THREADS": str(threads)},
+                         wait_seconds=300)
 
 
 def main(gguf: Path, batches: list[int], tokens: int, threads: int, reps: int,
@@ -199,7 +169,7 @@ def main(gguf: Path, batches: list[int], tokens: int, threads: int, reps: int,
           f"{reps} reps (median)")
     result: dict[str, Any] = {"model": str(gguf), "tokens": tokens, "threads": threads,
                               "reps": reps, "weights": weights}
-    with EmberServer(gguf, threads, weights) as url:
+    with ember_server(gguf, threads, weights) as url:
         served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         result["ember"] = _time(url, served, inputs, reps)
     if llama_server:

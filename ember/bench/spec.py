@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.bench.server_process import ServerProcess, free_port
 from ember.bench.traffic import EXTRACTION_SCHEMA
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
@@ -225,51 +225,19 @@ def run_llama(binary: str, gguf: Path, threads: int, concurrency: list[int], rep
     return out
 
 
-class LlamaServer:
-    """A llama-server process on a free port for the duration of a ``with``."""
+class LlamaServer(ServerProcess):
+    """A llama-server process on a free port for the duration of a ``with``; a context
+    of ``context`` tokens (default 2,048 per slot)."""
 
-    def __init__(self, binary: str, gguf: Path, threads: int, slots: int, extra: list[str]):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                    "-t", str(threads), "--parallel", str(slots), "-c", str(2048 * slots),
-                    *extra]
-
-    def __enter__(self) -> str:
-        import tempfile
-
-        import httpx
-
+    def __init__(self, binary: str, gguf: Path, threads: int, slots: int, extra: list[str],
+                 context: int | None = None) -> None:
         from ember.bench.llamacpp_native import binary_env
 
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=binary_env(Path(self.cmd[0])))
-        url = f"http://127.0.0.1:{self.port}"
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.seek(0)
-        tail = self.log.read().decode(errors="replace").strip().splitlines()[-5:]
-        self.log.close()
-        raise RuntimeError(f"llama-server did not start: {' '.join(self.cmd)}: "
-                           + " | ".join(tail))
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
+        port = free_port()
+        super().__init__([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                          str(port), "-t", str(threads), "--parallel", str(slots),
+                          "-c", str(context or 2048 * slots), *extra],
+                         port, binary_env(Path(binary)))
 
 
 def _llama_task(url: str, task: Task) -> float:

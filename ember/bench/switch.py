@@ -20,12 +20,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from ember.bench.server_process import ServerProcess, free_port
 
 ASK = [{"role": "user", "content": "Say hello."}]
 
@@ -78,49 +79,6 @@ def _first_token_seconds(url: str, model: str) -> float:
     raise RuntimeError(f"{model}: no token came back")
 
 
-class _Server:
-    """A server process on a free port for the duration of a ``with``."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.cmd, self.env = cmd, env
-
-    def __enter__(self) -> tuple[str, subprocess.Popen]:
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
-        url = f"http://127.0.0.1:{self.cmd[self.cmd.index('--port') + 1]}"
-        for _ in range(1200):
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url, self.proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__()
-        self.log.seek(0)
-        raise RuntimeError(f"{self.cmd[0]} did not start: "
-                           + self.log.read().decode(errors="replace")[-2000:])
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(60)
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _measure(url: str, proc: subprocess.Popen, names: list[str]) -> dict[str, Any]:
     first = _first_token_seconds(url, names[0])
     second = _first_token_seconds(url, names[1])
@@ -139,14 +97,17 @@ def _llama_cpp(binary: str, directory: Path, names: list[str], threads: int,
     for extra in ([], ["--no-repack"]):
         _drop_page_cache(files)
         flags = ["--models-max", "2", "-t", str(threads), "-c", "4096", *extra]
+        port = free_port()
         cmd = [binary, "--models-dir", str(directory), "--host", "127.0.0.1", "--port",
-               _free_port(), *flags]
-        with _Server(cmd, binary_env(Path(binary))) as (url, proc):
+               str(port), *flags]
+        server = ServerProcess(cmd, port, binary_env(Path(binary)), wait_seconds=120,
+                               group=True)
+        with server as url:
             listed = httpx.get(f"{url}/models", timeout=30).json()
             ids = [m.get("id") or m.get("name") for m in listed.get("data", [])]
             theirs = [next(i for i in ids if n in str(i)) for n in names]
             try:
-                return _measure(url, proc, theirs), flags
+                return _measure(url, server.proc, theirs), flags
             except httpx.HTTPStatusError as e:
                 if extra:
                     raise
@@ -161,12 +122,13 @@ def main(files: list[Path], threads: int, llama_server: str | None, out: Path
     names = [f.stem for f in files]
     result: dict[str, Any] = {"files": [str(f) for f in files], "threads": threads}
     result["page_cache"] = _drop_page_cache(files)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-c", "import sys; from ember.cli import main; sys.exit(main())",
-           "serve", "--models-dir", str(directory), "--port", port, "--threads",
+           "serve", "--models-dir", str(directory), "--port", str(port), "--threads",
            str(threads), "--no-ui"]
-    with _Server(cmd) as (url, proc):
-        result["ember"] = _measure(url, proc, names)
+    server = ServerProcess(cmd, port, wait_seconds=120, group=True)
+    with server as url:
+        result["ember"] = _measure(url, server.proc, names)
     print(f"ember: {result['ember']}", flush=True)
     if llama_server:
         result["llama.cpp"], result["llama.cpp flags"] = _llama_cpp(

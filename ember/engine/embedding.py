@@ -101,7 +101,7 @@ def embed(model: Any, inputs: list[list[int]], kv_dtype: Any = "f32",
           pass_tokens: int = PASS_TOKENS, scores: bool = False) -> list[torch.Tensor]:
     """One unit vector (float32, the model's hidden size) per input, in order, pooled
     as the model's file says: the passes a :class:`Batcher` makes, run to the end.
-    ``scores``: a reranker's head outputs instead (see :func:`score`)."""
+    ``scores``: a reranker's head outputs instead (see :func:`_output`)."""
     batcher, result = Batcher(kv_dtype, pass_tokens), Future()
     result.set_running_or_notify_cancel()
     batcher.add(model, inputs, result, scores)

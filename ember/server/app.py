@@ -334,9 +334,8 @@ class Server:
                 vectors = await self._embedded(request, thread, req)
             except EmbeddingError as e:
                 raise APIError(400, str(e), param=e.param or "model") from None
-        hidden = self.engine.loaded.model.cfg.hidden_size
         dimensions = getattr(req.body, "dimensions", None)
-        vectors = [embeddings.shortened(v, dimensions, hidden) for v in vectors]
+        vectors = [embeddings.shortened(v, dimensions) for v in vectors]
         return req.body, vectors, sum(map(len, req.ids))
 
     async def _embedded(self, request: Request, thread: Backend,
@@ -361,11 +360,8 @@ class Server:
         if self.adapters.check_model(req.model, tenant) is not None:
             raise unsupported("model", f"names the LoRA adapter '{req.model}'; embeddings "
                               "and scores come from the base model")
-        dimensions = getattr(req, "dimensions", None)
-        hidden = self.engine.loaded.model.cfg.hidden_size
-        if dimensions is not None and dimensions > hidden:  # before any compute
-            raise APIError(400, f"'dimensions' ({dimensions}) exceeds the model's "
-                           f"embedding size ({hidden})", param="dimensions")
+        embeddings.check_dimensions(getattr(req, "dimensions", None),
+                                    self.engine.loaded.model.cfg.hidden_size)
         return embeddings.Prepared(req, req.input_ids(self.engine))
 
     # ------------------------------------------------------------ tokenizer routes

@@ -164,14 +164,18 @@ class RerankRequest(P._Body):
         return _capped(out, "documents")
 
 
-def shortened(vector: torch.Tensor, dimensions: int | None, hidden: int) -> torch.Tensor:
-    """The first ``dimensions`` of a unit vector, made unit again (a Matryoshka model's
-    shorter embedding)."""
-    if dimensions is None:
-        return vector
-    if dimensions > hidden:
+def check_dimensions(dimensions: int | None, hidden: int) -> None:
+    """Refuse ``dimensions`` above the model's embedding size (before any compute)."""
+    if dimensions is not None and dimensions > hidden:
         raise APIError(400, f"'dimensions' ({dimensions}) exceeds the model's embedding size "
                        f"({hidden})", param="dimensions")
+
+
+def shortened(vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+    """The first ``dimensions`` of a unit vector, made unit again (a Matryoshka model's
+    shorter embedding; checked by :func:`check_dimensions`)."""
+    if dimensions is None:
+        return vector
     return torch.nn.functional.normalize(vector[:dimensions], dim=0)
 
 

@@ -65,6 +65,23 @@ def tiny_mech_server(tiny_gguf: Path, e2e_log_dir: Path, tiny_loaded) -> Iterato
                       "--no-prefix-caching", "--num-kv-blocks", "256", loaded=tiny_loaded)
 
 
+# a template that thinks: the assistant turn opens with <think>
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+            "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_gguf: Path, e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                    tiny_loaded) -> Iterator[EmberServer]:
+    """Tiny model served with THINKING as its chat template (reasoning split and budgets,
+    in each API's shape)."""
+    template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
+    template.write_text(THINKING)
+    yield from _serve(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
+                      "--num-kv-blocks", "128", loaded=tiny_loaded)
+
+
 @pytest.fixture(scope="session")
 def tiny_small_server(tiny_gguf: Path, e2e_log_dir: Path, tiny_loaded
                       ) -> Iterator[EmberServer]:

@@ -289,24 +289,6 @@ def test_an_agents_long_system_prompt_is_read_from_the_cache_on_its_second_turn(
 
 
 # ---------------------------------------------------------------------- thinking
-THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
-            "{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tiny_gguf, e2e_log_dir, tmp_path_factory, tiny_loaded):
-    from e2e_server import serve_in_process
-
-    template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
-    template.write_text(THINKING)
-    server = serve_in_process(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
-                              "--num-kv-blocks", "128", loaded=tiny_loaded)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_thinking_comes_first_as_a_thinking_block_and_streams_as_thinking_deltas(

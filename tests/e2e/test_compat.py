@@ -213,24 +213,6 @@ def test_echo_misuse_is_400_naming_the_field(smol_server, body, param):
 
 
 # ---------------------------------------------------------------------- reasoning
-THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
-            "{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tiny_gguf, e2e_log_dir, tmp_path_factory, tiny_loaded):
-    from e2e_server import serve_in_process
-
-    template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
-    template.write_text(THINKING)
-    server = serve_in_process(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
-                              "--num-kv-blocks", "128", loaded=tiny_loaded)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_reasoning_is_split_from_the_answer_and_budgeted(thinking_server):

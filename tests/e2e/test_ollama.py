@@ -15,15 +15,10 @@ import openai
 import pytest
 from e2e_server import KEY_A, EmberServer
 from pydantic import BaseModel, ConfigDict, Field
+from test_tools import WEATHER
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
 GREEDY = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -280,24 +275,6 @@ def test_the_client_raises_ollamas_errors(client, smol_server):
 
 
 # ---------------------------------------------------------------------- thinking
-THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
-            "{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tiny_gguf, e2e_log_dir, tmp_path_factory, tiny_loaded):
-    from e2e_server import serve_in_process
-
-    template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
-    template.write_text(THINKING)
-    server = serve_in_process(tiny_gguf, e2e_log_dir, "--chat-template", str(template),
-                              "--num-kv-blocks", "128", loaded=tiny_loaded)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_thinking_comes_back_beside_the_content(thinking_server):
