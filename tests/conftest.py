@@ -307,19 +307,23 @@ def qwen3_reranker(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path)
     return gguf, hf, root / f"{name}-hf"
 
 
-@pytest.fixture(scope="session")
-def bert_files(tmp_path_factory: pytest.TempPathFactory):
-    """A random BERT (transformers, the oracle) and its GGUF with mean and with CLS
-    pooling: (model, {"mean": path, "cls": path})."""
+@pytest.fixture(scope="session", params=["bert", "nomic-bert"])
+def bert_files(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A random BERT encoder of each family (transformers, the oracle) and its GGUF with
+    mean and with CLS pooling: (model, {"mean": path, "cls": path})."""
     pytest.importorskip("transformers")
-    from bert_model import random_bert, write_bert
+    import bert_model
     from llamacpp_source import llamacpp_source
 
     from ember.models.gguf import GGUFFile
 
+    family = request.param
+    random, write = {"bert": (bert_model.random_bert, bert_model.write_bert),
+                     "nomic-bert": (bert_model.random_nomic_bert,
+                                    bert_model.write_nomic_bert)}[family]
     vocab_file = llamacpp_source() / "models" / "ggml-vocab-bert-bge.gguf"
     vocab = len(GGUFFile(vocab_file).metadata["tokenizer.ggml.tokens"])
-    model = random_bert(vocab)
-    root = tmp_path_factory.mktemp("bert")
-    return model, {name: write_bert(root / f"bert-{name}.gguf", model, vocab_file, pooling)
+    model = random(vocab)
+    root = tmp_path_factory.mktemp(family)
+    return model, {name: write(root / f"{family}-{name}.gguf", model, vocab_file, pooling)
                    for name, pooling in (("mean", 1), ("cls", 2))}

@@ -27,8 +27,12 @@ def _families() -> list[str]:
         "qwen2": "transformers (random weights)", "qwen3": "transformers (random weights)",
         "qwen3moe": "transformers (random MoE)",
         "gemma3": "llama.cpp goldens (Gemma 3 270M), transformers",
-        "bert": ("embeddings only: transformers' BertModel (random weights, mean and CLS "
-                 "pooling) and llama.cpp on the same file (tests/test_embeddings.py)"),
+        "bert": ("embeddings and rerank only: transformers' BertModel (random weights, "
+                 "mean and CLS pooling; with RoBERTa's classification head as a "
+                 "cross-encoder) and llama.cpp on the same files (tests/test_embeddings.py)"),
+        "nomic-bert": ("embeddings only: transformers' NomicBertModel (random weights, mean "
+                       "and CLS pooling) and llama.cpp on the same file "
+                       "(tests/test_embeddings.py)"),
     }
     # a family's variants are named "<architecture>-<variant>" (phi3-longrope)
     converted = sorted({name if name in ARCHITECTURES else name.rsplit("-", 1)[0]

@@ -247,16 +247,16 @@ def test_embeddings_match_llama_cpp_on_the_same_file(smollm2_gguf, smollm2_llm, 
 
 @needs_llama_cpp
 def test_a_bert_encoder_matches_llama_cpp_on_the_same_file(bert_files, tmp_path):
-    """llama.cpp reads the BERT file as ember does (its names, keys and vocabulary) and
-    pools it the same: it is a second oracle beside transformers."""
+    """llama.cpp reads the BERT or nomic-bert file as ember does (its names, keys and
+    vocabulary) and pools it the same: it is a second oracle beside transformers."""
     _, files = bert_files
-    for pooling, path in files.items():
+    for path in files.values():
         llm = LLM(str(path), weights="f32", num_kv_blocks=16)
         ids = [embedding.input_ids(llm.tokenizer, t) for t in TEXTS]
         theirs = torch.nn.functional.normalize(_llama_cpp(path, -1, ids, tmp_path), dim=1)
         cosines = (torch.stack(llm.embed(ids)) * theirs).sum(1)
-        print("bert", pooling, [f"{c:.6f}" for c in cosines.tolist()])
-        assert (cosines > 0.999).all(), cosines
+        print(path.name, [f"{c:.6f}" for c in cosines.tolist()])
+        assert (cosines > 0.99999).all(), cosines  # f32 weights on both sides
 
 
 @needs_llama_cpp
@@ -278,7 +278,8 @@ def test_rerank_matches_llama_cpp_on_the_same_file(qwen3_reranker, tmp_path):
 
 
 def test_a_bert_encoder_embeds_as_transformers_does(bert_files):
-    """A BERT (bidirectional, post-LayerNorm, GELU) written as llama.cpp's GGUF: its
+    """A BERT (bidirectional, post-LayerNorm, GELU, learned positions) or a nomic-bert
+    (rotary positions, fused qkv, SwiGLU, no biases) written as llama.cpp's GGUF: its
     mean- and CLS-pooled vectors are transformers' hidden states pooled the same way,
     [CLS] ... [SEP] as llama.cpp adds them; it generates nothing, by name."""
     from ember import SamplingParams
@@ -299,6 +300,61 @@ def test_a_bert_encoder_embeds_as_transformers_does(bert_files):
         assert torch.allclose(alone, ours[1], atol=1e-6)
     with pytest.raises(InvalidRequest, match="embedding model"):
         llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+@pytest.fixture(scope="module")
+def bert_reranker(tmp_path_factory: pytest.TempPathFactory):
+    """A random BERT cross-encoder (a transformers backbone and RoBERTa's classification
+    head, the oracle) and its GGUF with rank pooling."""
+    pytest.importorskip("transformers")
+    from bert_model import random_bert, random_rank_head, write_bert
+    from llamacpp_source import llamacpp_source
+
+    from ember.models.gguf import GGUFFile
+
+    vocab_file = llamacpp_source() / "models" / "ggml-vocab-bert-bge.gguf"
+    model = random_bert(len(GGUFFile(vocab_file).metadata["tokenizer.ggml.tokens"]))
+    head = random_rank_head(model)
+    path = write_bert(tmp_path_factory.mktemp("bert-rerank") / "bert-rerank.gguf", model,
+                      vocab_file, 4, head)
+    return model, head, path
+
+
+QUERY = "What is the capital of France?"
+
+
+def test_a_bert_cross_encoder_scores_pairs_as_transformers_does(bert_reranker):
+    """A cross-encoder reads ``[CLS] query [SEP] document`` (llama.cpp's pairing) whole
+    and scores its CLS state through the dense + tanh + projection head: transformers'
+    RobertaClassificationHead over BertModel's states, to 1e-4; it embeds nothing."""
+    backbone, head, path = bert_reranker
+    llm = LLM(str(path), weights="f32", num_kv_blocks=16)
+    tokenizer = llm.tokenizer
+    ours = llm.rerank(QUERY, TEXTS)
+    for text, score in zip(TEXTS, ours, strict=True):
+        ids = embedding.rerank_ids(tokenizer, None, QUERY, text)
+        assert ids[0] == 101 and ids.count(102) == 1 and ids[-1] != 102
+        with torch.no_grad():
+            theirs = head(backbone(torch.tensor([ids])).last_hidden_state)
+        assert abs(score - float(theirs)) < 1e-4, (text, score, float(theirs))
+    assert len(set(ours)) == len(TEXTS)
+    with pytest.raises(embedding.EmbeddingError, match="is a reranker"):
+        llm.embed(["x"])
+
+
+@needs_llama_cpp
+def test_a_bert_cross_encoder_matches_llama_cpp_on_the_same_file(bert_reranker, tmp_path):
+    """llama.cpp's rank pooling of the same pairs on the same file: its one output is
+    ember's score."""
+    path = bert_reranker[2]
+    llm = LLM(str(path), weights="f32", num_kv_blocks=16)
+    ids = [embedding.rerank_ids(llm.tokenizer, None, QUERY, d) for d in TEXTS]
+    theirs = _llama_cpp(path, -1, ids, tmp_path)
+    ours = llm.rerank(QUERY, TEXTS)
+    print("bert rerank", ours, theirs[:, 0].tolist())
+    assert theirs.shape[1] == 1
+    # ~1e-4 apart on a logit: ggml's GELU is a tabulated approximation of erf's
+    assert max(abs(a - b) for a, b in zip(ours, theirs[:, 0].tolist(), strict=True)) < 1e-3
 
 
 def test_a_request_whose_client_left_is_dropped_before_its_next_pass(smollm2_served_llm):

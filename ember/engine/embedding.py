@@ -82,8 +82,9 @@ def is_reranker(model: Any) -> bool:
 def rerank_ids(tokenizer: Any, template: str | None, query: str, document: str) -> list[int]:
     """A (query, document) pair as a reranker reads it: the file's rerank template with
     both filled in (its control tokens count, none typed in the texts), else llama.cpp's
-    plain pairing: BOS, the query, EOS, the document, EOS, as the file asks (the SEP a
-    BERT reranker puts between them has no place in a decoder's)."""
+    plain pairing, each special as the file asks: BOS, the query, EOS (SEP where the
+    vocabulary has no EOS), SEP, the document, EOS — ``[CLS] q [SEP] d`` for a BERT
+    cross-encoder, ``<s> q </s></s> d </s>`` for a RoBERTa one."""
     if template is not None:
         segments: list[tuple[str, bool]] = []
         for i, part in enumerate(re.split(r"(\{query\}|\{document\})", template)):
@@ -92,9 +93,11 @@ def rerank_ids(tokenizer: Any, template: str | None, query: str, document: str) 
             elif part:
                 segments.append((part, True))
         return tokenizer.encode_segments(segments)
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
     ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    ends = [tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else []
-    return ids + tokenizer.encode(query) + ends + tokenizer.encode(document) + ends
+    ends = [eos] if tokenizer.add_eos and eos is not None else []
+    sep = [tokenizer.sep_id] if tokenizer.add_sep and tokenizer.sep_id is not None else []
+    return ids + tokenizer.encode(query) + ends + sep + tokenizer.encode(document) + ends
 
 
 def embed(model: Any, inputs: list[list[int]], kv_dtype: Any = "f32",
@@ -114,7 +117,7 @@ def check(model: Any, inputs: list[list[int]], scores: bool = False) -> None:
     """Refuse a model that cannot embed (or score), or an empty input, before any pass."""
     if scores and not is_reranker(model):
         raise EmbeddingError("the model is not a reranker (its file has no "
-                             "pooling_type 4 with a cls.output head)", "model")
+                             "pooling_type 4 with a classification head, cls.*)", "model")
     if not scores and pooling_of(model.cfg) == "rank":
         raise EmbeddingError("the model is a reranker: it scores pairs (/v1/rerank), "
                              "it gives no embeddings", "model")
@@ -209,7 +212,7 @@ class Batcher:
         for row, n in rows:
             chunk = states[first:first + n].float()
             first += n
-            _pool_chunk(row, chunk, pooling)
+            _pool_chunk(row, chunk, pooling, model.cfg.causal)
             row.done += n
             if row.done < len(row.ids):
                 self._partial = row
@@ -307,28 +310,27 @@ class Batcher:
 
 def _output(model: Any, row: _Input, pooling: str) -> torch.Tensor:
     """An input's answer: its unit vector, or a reranker's head outputs (llama.cpp's
-    rank pooling: the last state through ``cls.output``, softmaxed for Qwen3, whose
-    two outputs are its "yes" and "no" logits: the first is then P(yes))."""
+    rank pooling: the pooled state through the file's head, softmaxed for Qwen3, whose
+    two outputs are its "yes" and "no" logits: the first is then P(yes); a
+    cross-encoder's one output is its relevance logit)."""
     assert row.pooled is not None
     if pooling != "rank":
         vector = row.pooled / len(row.ids) if pooling == "mean" else row.pooled
         return torch.nn.functional.normalize(vector, dim=0)
-    weight, bias = model.classifier
-    out = weight.float() @ row.pooled
-    if bias is not None:
-        out = out + bias.float()
+    out = model.classifier(row.pooled)
     if model.cfg.architecture in SOFTMAX_RANKERS:
         out = torch.softmax(out, dim=0)
     return out
 
 
-def _pool_chunk(row: _Input, states: torch.Tensor, pooling: str) -> None:
-    """Fold a chunk's states into the row's pooled value."""
+def _pool_chunk(row: _Input, states: torch.Tensor, pooling: str, causal: bool) -> None:
+    """Fold a chunk's states into the row's pooled value (a reranker reads its last
+    state, an encoder's cross-encoder its first, as llama.cpp's rank pooling)."""
     if pooling == "mean":
         total = states.sum(0)
         row.pooled = total if row.pooled is None else row.pooled + total
-    elif pooling == "cls":
+    elif pooling == "cls" or (pooling == "rank" and not causal):
         if row.done == 0:
             row.pooled = states[0]
-    else:  # last, and rank: a causal reranker reads the last state
+    else:  # last, and a causal reranker's rank
         row.pooled = states[-1]

@@ -57,6 +57,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen35": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
     "qwen35moe": Architecture(qwen35.configure, model=qwen35.Qwen35Model),
     "bert": Architecture(bert.configure, model=bert.BertModel),  # type: ignore[arg-type]
+    "nomic-bert": Architecture(bert.configure, model=bert.BertModel),  # type: ignore[arg-type]
 }
 
 

@@ -60,6 +60,7 @@ from ember.models.moe import (
     expert_slices,
     native_experts,
 )
+from ember.models.rank_head import RankHead, load_rank_head
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ class DecoderModel:
         self.output = output
         # a reranker's classification head over the last state: (weight, bias); its
         # outputs are scores, ember.engine.embedding
-        self.classifier: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.classifier: RankHead | None = None
         # one rotation table per distinct RoPE (Gemma's local and global layers)
         self.ropes = {
             key: RotaryEmbedding(cfg.rope_dim, key[0], freq_factors, cfg.rope_neox, key[1],
@@ -307,10 +308,7 @@ class DecoderModel:
         freq_factors = load_dense(gguf, factors) if factors in gguf.tensors else None
         model = cls(cfg, embed, layers, load_dense(gguf, "output_norm.weight"), output,
                     freq_factors, norm_for(fmt.name), experts)
-        if "cls.output.weight" in gguf.tensors:  # a reranker's head (Qwen3-Reranker)
-            bias = "cls.output.bias"
-            model.classifier = (load_dense(gguf, "cls.output.weight"),
-                                load_dense(gguf, bias) if bias in gguf.tensors else None)
+        model.classifier = load_rank_head(gguf)  # a reranker's (Qwen3-Reranker)
         if fmt.name == "q4" and not model.batch_invariant:
             log.warning("%s: not every projection and the output head have a packed "
                         "layout here (tensors of other types stay dense f32), so q4 runs "
