@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from starlette.requests import Request
 
 from ember.models.gguf import SPLIT_NAME
 from ember.models.registry import MODELS, resolve_model
+from ember.prometheus import family
 from ember.server import anthropic
 from ember.server.app import AdmissionGate, Server, create_app, error_body
 from ember.server.auth import Keys
@@ -150,6 +152,8 @@ class ModelRouter:
         self._lock = asyncio.Lock()  # one load or unload decision at a time
         self._idle_task: asyncio.Task | None = None
         self.slow_closes = 0
+        self.http: Counter[tuple[str, int]] = Counter()  # the router's own answers
+        self._routes: set[str] | None = None
         get, post = ("GET",), ("POST",)
         self._own: dict[str, tuple[tuple[str, ...], Callable[[Request], Awaitable[Any]]]] = {
             "/v1/models": (get, self._list), "/models": (get, self._list),
@@ -179,6 +183,7 @@ class ModelRouter:
                 answer = await handler(request)
                 await (JSONBody(answer) if isinstance(answer, dict) else answer)(
                     scope, receive, send)
+                self.http[(path, 200)] += 1
                 return
             tenant = self._may_load(request)  # no load for a request without a key
             entry, receive = await self._pick(request, receive, tenant)
@@ -239,8 +244,18 @@ class ModelRouter:
 
     async def _error(self, scope: dict[str, Any], receive: Any, send: Any,
                      e: APIError) -> None:
+        self.http[(self._route(scope["path"]), e.status)] += 1
         body = JSONBody(error_body(scope["path"], e), status_code=e.status, headers=e.headers)
         await body(scope, receive, send)
+
+    def _route(self, path: str) -> str:
+        """``path`` as a metrics label: a route the router or a model serves, else
+        "other" (a client's made-up paths must not each become a series)."""
+        if self._routes is None:
+            app = self._app_of(self.models[0])
+            self._routes = set(self._own) | {getattr(r, "path", "") for r in
+                                             app.app.routes}
+        return path if path in self._routes else "other"
 
     # ------------------------------------------------------------ picking a model
     async def _pick(self, request: Request, receive: Any, tenant: str
@@ -447,9 +462,16 @@ class ModelRouter:
         for m in self.models:
             if m.loaded:
                 texts[m.name] = await asyncio.to_thread(m.server.metrics.render)
-        lines = ["# HELP ember_models_loaded Models loaded by the router.",
-                 "# TYPE ember_models_loaded gauge",
-                 f"ember_models_loaded {sum(m.state == 'loaded' for m in self.models)}"]
+        lines = family("ember_models_loaded", "gauge", "Models loaded by the router.",
+                       [("", sum(m.state == "loaded" for m in self.models))])
+        lines += family("ember_router_http_responses_total", "counter",
+                        "HTTP responses the router gave itself (its own routes, and "
+                        "requests refused before reaching a model), by route and status.",
+                        [(f'{{route="{route}",status="{status}"}}', n)
+                         for (route, status), n in sorted(self.http.items())])
+        lines += family("ember_router_slow_connections_closed_total", "counter",
+                        "Connections the router closed for sending too slowly.",
+                        [("", self.slow_closes)])
         return PlainTextResponse("\n".join(lines + merge_metrics(texts)) + "\n",
                                  media_type="text/plain; version=0.0.4")
 

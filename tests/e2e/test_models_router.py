@@ -122,8 +122,34 @@ def test_metrics_label_each_models_samples(router):
     names = [f.name for f in families]
     assert len(names) == len(set(names))
     models = {s.labels.get("model") for f in families for s in f.samples
-              if f.name != "ember_models_loaded"}
+              if not f.name.startswith(("ember_models_loaded", "ember_router_"))}
     assert "tiny-llama" in models
+
+
+def _router_counts(url: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(headers=AUTH, url=f"{url}/metrics", timeout=30).text
+    return {(s.labels["route"], s.labels["status"]): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "ember_router_http_responses" for s in f.samples
+            if s.name.endswith("_total")}
+
+
+def test_the_routers_own_refusals_are_counted(router):
+    """A 401, a 404 for an unknown model and a 405 that the router answers before any
+    model sees the request are in /metrics, by route and status; a made-up path is
+    "other", never a series of its own."""
+    before = _router_counts(router.url)
+    chat = "/v1/chat/completions"
+    httpx.post(f"{router.url}{chat}", timeout=30, json={"model": "tiny-llama",
+                                                         "messages": ASK})
+    httpx.post(f"{router.url}{chat}", timeout=30, headers=AUTH,
+               json={"model": "nope", "messages": ASK})
+    httpx.post(f"{router.url}/v1/models", timeout=30, headers=AUTH)
+    httpx.post(f"{router.url}/made/up/path", timeout=30, json={"model": "nope"})
+    after = _router_counts(router.url)
+    for key in ((chat, "401"), (chat, "404"), ("/v1/models", "405"), ("other", "401")):
+        assert after.get(key, 0) == before.get(key, 0) + 1, (key, after)
+    assert not any(route.startswith("/made") for route, _ in after)
 
 
 def _entry(router, name: str):
