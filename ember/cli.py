@@ -71,6 +71,15 @@ def _add_kv_flags(s: argparse.ArgumentParser) -> None:
                    help="hybrid models (Qwen 3.5): room for snapshots of recurrent state, "
                         "without which their cached prefixes cannot be used (0: no prefix "
                         "reuse for them; default 256M)")
+    s.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV-cache events in vLLM's wire format on a ZMQ PUB socket "
+                        "bound here, for routers that route by prefix (llm-d, Dynamo; "
+                        "docs/scaling.md)")
+    s.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="with --kv-events-endpoint: a ROUTER socket replaying missed "
+                        "event batches from a sequence number")
+    s.add_argument("--kv-events-topic", default="",
+                   help="the topic frame of each published batch (default: empty)")
 
 
 
@@ -89,7 +98,10 @@ def _loras(specs: list[str]) -> dict[str, str]:
 def _kv_options(args: argparse.Namespace) -> dict:
     return dict(kv_dtype=args.kv_dtype, kv_cache_dir=args.kv_cache_dir,
                 kv_disk_bytes=args.kv_disk_bytes, kv_fsync=args.kv_fsync,
-                kv_restore=args.kv_restore, state_snapshot_bytes=args.state_snapshot_bytes)
+                kv_restore=args.kv_restore, state_snapshot_bytes=args.state_snapshot_bytes,
+                kv_events_endpoint=args.kv_events_endpoint,
+                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+                kv_events_topic=args.kv_events_topic)
 
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -144,6 +156,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if several and args.kv_cache_dir:
         raise ValueError("--kv-cache-dir serves one model: with several, a tenant's purge "
                          "could not reach the disk tier of a model that is not loaded")
+    if several and args.kv_events_endpoint:
+        raise ValueError("--kv-events-endpoint publishes one engine's blocks: with several "
+                         "models, run one server per model behind the router")
     if several and args.served_model_name:
         raise ValueError("--served-model-name names one model; with several, each is "
                          "named by its file (or alias)")
@@ -307,6 +322,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--replicas must be >= 1 (and --ray-address needs it)")
     if args.replicas and config.models:
         raise ValueError("--replicas serves one model; several models run in one process")
+    if args.replicas and args.kv_events_endpoint:
+        raise ValueError("--kv-events-endpoint publishes one engine's blocks: behind an "
+                         "external router, run one ember serve per replica")
     prefill = _prefill_replicas(args.prefill_replicas, args.replicas)
     if not args.replicas:
         return run_server(config, args.host, args.port, args.graceful_seconds)

@@ -96,6 +96,10 @@ class EngineConfig:
     # its drift from f32 KV is KL < 1e-5, within q4's noise, at half the bytes (`ember eval`)
     kv_dtype: str = "f16"
     kv_cache_dir: str | None = None  # a disk tier for the prefix cache (docs/kv-cache.md)
+    # publish KV-cache events in vLLM's wire format (ZMQ PUB; docs/scaling.md)
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
     # per tenant name (EVERY_TENANT: the rest): running and queued requests at once
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
     kv_disk_bytes: int = 16 * 1024**3  # the disk tier's budget (LRU beyond it)
@@ -153,6 +157,11 @@ class EngineConfig:
                                 f"got {self.kv_fsync!r}")
         if self.kv_cache_dir is not None and not self.enable_prefix_caching:
             raise InvalidConfig("kv_cache_dir needs the prefix cache (enable_prefix_caching)")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise InvalidConfig("kv_events_endpoint needs the prefix cache "
+                                "(enable_prefix_caching): its events are the cache's")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidConfig("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_restore not in ("auto", "always"):
             raise InvalidConfig(f"kv_restore must be 'auto' or 'always', got {self.kv_restore!r}")
         if self.speculation not in ("auto", "off"):

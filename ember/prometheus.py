@@ -31,12 +31,17 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def render(self) -> list[str]:
-        lines = family(self.name, "histogram", self.help, [])
+    def render(self, name: str | None = None, labels: str = "") -> list[str]:
+        """The histogram's lines, under ``name`` (default its own) with ``labels``
+        (``k="v",...``, without braces) on every sample."""
+        name = name or self.name
+        more = f",{labels}" if labels else ""
+        lines = family(name, "histogram", self.help, [])
         cumulative = 0
         for bound, count in zip(self.buckets, self.counts, strict=False):
             cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.n}')
-        lines += [f"{self.name}_sum {self.total}", f"{self.name}_count {self.n}"]
+            lines.append(f'{name}_bucket{{le="{bound}"{more}}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"{more}}} {self.n}')
+        tail = f"{{{labels}}}" if labels else ""
+        lines += [f"{name}_sum{tail} {self.total}", f"{name}_count{tail} {self.n}"]
         return lines

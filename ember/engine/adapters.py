@@ -116,6 +116,12 @@ class LoRARegistry:
             raise InvalidRequest("lora", f"no LoRA adapter {name!r} is loaded", name)
         return adapter
 
+    def name_of(self, identity: bytes) -> str | None:
+        """The name the adapter with ``identity`` is registered under (None: none)."""
+        with self._lock:
+            return next((n for n, e in self._entries.items() if e.identity == identity),
+                        None)
+
     def unload(self, name: str) -> None:
         """Forget adapter ``name``; requests already running with it finish with it."""
         with self._lock:

@@ -61,6 +61,7 @@ from ember.engine.verify import (
 )
 from ember.errors import InvalidDecodeState
 from ember.kv.blocks import KV_DTYPES, KVStorage, OutOfBlocks
+from ember.kv.events import KVEvents, ZmqPublisher
 from ember.kv.manager import KVCacheManager
 from ember.kv.prefix import tenant_name, tenant_scope
 from ember.models.footprint import memory_summary
@@ -113,6 +114,7 @@ class LLMEngine:
         self.loras = LoRARegistry(cfg, config.max_lora_rank, config.max_loras,
                                   LoRARegistry.dtype_for(config.lora_dtype, self.loaded.model),
                                   lambda tenant: config.limits_for(tenant).max_adapters)
+        self.kv_events = self._publish_kv_events(storage)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, StepCostModel(),
                                    lambda tenant: config.limits_for(tenant).max_running,
@@ -205,7 +207,26 @@ class LLMEngine:
         elif self.kv.tier is not None:
             self.kv.tier.wait_for_reads(0.005)  # only disk reads to wait for: do not spin
         self._retire()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         return [output(r) for r in dict.fromkeys(changed)]
+
+    def _publish_kv_events(self, storage: KVStorage) -> KVEvents | None:
+        """With ``kv_events_endpoint``: the prefix cache's events, published from a
+        thread of their own, starting with AllBlocksCleared (a restarted engine holds
+        nothing a router may remember of it)."""
+        c = self.config
+        if c.kv_events_endpoint is None or self.kv.prefix is None:
+            return None
+        self.events_publisher = ZmqPublisher(c.kv_events_endpoint,
+                                             c.kv_events_replay_endpoint, c.kv_events_topic)
+        medium = "GPU" if getattr(getattr(storage, "pool", None), "is_cuda", False) else "CPU"
+        events = KVEvents(self.events_publisher.publish, c.block_size, medium,
+                          self.loras.name_of)
+        events.cleared()
+        events.flush()
+        self.kv.prefix.events = events
+        return events
 
     def output(self, req: Request) -> RequestOutput:
         return output(req)
@@ -340,7 +361,10 @@ class LLMEngine:
     def purge_cache(self, tenant: str | None) -> dict[str, int]:
         """Forget ``tenant``'s cached prefixes in RAM (engine thread); see
         :meth:`KVTransfer.purge`."""
-        return self.transfer.purge(tenant_scope(self.intake.model_salt, tenant))
+        removed = self.transfer.purge(tenant_scope(self.intake.model_salt, tenant))
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return removed
 
     def purge_disk(self, tenant: str | None) -> dict[str, int]:
         """Delete ``tenant``'s blocks from the KV disk tier (any thread, after
@@ -370,6 +394,8 @@ class LLMEngine:
         self.transfer.flush()
         if self.loaded.model.experts is not None:
             self.loaded.model.experts.flush()
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     # ---------------------------------------------------------------- introspection
     @property

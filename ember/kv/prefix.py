@@ -113,6 +113,15 @@ class Spill(Protocol):
               tokens: tuple[int, ...]) -> None: ...
 
 
+class KVEventSink(Protocol):
+    """Who hears of blocks becoming findable and ceasing to be (ember.kv.events)."""
+
+    def stored(self, key: bytes, parent_key: bytes | None, tokens: Sequence[int],
+               salt: bytes) -> None: ...
+
+    def removed(self, key: bytes) -> None: ...
+
+
 class _FairLRU:
     """Evictable blocks, least recently used first, one order per tenant scope."""
 
@@ -161,6 +170,7 @@ class PrefixCache:
         self._evictable = _FairLRU()
         self._held: Counter[bytes] = Counter()  # cached blocks per tenant scope
         self.spill: Spill | None = None
+        self.events: KVEventSink | None = None  # a router's view (ember.kv.events)
         # the most blocks a tenant scope may keep cached (None: no cap of its own)
         self.cap: Callable[[bytes], int | None] = lambda scope: None
         self._stored: set[int] = set()  # cached blocks the spill already has
@@ -253,6 +263,8 @@ class PrefixCache:
         self.version += 1
         self._entries[block] = _Entry(key, serial, parent, salt, tokens, parent_key)
         self._held[tenant_of(salt)] += 1
+        if self.events is not None:
+            self.events.stored(key, None if parent == ROOT else parent_key, tokens, salt)
         if stored:
             self._stored.add(block)
         self.allocator.incref(block)
@@ -319,6 +331,8 @@ class PrefixCache:
         entry = self._entries.pop(block)
         del self._by_key[entry.key]
         self.version += 1
+        if self.events is not None:
+            self.events.removed(entry.key)
         self._evictable.pop(block)
         scope = tenant_of(entry.salt)
         self._held[scope] -= 1

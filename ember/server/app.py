@@ -97,7 +97,8 @@ class Server:
         # a set of replicas on Ray Serve behind the same interface)
         self.thread: Backend | None = None
         self.load_error: str | None = None
-        self.metrics = Metrics(self._engine_stats, self._extra_metrics)
+        self.metrics = Metrics(self._engine_stats, self._extra_metrics,
+                               self._metrics_model_name, config.engine.max_loras)
         self.telemetry = Telemetry(config.otlp_traces_endpoint, config.trace_content,
                                    config.request_log)
         self._start = start or (lambda: backend.local(config.engine))
@@ -160,6 +161,12 @@ class Server:
         """How the served model takes tools (its template, probed once)."""
         loaded = self.engine.loaded
         return tools.tool_style(loaded.chat_template, loaded.tokenizer)
+
+    def _metrics_model_name(self) -> str:
+        """The name requests use for the model (before it loads: as configured)."""
+        if not self.ready:
+            return self.config.served_model_name or self.config.engine.model
+        return self.model_names()[0]
 
     def model_names(self) -> list[str]:
         engine = self.engine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +18,11 @@ from ember.prometheus import Histogram, family
 
 class Metrics:
     def __init__(self, engine_stats: Callable[[], dict[str, Any]],
-                 extra: Callable[[], list[str]] = lambda: []) -> None:
+                 extra: Callable[[], list[str]] = lambda: [],
+                 model_name: Callable[[], str] = lambda: "",
+                 max_loras: int = 0) -> None:
         self._engine_stats = engine_stats
+        self._model_name, self._max_loras = model_name, max_loras
         self._extra = extra  # more families (the replicas' and the router's)
         self._lock = threading.Lock()
         self.ttft = Histogram("ember_time_to_first_token_seconds", "Time to first token.")
@@ -153,7 +157,55 @@ class Metrics:
                              for (route, status), n in sorted(self.http.items())])
             for h in (self.ttft, self.itl, self.e2e, self.queue):
                 lines += h.render()
+            lines += self._vllm_lines(s)
         return "\n".join(lines) + "\n"
+
+    def _vllm_lines(self, s: dict[str, Any]) -> list[str]:
+        """The same figures under the names vLLM exports, labelled ``model_name``: what
+        routers that score replicas scrape (llm-d's inference scheduler, the Gateway
+        API inference extension, KServe, the vLLM production stack). Caller holds the
+        lock."""
+        model = f'model_name="{_label(self._model_name())}"'
+        total = s.get("kv_blocks_total", 0)
+        usage = s.get("kv_blocks_used", 0) / total if total else 0.0
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, value: Any) -> None:
+            lines.extend(family(f"vllm:{name}", kind, help, [(f"{{{model}}}", value)]))
+
+        metric("num_requests_running", "gauge", "Requests running (ember_requests_running).",
+               s.get("requests_running", 0))
+        metric("num_requests_waiting", "gauge", "Requests waiting (ember_requests_waiting).",
+               s.get("requests_waiting", 0))
+        metric("kv_cache_usage_perc", "gauge", "Share of KV blocks in use, 0-1.", usage)
+        metric("gpu_cache_usage_perc", "gauge", "The same share, under the name vLLM "
+               "used before 0.10 (read by older routers), on CPU too.", usage)
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up.",
+               s.get("prefix_cache_queries", 0))
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens served from cache.",
+               s.get("prefix_cache_hits", 0))
+        metric("num_preemptions_total", "counter", "Requests preempted.",
+               s.get("preemptions", 0))
+        metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+               self.prompt_tokens)
+        metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
+               self.generation_tokens)
+        running, waiting = (",".join(s.get(k, [])) for k in ("lora_running", "lora_waiting"))
+        lines += family("vllm:lora_requests_info", "gauge",
+                        "Adapters of running and waiting requests (value: the time of the "
+                        "scrape, as vLLM sets it).",
+                        [(f'{{max_lora="{self._max_loras}",running_lora_adapters='
+                          f'"{_label(running)}",waiting_lora_adapters="{_label(waiting)}"}}',
+                          time.time())])
+        lines += family("vllm:request_success_total", "counter", "Finished requests by "
+                        "finish reason.", [(f'{{finished_reason="{r}",{model}}}', n)
+                                           for r, n in sorted(self.finished.items())])
+        for h, name in ((self.ttft, "time_to_first_token_seconds"),
+                        (self.itl, "inter_token_latency_seconds"),
+                        (self.e2e, "e2e_request_latency_seconds"),
+                        (self.queue, "request_queue_time_seconds")):
+            lines += h.render(f"vllm:{name}", model)
+        return lines
 
 
 _TENANT_GAUGES = (

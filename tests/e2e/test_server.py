@@ -741,6 +741,40 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_gguf, e2e_l
 
 
 # ====================================================================== 15. metrics
+def test_metrics_also_carry_vllms_names(client, model, smol_server):
+    """Routers that score replicas by vLLM's metric names read ember's figures under
+    them: each vllm: series labelled with the served model name and equal to ember's
+    own, the text parsed by prometheus_client (one HELP/TYPE per family)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(model=model, messages=user("hi"), max_tokens=3)
+    text = httpx.get(smol_server.url + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {KEY_A}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    m = smol_server.metrics()
+    label = f'{{model_name="{model}"}}'
+    pairs = {"num_requests_running": "ember_requests_running",
+             "num_requests_waiting": "ember_requests_waiting",
+             "prefix_cache_queries_total": "ember_prefix_cache_queries_total",
+             "prefix_cache_hits_total": "ember_prefix_cache_hits_total",
+             "num_preemptions_total": "ember_preemptions_total",
+             "prompt_tokens_total": "ember_prompt_tokens_total",
+             "generation_tokens_total": "ember_generation_tokens_total",
+             "time_to_first_token_seconds_count": "ember_time_to_first_token_seconds_count",
+             "e2e_request_latency_seconds_count": "ember_e2e_request_latency_seconds_count"}
+    for theirs, ours in pairs.items():
+        assert m[f"vllm:{theirs}{label}"] == m[ours], theirs
+    usage = m["ember_kv_blocks_used"] / m["ember_kv_blocks_total"]
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == pytest.approx(usage)
+    assert m[f'vllm:request_success_total{{finished_reason="length",model_name="{model}"}}'] \
+        == m['ember_request_finished_total{finish_reason="length"}']
+    info = families["vllm:lora_requests_info"].samples[0]
+    assert info.labels == {"max_lora": "8", "running_lora_adapters": "",
+                           "waiting_lora_adapters": ""}
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+
+
+# ====================================================================== 15. metrics
 def test_metrics_expose_the_ember_series(client, model, smol_server):
     for _ in range(2):  # the second one hits the cache; both finish with "length"
         client.chat.completions.create(model=model, messages=user("hi"), max_tokens=3)
