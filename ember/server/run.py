@@ -46,6 +46,7 @@ class Serving:
             self.server = Server(config, start)
             app = AdmissionGate(create_app(self.server), self.server)
             slow_close, abort_all = self.server.metrics.count_slow_close, self.server.abort_all
+        self.app = app
         # uvicorn cancels whatever is still running after its own timeout; ember aborts
         # the generations first, at ``graceful_seconds``, and leaves uvicorn time to
         # flush them.
