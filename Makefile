@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: install run test check oracle lint browser bench clean
+.PHONY: install run test check oracle fuzz lint browser bench clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,17 @@ test: install lint browser
 check: install lint
 	EMBER_TEST_DURATIONS=bench-results/check-durations.json EMBER_SUITE_BUDGET=$(CHECK_BUDGET) \
 	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --ignore=tests/e2e
+
+# Coverage-guided fuzzing of the file readers (GGUF + loader, LoRA GGUF and PEFT, the KV
+# disk tier's blocks, chat templates) under atheris, FUZZ_SECONDS each; a finding stops
+# its target and leaves the input as crash-* in bench-results/fuzz/TARGET. `make test`
+# runs the same targets on a bounded number of mutations (tests/test_fuzz_files.py).
+FUZZ_SECONDS ?= 120
+FUZZ_TARGETS ?= gguf_model lora_gguf lora_peft kv_block chat_template
+fuzz: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'atheris>=2.3'
+	@for t in $(FUZZ_TARGETS); do mkdir -p bench-results/fuzz/$$t && (cd bench-results/fuzz/$$t \
+	  && ../../../$(BIN)/python ../../../scripts/fuzz.py $$t --seconds $(FUZZ_SECONDS)) || exit 1; done
 
 # The checks against llama.cpp itself, which `make test` skips (they need llama-cpp-python,
 # built from source: several minutes): every converted family's logits, a LoRA adapter's

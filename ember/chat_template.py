@@ -40,6 +40,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import SandboxedEnvironment
 
 from ember.errors import ChatTemplateError, InvalidMessage
+from ember.template_sandbox import BoundedEnvironment, check_width, render_bounded
 
 # Plain ChatML, for callers that opt in when a GGUF carries no template.
 CHATML_TEMPLATE = (
@@ -63,6 +64,8 @@ def _tojson(
 ) -> str:
     # Jinja's own tojson HTML-escapes '<', '>', '&' and "'"; chat templates need
     # the JSON verbatim (tool schemas), as transformers renders it.
+    # its output is then linear in its input
+    check_width(len(indent) if isinstance(indent, str) else indent, "tojson indent")
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
         sort_keys=sort_keys, default=_listed)
@@ -94,7 +97,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> SandboxedEnvironment:
-    env = SandboxedEnvironment(
+    env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", _Generation],
@@ -236,9 +239,8 @@ class ChatTemplate:
                 [t.get("function", t) for t in extra.get("tools") or []], indent=2))
             variables.setdefault("datetime", datetime.now().strftime("%b %d %Y %H:%M:%S GMT"))
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables
-            )
+            return render_bounded(self._template, dict(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables))
         except ChatTemplateError:
             raise
         except Exception as e:  # any failure inside the template is the template's error

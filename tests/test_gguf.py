@@ -383,12 +383,15 @@ def _key(name: str) -> bytes:
          "tensor 't' has unknown ggml type 99"),
         (_header_only(_key("t") + struct.pack("<IQIQ", 1, 4, 8, 0), n_tensors=1, n_kv=0),
          "row length 4 is not a multiple of the Q8_0 block size 32"),
-        (_header_only(_key("t") + struct.pack("<IQQIQ", 2, 2**40, 2**40, 0, 0), n_tensors=1,
+        (_header_only(_key("t") + struct.pack("<IQQIQ", 2, 2**30, 2**30, 0, 0), n_tensors=1,
                       n_kv=0), "truncated file: tensor 't'"),
+        (_header_only(_key("t") + struct.pack("<IQQIQ", 2, 0, 2**40, 0, 0), n_tensors=1,
+                      n_kv=0), "tensor 't' has a dimension above"),
     ],
     ids=["value-type", "array-item-type", "deep-nesting", "huge-array", "huge-string-array",
          "huge-key", "huge-kv-count", "zero-alignment", "string-alignment", "too-many-dims",
-         "unknown-tensor-type", "partial-block", "huge-tensor"],
+         "unknown-tensor-type", "partial-block", "huge-tensor",
+         "huge-side"],
 )
 def test_malformed_header(tmp_path: Path, data: bytes, message: str) -> None:
     path = _scratch(tmp_path, data)

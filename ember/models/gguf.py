@@ -41,6 +41,7 @@ from ember.errors import GGUFError
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_ARRAY_NESTING = 8  # arrays of arrays deeper than this are corrupt, not data
+MAX_DIM = (1 << 31) - 1  # the longest side of a tensor ember reads
 
 
 class GGMLType(IntEnum):
@@ -384,6 +385,11 @@ class GGUFFile:
             if n_dims > 8:
                 raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dims")
             ne = [cur.scalar("<Q") for _ in range(n_dims)]
+            if any(d > MAX_DIM for d in ne):
+                # (no real tensor has a side this long; a bigger one only serves to make
+                # size arithmetic overflow, the class of llama.cpp's GGUF CVEs)
+                raise GGUFError(f"{self.path}: tensor {name!r} has a dimension above "
+                                f"{MAX_DIM}: {ne}")
             ggml_type = cur.scalar("<I")
             rel_offset = cur.scalar("<Q")
             infos.append((name, ne, ggml_type, rel_offset))

@@ -231,7 +231,7 @@ def _gguf(path: Path, cfg: ModelConfig, max_bytes: int
         if g.architecture != cfg.architecture:
             raise LoRAError(f"{path.name}: adapter for architecture {g.architecture!r}, "
                             f"the base model is {cfg.architecture!r}")
-        alpha = float(g.metadata.get("adapter.lora.alpha", 0.0))
+        alpha = _number(path, "adapter.lora.alpha", g.metadata.get("adapter.lora.alpha", 0.0))
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for tensor in g.tensors:
             base, _, part = tensor.rpartition(".")
@@ -245,6 +245,9 @@ def _gguf(path: Path, cfg: ModelConfig, max_bytes: int
                             "lora_b")
         layer, target = _gguf_target(path, base)
         a, b = parts["lora_a"], parts["lora_b"]
+        if a.dim() != 2 or b.dim() != 2 or not a.shape[0]:
+            raise LoRAError(f"{path.name}: {base}: lora_a {tuple(a.shape)} / lora_b "
+                            f"{tuple(b.shape)} are not matrices of a rank of at least 1")
         raw[(layer, target)] = (a, b, alpha / a.shape[0] if alpha else 1.0)
     return raw, identity
 
@@ -268,17 +271,21 @@ def _peft(path: Path, cfg: ModelConfig, max_bytes: int
         _regular_file(f, limit)
     identity = _file_hash([config_file, weights_file])
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_bytes())
     except ValueError as e:
         raise LoRAError(f"{config_file}: not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{config_file}: not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
     for flag in ("use_dora", "fan_in_fan_out"):
         if config.get(flag):
             raise LoRAError(f"{config_file}: {flag} is not supported")
     tensors = _read_safetensors(weights_file)
-    alpha = float(config.get("lora_alpha", 8))
+    alpha = _number(config_file, "lora_alpha", config.get("lora_alpha", 8))
     patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"{config_file}: alpha_pattern is not an object")
     rslora = bool(config.get("use_rslora"))
     raw = {}
     for key, a in tensors.items():
@@ -295,11 +302,21 @@ def _peft(path: Path, cfg: ModelConfig, max_bytes: int
         if target is None:
             raise LoRAError(f"{weights_file.name}: target module {module!r} is not supported "
                             f"(supported: {', '.join(PEFT_MODULES)})")
+        if a.dim() != 2 or tensors[b_key].dim() != 2 or not a.shape[0]:
+            raise LoRAError(f"{weights_file.name}: {key} and {b_key} must be matrices, "
+                            f"not of shapes {tuple(a.shape)} / {tuple(tensors[b_key].shape)}")
         r = a.shape[0]
-        a_alpha = float(next((v for k, v in patterns.items() if key.find(k) >= 0), alpha))
+        a_alpha = _number(config_file, "alpha_pattern", next(
+            (v for k, v in patterns.items() if key.find(k) >= 0), alpha))
         scale = a_alpha / (math.sqrt(r) if rslora else r)
         raw[(layer, target)] = (a, _as_gguf_rows(tensors[b_key], target, cfg), scale)
     return raw, identity
+
+
+def _number(f: Path, field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LoRAError(f"{f}: {field} {value!r} is not a number")
+    return float(value)
 
 
 def _peft_target(f: Path, key: str) -> tuple[int, str]:
@@ -317,6 +334,8 @@ def _as_gguf_rows(b: torch.Tensor, target: str, cfg: ModelConfig) -> torch.Tenso
     if cfg.rope_neox or target not in ("attn_q", "attn_k"):
         return b
     heads = cfg.n_heads if target == "attn_q" else cfg.n_kv_heads
+    if b.dim() != 2 or b.shape[0] % (2 * heads):
+        return b  # not this base's projection: refused by its shape check
     return (b.reshape(heads, 2, b.shape[0] // heads // 2, *b.shape[1:])
             .swapaxes(1, 2).reshape(b.shape))
 
@@ -326,28 +345,56 @@ _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors (the format: an 8-byte header length, a JSON header
-    of dtype/shape/offsets, then the bytes), as float32."""
+    of dtype/shape/offsets, then the bytes), as float32. Every length, shape and offset
+    is checked against the file before anything is read or allocated."""
     data = path.read_bytes()
+    if len(data) < 8:
+        raise LoRAError(f"{path.name}: not a safetensors file: {len(data)} bytes")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise LoRAError(f"{path.name}: not a safetensors file: its header length {n} "
+                        f"passes the end of the file ({len(data)} bytes)")
     try:
-        (n,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8:8 + n])
-    except (struct.error, ValueError) as e:
+    except ValueError as e:
         raise LoRAError(f"{path.name}: not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise LoRAError(f"{path.name}: not a safetensors file: its header is not an object")
+    body = memoryview(data)[8 + n:]
     out = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise LoRAError(f"{path.name}: {key}: dtype {info['dtype']} is not supported")
-        lo, hi = info["data_offsets"]
-        body = data[8 + n + lo:8 + n + hi]
-        arr = np.frombuffer(body, dtype=dtype).reshape(info["shape"])
-        t = torch.from_numpy(arr.copy())
-        if info["dtype"] == "BF16":
-            t = (t.to(torch.int32) << 16).view(torch.float32)
-        out[key] = t.float()
+        out[key] = _safetensor(path, key, info, body)
     return out
+
+
+def _safetensor(path: Path, key: str, info: Any, body: memoryview) -> torch.Tensor:
+    where = f"{path.name}: {key}"
+    if not isinstance(info, dict):
+        raise LoRAError(f"{where}: its header entry is not an object")
+    dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"),
+                                                                    str) else None
+    if dtype is None:
+        raise LoRAError(f"{where}: dtype {info.get('dtype')!r} is not supported")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise LoRAError(f"{where}: shape {shape!r} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= len(body)):
+        raise LoRAError(f"{where}: data_offsets {offsets!r} are not within the file's "
+                        f"{len(body)} data bytes")
+    count = math.prod(shape)
+    if count * np.dtype(dtype).itemsize != offsets[1] - offsets[0]:
+        raise LoRAError(f"{where}: shape {shape} needs {count * np.dtype(dtype).itemsize} "
+                        f"bytes, its offsets hold {offsets[1] - offsets[0]}")
+    arr = np.frombuffer(body[offsets[0]:offsets[1]], dtype=dtype).reshape(shape)
+    t = torch.from_numpy(arr.copy())
+    if info["dtype"] == "BF16":
+        t = (t.to(torch.int32) << 16).view(torch.float32)
+    return t.float()
 
 
 def _file_hash(files: Sequence[Path]) -> bytes:

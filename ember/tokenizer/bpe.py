@@ -90,12 +90,15 @@ class BpeBackend:
         self.add_bos = pre.add_bos
         self.force_bos = pre.force_bos
         vocab = owner.token_to_id
-        bpe = models.BPE(
-            vocab=vocab,
-            merges=[pair for pair in map(_split_merge, merges) if pair is not None],
-            ignore_merges=pre.ignore_merges,
-            byte_fallback=pre.spm_style,
-        )
+        try:
+            bpe = models.BPE(
+                vocab=vocab,
+                merges=[pair for pair in map(_split_merge, merges) if pair is not None],
+                ignore_merges=pre.ignore_merges,
+                byte_fallback=pre.spm_style,
+            )
+        except Exception as e:  # the tokenizers library's own (a merge of unknown tokens)
+            raise TokenizerError(f"the BPE vocabulary and merges do not fit: {e}") from None
         self.hf = HFTokenizer(bpe)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         if pre.spm_style:
