@@ -184,6 +184,48 @@ def test_a_stream_is_not_admitted_beyond_what_its_tpot_allows(make_tiny_engine):
     assert any(r.num_output == 0 for r in reqs)
 
 
+def test_streams_that_got_more_than_their_tpot_shrink_the_batch(make_tiny_engine):
+    """Pace: finished requests whose TPOT (as they got it, all overheads included) passed
+    90% of their objective scale the step plan down in proportion, so fewer streams are
+    seated (here about 0.7 × 0.5 × 50 − 10 = 7 rows instead of 25); requests under it
+    let the scale recover, never past the prediction itself."""
+    from ember.engine.pace import MIN_SCALE, TARGET
+
+    engine = engine_with(make_tiny_engine, max_num_seqs=64)
+    pace = engine.scheduler.pace
+    pace.observe(0.05 * TARGET * 2, 0.05)  # it got twice what the plan allows
+    assert pace.scale == pytest.approx(0.5)
+    reqs = [engine.add_request(prompt(4, i), SamplingParams(
+        temperature=0, max_tokens=100, ignore_eos=True), slo=SLO(tpot=0.05))
+        for i in range(40)]
+    for _ in range(5):
+        engine.step()
+    assert 5 <= len(engine.scheduler.running) <= 8, len(engine.scheduler.running)
+    assert engine.scheduler.step_time_limit() == pytest.approx(STALL_MARGIN * 0.5 * 0.05)
+    for _ in range(500):
+        pace.observe(0.01, 0.05)
+    assert 0.99 < pace.scale <= 1.0
+    for _ in range(50):
+        pace.observe(10.0, 0.05)
+    assert pace.scale == MIN_SCALE
+    assert any(r.num_output == 0 for r in reqs)
+
+
+def test_finished_requests_report_the_tpot_they_got(make_tiny_engine):
+    """The scheduler feeds pace from each finished request with an objective: its
+    time from first token to the end over its tokens."""
+    engine = engine_with(make_tiny_engine)
+    seen = []
+    engine.scheduler.pace.observe = lambda tpot, objective: seen.append((tpot, objective))
+    req = engine.add_request(prompt(4, 1), SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), slo=SLO(tpot=0.05))
+    started = time.monotonic()
+    while not req.is_finished:
+        engine.step()
+    assert len(seen) == 1 and seen[0][1] == 0.05
+    assert 0 < seen[0][0] <= (time.monotonic() - started) / 5
+
+
 # ---------------------------------------------------------------- admission by predicted TTFT
 def _queue_backlog(engine: LLMEngine, tokens: int = 1000) -> None:
     for i in range(tokens // 100):

@@ -99,6 +99,7 @@ def snapshot(scheduler: Scheduler, kv: KVCacheManager, commit: Commit, steps: in
         "prefix_cache_queries": prefix.queries if prefix else 0,
         "prefix_cache_hits": prefix.hits if prefix else 0,
         "preemptions": scheduler.num_preemptions,
+        "pace_scale": scheduler.pace.scale,
         # the adapters running and waiting requests use (vLLM's lora_requests_info)
         "lora_running": sorted({r.lora.name for r in scheduler.running if r.lora}),
         "lora_waiting": sorted({r.lora.name for r in scheduler.waiting if r.lora}),

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 from ember.engine.costs import StepCostModel, StepShape
 from ember.engine.forecast import MIN_PREFILL, Forecast
-from ember.engine.request import Request, RequestStatus
+from ember.engine.pace import Pace
+from ember.engine.request import FinishReason, Request, RequestStatus
 from ember.engine.runner import ScheduledRow
 from ember.kv.manager import KVCacheManager
 from ember.spec.gate import allocate
@@ -91,6 +92,7 @@ class Scheduler:
         self._admitted = 0
         self.num_preemptions = 0
         self.forecast = Forecast(self)
+        self.pace = Pace()  # the share of TPOT objectives steps are planned to
 
     @property
     def num_unfinished(self) -> int:
@@ -108,6 +110,11 @@ class Scheduler:
         """Drop finished requests from both queues and release their blocks."""
         done = [r for r in self.running if r.is_finished]
         done += [r for r in self.waiting if r.is_finished]
+        now = time.monotonic()
+        for req in done:
+            if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.pace.observe_finished(req.first_token_time, now, req.num_output,
+                                           req.slo_tpot)
         if done:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = [r for r in self.waiting if not r.is_finished]
@@ -201,7 +208,7 @@ class Scheduler:
         """The step duration that keeps every decoding stream within its TPOT objective."""
         tpots = [r.slo_tpot for r in self.running
                  if r.slo_tpot is not None and r.remaining_prefill == 1]
-        return STALL_MARGIN * min(tpots) if tpots else math.inf
+        return STALL_MARGIN * self.pace.scale * min(tpots) if tpots else math.inf
 
     def _hand_out_prompt_tokens(self, out: SchedulerOutput, limit: float,
                                 prefill_limit: float) -> None:
@@ -281,7 +288,7 @@ class Scheduler:
         """Whether one more decoding stream keeps the decode rows within the objective
         (the candidate's own TPOT objective counts too)."""
         if req.slo_tpot is not None:
-            limit = min(limit, STALL_MARGIN * req.slo_tpot)
+            limit = min(limit, STALL_MARGIN * self.pace.scale * req.slo_tpot)
         if limit == math.inf or not self.running:
             # an idle engine runs it whatever the model predicts: the request cannot
             # wait for ever on a prediction only the steps it would run can correct

@@ -102,6 +102,9 @@ class Metrics:
                "Prompt tokens served from the prefix cache.", s.get("prefix_cache_hits", 0))
         metric("ember_preemptions_total", "counter", "Requests preempted for KV space.",
                s.get("preemptions", 0))
+        metric("ember_tpot_plan_scale", "gauge", "Share of the TPOT objectives the "
+               "scheduler plans steps to, corrected by what finished requests got (1: "
+               "as predicted; ember/engine/pace.py).", s.get("pace_scale", 1.0))
         lines += _disk_lines(s.get("kv_disk"))
         lines += _moe_lines(s.get("moe"))
         lines += _lora_lines(s.get("lora"))
