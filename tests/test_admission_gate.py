@@ -1,4 +1,5 @@
-"""The server's admission gate: 429 before routing while the queue is full, for
+"""The server's admission gate: 429 before routing while the queue is full, or while
+the engine's last quote already puts the key's tenant past the TTFT objective, for
 authenticated generation requests only."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from ember.engine.forecast import Quote
 from ember.server.app import AdmissionGate, Server
 from ember.server.config import ServerConfig
 
@@ -16,16 +18,23 @@ KEY = "sk-gate-test"
 
 
 class _Thread:
-    def __init__(self, full: bool) -> None:
-        self.full = full
+    def __init__(self, full: bool, quote: Quote | None = None) -> None:
+        self.full, self._quote = full, quote
 
     def queue_full(self) -> bool:
         return self.full
 
+    def quote(self) -> Quote | None:
+        return self._quote
+
+    def on_the_way(self) -> dict:
+        return {}
+
 
 def _call(gate: AdmissionGate, path: str, method: str = "POST",
-          auth: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-    headers = [(b"content-type", b"application/json")]
+          auth: str | None = None, body: bytes = b"") -> tuple[list[dict[str, Any]], bool]:
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
     if auth is not None:
         headers.append((b"authorization", auth.encode()))
     scope = {"type": "http", "path": path, "method": method, "headers": headers}
@@ -33,13 +42,14 @@ def _call(gate: AdmissionGate, path: str, method: str = "POST",
     reached = []
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         reached.append(scope["path"])
+        assert (await receive())["body"] == body  # the route reads the body the gate read
 
     gate.app = app
     asyncio.run(gate(scope, receive, send))
@@ -80,4 +90,48 @@ def test_everything_else_passes_through(server, path, method, auth):
 def test_a_queue_with_room_passes_through(server):
     server.thread = _Thread(full=False)  # type: ignore[assignment]
     sent, reached = _call(AdmissionGate(None, server), "/v1/responses", auth=f"Bearer {KEY}")
+    assert reached and not sent
+
+
+# 1,000 prompt tokens queued by each of two tenants, 100 per 0.1 s step: another tenant's
+# request waits for its fair share of them
+BACKLOG = Quote({(0, "tenant"): 1000, (0, "other"): 1000}, per_step=100, full_step=0.1,
+                empty_step=0.02)
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+@pytest.fixture
+def slo_server() -> Server:
+    s = Server(ServerConfig(api_keys={KEY: "tenant"}, slo_ttft=1.0))
+    s.thread = _Thread(full=False, quote=BACKLOG)  # type: ignore[assignment]
+    return s
+
+
+def test_a_queue_past_the_ttft_objective_refuses_before_routing(slo_server):
+    """The tenant's 1,000 queued tokens and its fair share of the other's: 2 s ahead
+    of any request of its own, against a 1 s objective."""
+    assert BACKLOG.ttft_at_least("tenant") == pytest.approx(2.0)
+    sent, reached = _call(AdmissionGate(None, slo_server), "/v1/chat/completions",
+                          auth=f"Bearer {KEY}", body=CHAT)
+    assert not reached
+    start, body = sent
+    assert start["status"] == 429
+    assert dict(start["headers"])[b"retry-after"] == b"2"  # ceil(2.0 - 0.9 s)
+    assert json.loads(body["body"])["error"]["code"] == "slo_unattainable"
+
+
+@pytest.mark.parametrize("body", [
+    json.dumps({"model": "m", "messages": [], "priority": -5}).encode(),  # may jump the queue
+    json.dumps({"model": "m", "messages": [], "slo": {"ttft_ms": 9000}}).encode(),
+], ids=["own-priority", "own-slo"])
+def test_what_the_gate_cannot_price_goes_to_the_exact_check(slo_server, body):
+    sent, reached = _call(AdmissionGate(None, slo_server), "/v1/chat/completions",
+                          auth=f"Bearer {KEY}", body=body)
+    assert reached and not sent
+
+
+def test_a_queue_within_the_objective_passes_with_its_body(slo_server):
+    slo_server.thread = _Thread(full=False, quote=Quote({}, 100, 0.1, 0.02))
+    sent, reached = _call(AdmissionGate(None, slo_server), "/v1/chat/completions",
+                          auth=f"Bearer {KEY}", body=CHAT)
     assert reached and not sent

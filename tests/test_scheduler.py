@@ -271,6 +271,63 @@ def test_admission_refuses_only_what_its_prediction_says_would_miss(make_tiny_en
     engine.kv.check_no_leaks() if not engine.has_unfinished() else None
 
 
+def test_a_request_the_last_quote_already_dooms_is_refused_while_prepared(make_tiny_engine):
+    """After a step, the engine's quote holds the backlog: preparing a request whose
+    queue ahead alone passes its TTFT objective raises Unattainable in the preparing
+    thread (the engine never sees it); a looser objective, or none, is prepared. The
+    quote never says more than the engine's own prediction (it is a lower bound)."""
+    from ember.engine.admission import TTFT_MARGIN, Unattainable
+
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
+    _queue_backlog(engine)
+    engine.step()
+    probe = engine.prepare(prompt(100, 3), GREEDY, tenant="a")[0]
+    exact = engine.scheduler.forecast.predict_ttft(probe)
+    own = engine.kv.uncached_at_least(probe)
+    assert own == len(probe.prompt_ids)  # nothing of it is cached
+    bound = engine.admission.quote.ttft_at_least("a", 0, own)
+    assert 0.5 * exact < bound <= exact
+    with pytest.raises(Unattainable) as refused:
+        engine.prepare(prompt(100, 4), GREEDY, tenant="a", slo=SLO(ttft=0.5 * bound))
+    assert refused.value.retry_after > 0
+    waiting = len(engine.scheduler.waiting)
+    engine.prepare(prompt(100, 5), GREEDY, tenant="a", slo=SLO(ttft=2 * bound / TTFT_MARGIN))
+    assert len(engine.scheduler.waiting) == waiting and engine.admission.quoted_refusals == 1
+
+
+def test_requests_prepared_against_one_quote_count_each_other(make_tiny_engine):
+    """Between two steps many requests are prepared against the same quote: each one
+    that passes counts for those after it until it reaches the queue (or is dropped),
+    so a burst cannot all pass a quote that only one of them fits."""
+    from ember.engine.admission import Unattainable
+
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
+    _queue_backlog(engine)
+    engine.step()
+    quote = engine.admission.quote
+    one, two = quote.ttft_at_least("a", 0, 100), quote.ttft_at_least("a", 0, 200)
+    assert one < two
+    slo = SLO(ttft=(one + two) / 2 / 0.9)  # room for one 100-token prompt, not two
+    first = engine.prepare(prompt(100, 6), GREEDY, tenant="a", slo=slo)
+    assert engine.admission.on_the_way() == {(0, "a"): 100}
+    with pytest.raises(Unattainable):
+        engine.prepare(prompt(100, 7), GREEDY, tenant="a", slo=slo)
+    engine.enqueue(first)  # it arrived: it is in the queue now, not on its way
+    assert engine.admission.on_the_way() == {}
+
+
+def test_the_quote_counts_what_the_prefix_cache_holds_of_a_prompt(make_tiny_engine):
+    """From the preparing thread: a prompt whose first 96 tokens a finished request of
+    the same tenant left in the cache has 4 to compute; another tenant's, all 100."""
+    engine = engine_with(make_tiny_engine)
+    ids = prompt(100, 9)
+    done = engine.add_request(ids, GREEDY, tenant="a")
+    while not done.is_finished:
+        engine.step()
+    assert engine.kv.uncached_at_least(engine.prepare(ids, GREEDY, tenant="a")[0]) == 4
+    assert engine.kv.uncached_at_least(engine.prepare(ids, GREEDY, tenant="b")[0]) == 100
+
+
 def test_another_tenants_backlog_counts_only_up_to_a_fair_share(make_tiny_engine):
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine, 2000)  # tenant a

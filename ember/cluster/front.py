@@ -131,6 +131,13 @@ class ReplicaSet:
     def queue_full(self) -> bool:
         return self._queued() >= self._capacity()
 
+    def quote(self) -> None:
+        """No quote: each replica's engine checks what it is sent."""
+        return None
+
+    def on_the_way(self) -> dict[tuple[int, str], int]:
+        return {}
+
     def _capacity(self) -> int:
         return self.config.max_queue * self.replicas
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 from ember.engine.commit import finish
+from ember.engine.forecast import Quote
 from ember.engine.intake import InvalidRequest
 from ember.engine.request import FinishReason, Request
 from ember.engine.scheduler import Scheduler
@@ -22,6 +24,7 @@ from ember.errors import EmberError
 # Share of a TTFT objective the engine plans for: the rest is for what happens outside
 # it (reading and preparing the request, streaming the first token back).
 TTFT_MARGIN = 0.9
+ON_THE_WAY_SECONDS = 30.0  # longest a prepared group counts before it reaches the queue
 
 
 class QueueFull(EmberError):
@@ -33,6 +36,15 @@ class TenantQueueFull(QueueFull):
     naming it)."""
 
 
+class Unattainable(QueueFull):
+    """Even the queue ahead of the request already takes it past its TTFT objective
+    (the server answers 429 with ``retry_after`` seconds)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Admission:
     def __init__(self, scheduler: Scheduler, max_queue: int) -> None:
         self.scheduler = scheduler
@@ -42,6 +54,58 @@ class Admission:
         self._refused: list[Request] = []  # rejected at enqueue, reported at the next step
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards _aborts (abort() comes from any thread)
+        self.quote: Quote | None = None  # the last step's, for the preparing threads
+        self.quoted_refusals = 0  # refused from the quote, before reaching the engine
+        # groups that passed the quote and are on their way to the queue (ahead of
+        # whoever is quoted next): request id -> (priority, tenant), prompt tokens, and
+        # when to stop counting it (a group dropped on a path that never said so)
+        self._on_the_way: dict[str, tuple[tuple[int, str], int, float]] = {}
+        self._on_the_way_lock = threading.Lock()
+
+    def publish_quote(self) -> None:
+        """After a step (engine thread): what a request arriving now would meet."""
+        self.quote = self.scheduler.forecast.quote()
+
+    def check_quote(self, group: list[Request]) -> None:
+        """Raise :class:`Unattainable` when the last quote already puts a prepared
+        group's first token past its TTFT objective (any thread): the queue ahead of
+        it, and what its prompt must compute (what the prefix cache holds of it now)."""
+        parent, quote = group[0], self.quote
+        if parent.slo_ttft is None or quote is None:
+            return
+        own = self.scheduler.kv.uncached_at_least(parent)
+        key = (parent.priority, parent.tenant)
+        with self._on_the_way_lock:
+            now = time.monotonic()
+            predicted = now - parent.arrival_time + quote.ttft_at_least(
+                parent.tenant, parent.priority, own, self._tokens_on_the_way())
+            late = predicted - TTFT_MARGIN * parent.slo_ttft
+            if late <= 0:
+                self._on_the_way[parent.request_id] = (key, own, now + ON_THE_WAY_SECONDS)
+                return
+        self.quoted_refusals += 1
+        raise Unattainable(f"the request would miss its time-to-first-token objective "
+                           f"({parent.slo_ttft:g} s): {predicted:.2f} s predicted", late)
+
+    def arrived(self, group: list[Request]) -> None:
+        """A group that passed the quote reached the queue, or will not (any thread)."""
+        if group and group[0].request_id in self._on_the_way:
+            with self._on_the_way_lock:
+                self._on_the_way.pop(group[0].request_id, None)
+
+    def on_the_way(self) -> dict[tuple[int, str], int]:
+        """The prompt tokens on their way to the queue, by (priority, tenant)."""
+        with self._on_the_way_lock:
+            return self._tokens_on_the_way()
+
+    def _tokens_on_the_way(self) -> dict[tuple[int, str], int]:
+        now, tokens = time.monotonic(), Counter[tuple[int, str]]()
+        for rid, (key, n, until) in list(self._on_the_way.items()):
+            if until < now:
+                del self._on_the_way[rid]
+            else:
+                tokens[key] += n
+        return dict(tokens)
 
     def check_queue(self, pending: int = 0) -> None:
         """Raise :class:`QueueFull` if the waiting queue (plus ``pending`` prompts that
@@ -58,6 +122,7 @@ class Admission:
             if req.request_id in self.requests:
                 raise InvalidRequest("request_id", f"request id {req.request_id!r} is "
                                                    "already in use", req.request_id)
+        self.arrived(group)
         parent, *siblings = group
         for req in group:
             self.requests[req.request_id] = req

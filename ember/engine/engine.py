@@ -146,7 +146,9 @@ class LLMEngine:
         """Validate and build one prompt's requests (any thread); see :meth:`Intake.prepare`.
         ``lora`` names a loaded adapter (:meth:`load_lora`) its tokens run with."""
         adapter = self._adapter(lora, tenant=options.get("tenant"))
-        return self.intake.prepare(prompt_ids, params, lora=adapter, **options)
+        group = self.intake.prepare(prompt_ids, params, lora=adapter, **options)
+        self.admission.check_quote(group)
+        return group
 
     def _adapter(self, lora: str | None, request: bool = True,
                  tenant: str | None = None) -> LoRAAdapter | None:
@@ -207,6 +209,7 @@ class LLMEngine:
         elif self.kv.tier is not None:
             self.kv.tier.wait_for_reads(0.005)  # only disk reads to wait for: do not spin
         self._retire()
+        self.admission.publish_quote()
         if self.kv_events is not None:
             self.kv_events.flush()
         return [output(r) for r in dict.fromkeys(changed)]

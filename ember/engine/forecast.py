@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from ember.engine.costs import StepCostModel, StepShape
@@ -34,6 +36,39 @@ class Queues(Protocol):
     def step_time_limit(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class Quote:
+    """What a request arriving now would meet, as of the last step: the prompt tokens
+    queued by (priority, tenant) and the cost of prefilling them beside the streams
+    decoding then. The engine thread replaces it whole after every step, so the threads
+    that prepare requests (and the HTTP front) read it without a lock and without the
+    engine, and refuse a request that cannot make its objective before it costs the
+    engine anything (the engine checks again, exactly, when it queues one)."""
+
+    queued: dict[tuple[int, str], int]
+    per_step: int  # prompt tokens a full prefill step carries
+    full_step: float  # seconds of such a step
+    empty_step: float  # seconds of a step with no prompt tokens (its decoding rows)
+
+    def ttft_at_least(self, tenant: str, priority: int = 0, own: int = 0,
+                      on_the_way: Mapping[tuple[int, str], int] | None = None) -> float:
+        """A lower bound on the seconds until a request of ``tenant`` at ``priority``
+        with ``own`` uncomputed prompt tokens would get its first token: the queue
+        ahead of it (with ``on_the_way``: what was admitted since the quote) under fair
+        share, prefilled in full steps (the last one in part)."""
+        queued: dict[str, int] = defaultdict(int)
+        for source in (self.queued, on_the_way or {}):
+            for (p, t), n in source.items():
+                if p <= priority:
+                    queued[t] += n
+        mine = queued.get(tenant, 0) + own
+        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
+        full, rest = divmod(ahead, self.per_step)
+        part = (self.empty_step + (self.full_step - self.empty_step) * rest / self.per_step
+                if rest else 0.0)
+        return full * self.full_step + part
+
+
 class Forecast:
     def __init__(self, scheduler: Queues) -> None:
         self.scheduler = scheduler
@@ -42,6 +77,23 @@ class Forecast:
         """Seconds to compute ``tokens`` queued prompt tokens in the steps the scheduler
         builds next to the streams decoding now: full steps (as many prompt tokens as the
         budget and the time limit allow) and one last step for the rest."""
+        step, per_step = self._steps()
+        full, rest = divmod(tokens, per_step)
+        return full * step(per_step) + (step(rest) if rest else 0.0)
+
+    def quote(self) -> Quote:
+        """The state a request arriving now would meet (see :class:`Quote`)."""
+        queued: dict[tuple[int, str], int] = defaultdict(int)
+        sched = self.scheduler
+        for r in sched.running + sched.waiting:
+            if r.remaining_prefill > 1:
+                queued[(r.priority, r.tenant)] += r.remaining_prefill
+        step, per_step = self._steps()
+        return Quote(dict(queued), per_step, step(per_step), step(0))
+
+    def _steps(self) -> tuple[Callable[[int], float], int]:
+        """The predicted seconds of a step carrying n prompt tokens beside the streams
+        decoding now, and the most prompt tokens a step may carry."""
         decoding = [r for r in self.scheduler.running if r.remaining_prefill == 1]
         base = StepShape(len(decoding), len(decoding), sum(len(r.token_ids) for r in decoding),
                          decode_rows=len(decoding), logits=len(decoding))
@@ -58,8 +110,7 @@ class Forecast:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if step(mid) <= limit else (lo, mid - 1)
             per_step = max(MIN_PREFILL, lo)
-        full, rest = divmod(tokens, per_step)
-        return full * step(per_step) + (step(rest) if rest else 0.0)
+        return step, per_step
 
     def predict_ttft(self, req: Request) -> float:
         """Seconds until ``req`` (not yet queued) would get its first token.

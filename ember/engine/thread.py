@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from ember.engine import embedding
 from ember.engine.commit import finish
 from ember.engine.engine import LLMEngine
+from ember.engine.forecast import Quote
 from ember.engine.output import RequestOutput
 from ember.engine.request import FinishReason, Request
 from ember.engine.slots import OutputCallback, QueuePlaces, Slot
@@ -126,6 +127,14 @@ class EngineThread:
     def _tenant_waiting(self, tenant: str) -> int:
         return sum(1 for r in list(self.engine.scheduler.waiting) if (r.tenant or "") == tenant)
 
+    def quote(self) -> Quote | None:
+        """What a request arriving now would meet, as of the last step (lock-free)."""
+        return self.engine.admission.quote
+
+    def on_the_way(self) -> dict[tuple[int, str], int]:
+        """Prompt tokens admitted since that quote, not yet queued."""
+        return self.engine.admission.on_the_way()
+
     def queue_full(self) -> bool:
         """Whether :meth:`slot` would raise ``QueueFull`` now (a lock-free read)."""
         waiting = len(self.engine.scheduler.waiting)
@@ -187,8 +196,11 @@ class EngineThread:
         self.engine.abort(request_id)
 
     def discard(self, group: Sequence[Request]) -> None:
-        """Prepared requests that will not be submitted. Nothing to undo here: they hold
-        no engine state until handed over (a replica set must stop them remotely)."""
+        """Prepared requests that will not be submitted: they hold no engine state until
+        handed over, but count in admission's quote until they arrive (a replica set
+        must stop them remotely)."""
+        if group:
+            self.engine.admission.arrived(list(group))
 
     def metric_lines(self) -> list[str]:
         """Prometheus lines beyond the engine's metrics: none here (a replica set adds
@@ -297,6 +309,10 @@ class EngineThread:
                 finish(req, FinishReason.ERROR, str(e))
                 self._deliver(item.callback, self.engine.output(req))
             ids = []
+        for req in item.group:
+            if req.finish_reason is FinishReason.REJECTED:  # answered now, not a step later
+                self._deliver(item.callback, self.engine.output(req))
+                ids = [i for i in ids if i != req.request_id]
         for rid in ids:
             self._callbacks[rid] = item.callback
         with self._lock:

@@ -200,6 +200,25 @@ class KVCacheManager:
         return bool(tokens) and self.tier.prefetch(req.salt, tokens, req.block_hashes,
                                                    len(found), self.block_size)
 
+    def uncached_at_least(self, req: KVSequence) -> int:
+        """From any thread, for a request not yet queued: a lower bound on the prompt
+        tokens it must compute. Its RAM prefix hits, read without the engine (a change
+        made meanwhile can only make the answer stale, never raise); with a disk tier or
+        recurrent state (whose hits this does not see) only its last, partial block,
+        which no cache holds."""
+        n = len(req.token_ids)
+        floor = n % self.block_size or 1
+        if not self.prefix or self.tier is not None or self.state_slots \
+                or req.wants_prompt_logprobs:
+            return floor
+        keys: list[bytes] = []
+        extend_keys(keys, req.salt, req.token_ids, self.block_size)
+        try:
+            found = self.prefix.lookup(req.salt, req.token_ids[:-1], keys)
+        except (KeyError, RuntimeError):  # an entry went while it was read
+            return floor
+        return max(floor, n - len(found) * self.block_size)
+
     def cached_estimate(self, req: KVSequence) -> int:
         """Prompt tokens a waiting request would take from RAM or disk (nothing read)."""
         tokens, found = self._lookup(req)

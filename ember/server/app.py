@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember.engine.admission import TTFT_MARGIN
 from ember.engine.embedding import EmbeddingError
 from ember.engine.intake import SLO
 from ember.engine.output import RequestOutput
@@ -71,6 +73,7 @@ from ember.server.transport import (
     disconnected,
     drain_request,
     read_body,
+    replay_body,
 )
 
 log = logging.getLogger("ember.server")
@@ -461,12 +464,19 @@ def _discard_prepared(done: Any, thread: Any) -> None:
 
 
 class AdmissionGate:
-    """ASGI middleware: while the queue is full, answer a generation request 429 at once.
+    """ASGI middleware: answer a generation request 429 at once, before routing, while
+    the queue is full, or while the queue already ahead of it takes it past the server's
+    TTFT objective.
 
-    In a burst, the cost of each refusal is what the last request in line waits for;
-    refusing here, before routing, body reading and exception handling, makes it a few
-    microseconds instead of most of a millisecond. An unauthenticated request passes
-    through (the route answers 401); a slot freed meanwhile lets the next one in.
+    In a burst, the cost of each refusal is what the last request in line waits for,
+    and under overload every refusal's CPU is taken from the engine beside it: refusing
+    here, before JSON decoding, the chat template, tokenizing and the engine thread,
+    makes it a few microseconds. The TTFT check reads the engine's last quote
+    (:class:`~ember.engine.forecast.Quote`) for the key's tenant, counting nothing of
+    the request's own prompt — a lower bound, so nothing the exact check would admit is
+    refused here. A request naming its own ``priority`` or ``slo`` (which the gate does
+    not parse) and a body over GATE_BODY_BYTES pass through to the exact check. An
+    unauthenticated request passes through (the route answers 401).
     """
 
     def __init__(self, app: Any, server: Server) -> None:
@@ -474,17 +484,83 @@ class AdmissionGate:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         thread = self.server.thread
-        if (scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
-                and scope["method"] == "POST" and thread is not None and thread.queue_full()
-                and self.server.keys.authorized(dict(scope["headers"]))):
-            e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
-            self.server.metrics.count_http(scope["path"], 429)
-            await drain_request(scope, receive)
-            body = JSONBody(error_body(scope["path"], e), status_code=429,
-                            headers={**e.headers, "Connection": "close"})
-            await body(scope, receive, send)
+        if (scope["type"] != "http" or scope["path"] not in GENERATION_ROUTES
+                or scope["method"] != "POST" or thread is None):
+            await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        tenant = self.server.keys.tenant_of(headers)
+        if tenant is None:
+            await self.app(scope, receive, send)
+            return
+        if thread.queue_full():
+            e = overloaded(f"queue is full ({self.server.config.engine.max_queue} requests)")
+            await drain_request(scope, receive)
+            await self._refuse(scope, receive, send, e)
+            return
+        objective, quote = self.server.config.slo_ttft, thread.quote()
+        size = _content_length(headers)
+        if objective is None or quote is None or size is None or size > GATE_BODY_BYTES:
+            await self.app(scope, receive, send)
+            return
+        try:
+            raw = await asyncio.wait_for(_read_small_body(receive, size),
+                                         self.server.config.body_timeout)
+        except TimeoutError:
+            await self._refuse(scope, receive, send, APIError(
+                408, "the request body did not arrive within "
+                f"{self.server.config.body_timeout:g} s", code="request_timeout"), 408)
+            return
+        if raw is None:  # the client left, or sent more than it said
+            return
+        receive = replay_body(raw, receive)
+        if b'"priority"' not in raw and b'"slo"' not in raw:
+            late = (quote.ttft_at_least(tenant, on_the_way=thread.on_the_way())
+                    - TTFT_MARGIN * objective)
+            if late > 0:
+                wait = max(1, math.ceil(late))
+                e = APIError(429, "server overloaded: the queue ahead already takes a "
+                             f"request past the time-to-first-token objective "
+                             f"({objective:g} s); retry after {wait} s",
+                             type="rate_limit_error", code="slo_unattainable",
+                             headers={"Retry-After": str(wait)})
+                await self._refuse(scope, receive, send, e)
+                return
         await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any,
+                      e: APIError, status: int = 429) -> None:
+        self.server.metrics.count_http(scope["path"], status)
+        body = JSONBody(error_body(scope["path"], e), status_code=status,
+                        headers={**e.headers, "Connection": "close"})
+        await body(scope, receive, send)
+
+
+GATE_BODY_BYTES = 256 * 1024  # bodies the gate reads to check them (larger: the route's)
+
+
+def _content_length(headers: dict[bytes, bytes]) -> int | None:
+    value = headers.get(b"content-length")
+    if value is None or not value.isdigit():
+        return None
+    return int(value)
+
+
+async def _read_small_body(receive: Any, size: int) -> bytes | None:
+    """A body of ``size`` bytes (as Content-Length said), or None when the client
+    disconnects or sends more."""
+    parts, got = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        got += len(chunk)
+        if got > size:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
 
 
 # ====================================================================== the app

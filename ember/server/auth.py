@@ -63,11 +63,15 @@ class Keys:
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
         """Whether raw ASGI headers hold a valid key (or none is needed)."""
+        return self.tenant_of(headers) is not None
+
+    def tenant_of(self, headers: dict[bytes, bytes]) -> str | None:
+        """The tenant of raw ASGI headers' key (None: no valid key)."""
         if not self._keys:
-            return True
+            return DEFAULT_TENANT
         token = presented_key(headers.get(b"authorization", b"").decode("latin-1"),
                               headers.get(b"x-api-key", b"").decode("latin-1"))
-        return token is not None and self._owner(key_digest(token)) is not None
+        return None if token is None else self._owner(key_digest(token))
 
     def may_see_page(self, request: Request) -> bool:
         """Whether a request may load the chat page: no keys are configured, or it

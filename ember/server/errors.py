@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ember.engine.admission import QueueFull, TenantQueueFull
+from ember.engine.admission import QueueFull, TenantQueueFull, Unattainable
 from ember.engine.intake import InvalidRequest
 from ember.engine.output import RequestOutput
 from ember.engine.thread import EngineStopped
@@ -71,6 +71,11 @@ def as_api_errors(names: dict[str, str]) -> Iterator[None]:
     names to the request's."""
     try:
         yield
+    except Unattainable as e:
+        wait = max(1, math.ceil(e.retry_after))
+        raise APIError(429, f"server overloaded: {e}; retry after {wait} s",
+                       type="rate_limit_error", code="slo_unattainable",
+                       headers={"Retry-After": str(wait)}) from None
     except TenantQueueFull as e:
         raise APIError(429, f"{e}; retry later", type="rate_limit_error",
                        code="tenant_queue_full",

@@ -42,7 +42,13 @@ from ember.server.app import AdmissionGate, Server, create_app, error_body
 from ember.server.auth import Keys
 from ember.server.config import ServerConfig
 from ember.server.errors import APIError, as_api_errors
-from ember.server.transport import ClientGone, JSONBody, decode_json, read_body
+from ember.server.transport import (
+    ClientGone,
+    JSONBody,
+    decode_json,
+    read_body,
+    replay_body,
+)
 
 log = logging.getLogger("ember.server")
 # routes that need no model: the default model's app answers them, loading nothing
@@ -267,7 +273,7 @@ class ModelRouter:
             raw = await read_body(request, self.config.max_request_bytes,
                                   self.config.body_timeout)
             name, unload = await asyncio.to_thread(_named_model, raw)
-            receive = _replay(raw, receive)
+            receive = replay_body(raw, receive)
         if name is None:
             name = parse_qs(request.scope.get("query_string", b"").decode()).get(
                 "model", [None])[0]
@@ -567,21 +573,6 @@ def _named_model(raw: bytes) -> tuple[str | None, bool]:
     unload = body.get("keep_alive") in (0, "0", "0s", "0m") and not body.get(
         "prompt") and not body.get("messages")
     return (name if isinstance(name, str) else None), unload
-
-
-def _replay(raw: bytes, receive: Any) -> Any:
-    """A ``receive`` that hands the body already read over once, then waits as the
-    original does (for the client's disconnect)."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def merge_metrics(texts: dict[str, str]) -> list[str]:

@@ -94,6 +94,21 @@ DRAIN_FIRST_BYTE_SECONDS = 1.0  # a sender that declared a body but sends none i
 DRAIN_IDLE_SECONDS = 5.0  # an uploading sender silent this long has stalled: stop waiting
 
 
+def replay_body(raw: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the body already read over once, then waits as the
+    original does (for the client's disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 async def drain_request(scope: dict[str, Any], receive: Any) -> None:
     """Read and drop a raw ASGI request's body before answering it without reading it
     (see MAX_DRAINED_BYTES), unless it expects a 100 Continue."""
