@@ -153,6 +153,8 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"chat template syntax error at line {e.lineno}: {e.message}"
             ) from None
+        except RecursionError:  # Jinja's parser recurses once per nesting level
+            raise ChatTemplateError("chat template nests too deeply to parse") from None
         # firefunction's templates read the tools as a JSON string called ``functions``
         self._wants_functions = re.search(r"\bfunctions\b", source) is not None
 

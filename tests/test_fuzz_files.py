@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from fuzz_targets import outcome, scratch_targets
 from hypothesis import HealthCheck, given, settings
@@ -93,3 +94,58 @@ def test_a_tensor_side_beyond_any_real_one_is_refused_at_open(targets):
     path = targets._file("huge-side.gguf", bytes(seed))
     with pytest.raises(GGUFError, match="dimension above"):
         GGUFFile(path)
+
+
+def _patch_dims(data: bytes, tensor: bytes, dims: tuple[int, ...]) -> bytes:
+    """The file with ``tensor``'s directory entry given ``dims`` (GGUF order)."""
+    out = bytearray(data)
+    at = out.index(tensor + struct.pack("<I", len(dims))) + len(tensor) + 4
+    out[at:at + 8 * len(dims)] = struct.pack(f"<{len(dims)}Q", *dims)
+    return bytes(out)
+
+
+def test_fused_projections_of_different_input_sizes_are_refused_by_name(targets):
+    """Found by atheris (gguf_model): ffn_up given 96 inputs where ffn_gate has 32 made
+    torch.cat raise its RuntimeError through the loader."""
+    from ember.errors import GGUFError
+    from ember.models.loader import load_model
+
+    # (64 inputs, 32 outputs: the same bytes as its 32 x 64, so the file's size checks pass)
+    data = _patch_dims(targets.model.read_bytes(), b"blk.0.ffn_up.weight", (64, 32))
+    with pytest.raises(GGUFError, match="different input sizes"):
+        load_model(str(targets._file("mismatch.gguf", data)), "f32")
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_a_tensor_with_no_elements_decodes_to_nothing(ggml_type):
+    """Found by atheris (lora_gguf): a Q5_1 lora_a of shape (0, 32) made the
+    dequantizer's reshape raise ValueError; now it is an empty tensor (and an adapter
+    of rank 0 is refused by name), and bytes claimed by such a tensor are an error."""
+    from ember.errors import GGUFError
+    from ember.models.gguf import GGMLType
+    from ember.models.quant import dequantize
+
+    t = GGMLType[ggml_type]
+    width = 256
+    assert dequantize(np.zeros(0, np.uint8), t, (0, width)).shape == (0, width)
+    with pytest.raises(GGUFError, match="holds nothing"):
+        dequantize(np.zeros(64, np.uint8), t, (0, width))
+
+
+def test_a_rank_0_adapter_is_refused_by_name(targets):
+    from ember.models.lora import LoRAError, load_lora
+
+    data = _patch_dims(targets.seeds()["lora_gguf"][0], b"blk.0.attn_q.weight.lora_a",
+                       (32, 0))
+    with pytest.raises(LoRAError, match="rank of at least 1"):
+        load_lora(targets._file("empty.gguf", data), "fuzz", targets.cfg)
+
+
+def test_a_template_nested_past_the_parsers_recursion_is_refused_by_name():
+    """Found by atheris (chat_template): 5,000 nested braces overflowed Jinja's
+    recursive-descent parser (RecursionError)."""
+    from ember.chat_template import ChatTemplate
+    from ember.errors import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="nests too deeply"):
+        ChatTemplate("{{" * 5000, bos_token="", eos_token="")

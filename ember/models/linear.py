@@ -127,6 +127,10 @@ class DenseFormat:
 
     def linear(self, gguf: GGUFFile, names: Sequence[str]) -> Linear:
         parts = [load_dense(gguf, n).to(self.dtype) for n in names]
+        if len({p.shape[1:] for p in parts}) > 1:
+            raise GGUFError(f"{gguf.path.name}: {', '.join(names)} are fused into one "
+                            f"projection but have different input sizes "
+                            f"({', '.join(str(tuple(p.shape)) for p in parts)})")
         return DenseLinear(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
 
     def linear_from_raw(self, parts: Sequence[RawPart], names: Sequence[str],

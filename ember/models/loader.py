@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.chat_template import ChatTemplate
-from ember.errors import ChatTemplateError
+from ember.errors import ChatTemplateError, GGUFError
 from ember.models.architectures import ARCHITECTURES, model_config
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderModel
@@ -130,7 +130,13 @@ def load_model(name: str, weights: str = "auto", moe: MoEOptions | None = None) 
     elif moe is not None and not moe.stream and (moe.pilot or moe.pinned_share):
         log.warning("--moe-pilot and --moe-pinned-share act on streamed experts: ignored "
                     "without --moe-stream")
-    model = family.model.from_gguf(gguf, config, fmt, moe)
+    try:
+        model = family.model.from_gguf(gguf, config, fmt, moe)
+    except (RuntimeError, ValueError) as e:
+        # torch's and numpy's shape errors: the file's tensors do not fit the
+        # configuration its own metadata gives (named by the message)
+        raise GGUFError(f"{path.name}: its tensors do not fit its configuration: "
+                        f"{type(e).__name__}: {e}") from None
     gguf.release_pages()
     gguf.drop_array_metadata()
     return LoadedModel(path, config, model, tokenizer, template, weights,

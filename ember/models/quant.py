@@ -481,6 +481,11 @@ def dequantize(
             f"{what}tensor type {_type_name(ggml_type)} is not supported (supported: {supported})"
         )
     gt = GGMLType(ggml_type)
+    if 0 in shape:  # nothing to decode (the block arithmetic has no rows to shape)
+        if _as_u8(raw).size:
+            raise GGUFError(f"tensor {name!r}: shape {shape} holds nothing, its data "
+                            f"has {_as_u8(raw).size} bytes")
+        return torch.zeros(shape)
     if gt in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         out = _plain_float(raw, gt, shape, name)
     else:
