@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 # a package (``ember.kv``) or a module (``ember.errors``); the longest match names a
 # module's layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ember.errors", "ember.filelock", "ember.prometheus"),
+    ("ember.errors", "ember.filelock", "ember.prometheus", "ember.template_sandbox"),
     ("ember.kernels", "ember.tokenizer", "ember.chat_template", "ember.tool_formats"),
     ("ember.kv",),
     ("ember.models",),
