@@ -416,6 +416,56 @@ def test_a_prefill_step_is_sized_to_its_time_limit(make_tiny_engine):
     assert all(costs.predict(o.shape) <= 0.2 for o in outs)
 
 
+def test_a_step_that_gives_a_first_token_is_kept_short(make_tiny_engine):
+    """While a long prompt prefills in 0.2 s steps, the step that completes a short
+    request's prompt (its first token) tops the long one up to half that only."""
+    from ember.engine.scheduler import FIRST_TOKEN_SHARE
+
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,
+                         max_prefill_step_seconds=0.2)
+    engine.add_request(prompt(1500, 7), GREEDY, tenant="a")
+    engine.step()
+    short = engine.add_request(prompt(8, 8), GREEDY, tenant="b")
+    outs = record(engine)
+    engine.step()
+    assert short.num_output == 1  # its first token came from this step
+    costs = engine.scheduler.costs
+    assert costs.predict(outs[0].shape) <= FIRST_TOKEN_SHARE * 0.2 + 1e-9
+    engine.step()
+    assert costs.predict(outs[1].shape) > FIRST_TOKEN_SHARE * 0.2  # then full steps again
+
+
+def test_a_prefill_chunk_grows_at_most_a_quarter_a_step(make_tiny_engine):
+    """When the cost model suddenly thinks steps cheaper (a refit), a running prefill's
+    next chunk grows by at most CHUNK_GROWTH, not to whatever the new belief allows."""
+    from ember.engine.scheduler import CHUNK_GROWTH
+
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=512,
+                         max_prefill_step_seconds=0.2)
+    long = engine.add_request(prompt(1500, 7), GREEDY)
+    outs = record(engine)
+    engine.step()
+    before = outs[0].num_tokens
+    engine.scheduler.costs = StepCostModel(Coefficients(base=0.005, per_token=0.0002,
+                                                        per_row=0.0, per_attended=0.0),
+                                           learn=False)  # five times cheaper, it says
+    engine.step()
+    assert CHUNK_GROWTH == 1.25
+    assert before < outs[1].num_tokens <= 1.25 * before  # not the 512 it now thinks fit
+    assert long.kv_len == before + outs[1].num_tokens
+
+
+def test_predictions_follow_what_the_last_steps_took(make_tiny_engine):
+    """Between refits the cost model scales its predictions by what steps took over
+    what it predicted; a refit is held to the last steps the same way."""
+    model = StepCostModel(FIXED)
+    shape = StepShape(100, 1, 100 * 100)
+    fitted = model.predict(shape)
+    for _ in range(12):
+        model.observe(shape, 1.3 * fitted)
+    assert model.predict(shape) == pytest.approx(1.3 * fitted, rel=0.03)
+
+
 def test_a_short_request_is_not_held_behind_a_long_prompt_of_its_own_tenant(make_tiny_engine):
     """A 1,500-token prompt prefills in 0.2 s steps; a short request of the same tenant
     arriving meanwhile runs its whole prompt in the next step (its first token then),

@@ -35,6 +35,7 @@ about to zero or infinity, and clamped to a quarter to four times the starting t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -50,6 +51,15 @@ MIN_SAMPLES = 8
 # it saw, would otherwise price steps too cheaply for REFIT_EVERY steps — steps the
 # scheduler sized to keep waiting requests' first tokens near.
 MISJUDGED = 1.5
+# Between refits every prediction is scaled by a running ratio of what steps took to
+# what the fit said (this weight for the latest step, within this range). The scheduler
+# sizes prefill chunks to one predicted duration, so the steps a fit learns from say
+# little about other chunk sizes, and a refit can be off for the chunks it then
+# chooses (measured: 0.5 s predicted, 0.62-0.76 s taken for 13 steps until the next
+# refit); the ratio corrects that within a few steps.
+RECENT_WEIGHT = 0.3
+RECENT_RANGE = (0.5, 2.0)
+RECENT_STEPS = 8  # the steps a new fit is held to, as above
 MIN_REFIT_GAP = 4
 CLAMP = (0.25, 4.0)
 NUM_FEATURES = 8
@@ -133,6 +143,8 @@ class StepCostModel:
         self.anchor = self.coef.as_array() if coefficients is not None else None
         self.start = self.coef  # the table (or the priors) before any live refit
         self.learn = learn
+        self._recent = 1.0  # what the last steps took over what the fit predicted
+        self._last: deque[tuple[StepShape, float]] = deque(maxlen=RECENT_STEPS)
         self._x = np.zeros((WINDOW, NUM_FEATURES))  # features at knee 0
         self._y = np.zeros(WINDOW)
         self._n = 0
@@ -141,6 +153,9 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         if shape.rows == 0:
             return 0.0
+        return self._fitted(shape) * self._recent
+
+    def _fitted(self, shape: StepShape) -> float:
         return float(np.dot(self.coef.as_array(), shape.features(self.coef.knee)))
 
     def fastest(self, shape: StepShape) -> float:
@@ -169,6 +184,11 @@ class StepCostModel:
         if not self.learn or shape.rows == 0:
             return
         misjudged = seconds > MISJUDGED * self.predict(shape)
+        fitted = self._fitted(shape)
+        self._last.append((shape, seconds))
+        if fitted > 0:  # between refits, predictions follow what the last steps took
+            ratio = min(RECENT_RANGE[1], max(RECENT_RANGE[0], seconds / fitted))
+            self._recent += RECENT_WEIGHT * (ratio - self._recent)
         i = self._n % WINDOW
         self._x[i] = shape.features(0.0)
         self._y[i] = seconds
@@ -183,6 +203,11 @@ class StepCostModel:
         prior = self.coef.as_array()
         self.coef = fit_at_best_knee(self._x[:n], self._y[:n],
                                      lambda x, y: self._ridge(x, y, prior))
+        # the new fit, held to what the last steps took (their median ratio)
+        ratios = sorted(sec / f for shape, sec in self._last
+                        if (f := self._fitted(shape)) > 0)
+        self._recent = (min(RECENT_RANGE[1], max(RECENT_RANGE[0], ratios[len(ratios) // 2]))
+                        if ratios else 1.0)
 
     def _ridge(self, x: np.ndarray, y: np.ndarray, prior: np.ndarray) -> np.ndarray:
         # Columns differ by orders of magnitude: scale them, then ridge toward the prior.

@@ -97,6 +97,7 @@ class Request:
     # with params.prompt_logprobs: one per prompt token, None for the first (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    last_chunk: int = 0  # prompt tokens its last prefill step computed (the scheduler's)
     admitted_time: float | None = None  # first admission (queue time ends here)
     first_token_time: float | None = None
     retry_after: float | None = None  # when rejected: seconds until it would fit
