@@ -107,6 +107,7 @@ class ServedModel:
     server: Server | None = None
     app: Any = None
     active: bool = False  # loading or loaded
+    unloading: bool = False  # its engine is stopping (its memory not yet given back)
     running: int = 0  # requests in the router for it (waiting for the load included)
     last_used: float = 0.0
     error: str | None = None  # why the last load failed
@@ -117,6 +118,8 @@ class ServedModel:
 
     @property
     def state(self) -> str:
+        if self.unloading:
+            return "unloading"
         if not self.active or self.server is None:
             return "failed" if self.error else "available"
         if self.server.ready:
@@ -362,9 +365,12 @@ class ModelRouter:
         """Stop ``entry``'s engine (finishing what it runs) and free its memory."""
         if not entry.active or entry.server is None:
             return
-        entry.active = False
+        entry.active, entry.unloading = False, True
         log.info("unloading model %s", entry.name)
-        await asyncio.to_thread(self._stop, entry.server)
+        try:
+            await asyncio.to_thread(self._stop, entry.server)
+        finally:
+            entry.unloading = False
 
     def _stop(self, server: Server) -> None:
         thread = server.thread
