@@ -150,18 +150,19 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if not several and (args.models_idle is not None or args.models_max_bytes is not None):
         raise ValueError("--models-idle and --models-max-bytes act on several models "
                          "(--model repeated, or --models-dir)")
-    if several and args.lora:
-        raise ValueError("--lora names an adapter of one base model; with several, load "
-                         "adapters at run time naming their model (?model=NAME)")
-    if several and args.kv_cache_dir:
-        raise ValueError("--kv-cache-dir serves one model: with several, a tenant's purge "
-                         "could not reach the disk tier of a model that is not loaded")
-    if several and args.kv_events_endpoint:
-        raise ValueError("--kv-events-endpoint publishes one engine's blocks: with several "
-                         "models, run one server per model behind the router")
-    if several and args.served_model_name:
-        raise ValueError("--served-model-name names one model; with several, each is "
-                         "named by its file (or alias)")
+    for given_flag, why in (
+            (args.lora, "--lora names an adapter of one base model; with several, load "
+                        "adapters at run time naming their model (?model=NAME)"),
+            (args.kv_cache_dir, "--kv-cache-dir serves one model: with several, a tenant's "
+                                "purge could not reach the disk tier of a model that is not "
+                                "loaded"),
+            (args.kv_events_endpoint, "--kv-events-endpoint publishes one engine's blocks: "
+                                      "with several models, run one server per model behind "
+                                      "the router"),
+            (args.served_model_name, "--served-model-name names one model; with several, "
+                                     "each is named by its file (or alias)")):
+        if several and given_flag:
+            raise ValueError(why)
     if args.models_idle is not None and args.models_idle <= 0:
         raise ValueError(f"--models-idle must be positive, got {args.models_idle}")
     engine = EngineConfig(

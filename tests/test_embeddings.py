@@ -21,6 +21,7 @@ from ember.engine import embedding
 TEXTS = ["The lighthouse stood at the edge of the cliff.",
          "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
          "Paris is the capital of France.", "ok"]
+QUERY = "What is the capital of France?"
 
 
 def _hf_embedding(backbone, ids: list[int], pooling: str) -> torch.Tensor:
@@ -266,15 +267,22 @@ def test_rerank_matches_llama_cpp_on_the_same_file(qwen3_reranker, tmp_path):
     output (P(yes), what llama-server answers as the score) is ember's score."""
     path = qwen3_reranker[0]
     llm = LLM(str(path), weights="f32", kv_dtype="f32", num_kv_blocks=64)
-    loaded = llm.engine.loaded
-    query = "What is the capital of France?"
-    ids = [embedding.rerank_ids(loaded.tokenizer, loaded.rerank_template, query, d)
-           for d in TEXTS]
-    theirs = _llama_cpp(path, -1, ids, tmp_path)
-    ours = llm.rerank(query, TEXTS)
-    print("rerank", ours, theirs[:, 0].tolist())
+    ours, theirs = _rerank_beside_llama_cpp(llm, path, tmp_path)
     assert theirs.shape[1] == 2
     assert max(abs(a - b) for a, b in zip(ours, theirs[:, 0].tolist(), strict=True)) < 1e-4
+
+
+def _rerank_beside_llama_cpp(llm: LLM, path: Path, tmp_path: Path
+                             ) -> tuple[list[float], torch.Tensor]:
+    """ember's scores of (QUERY, each of TEXTS) and llama.cpp's rank-pooled outputs of
+    the same pairs (as ember writes them) on the same file."""
+    loaded = llm.engine.loaded
+    ids = [embedding.rerank_ids(loaded.tokenizer, loaded.rerank_template, QUERY, d)
+           for d in TEXTS]
+    theirs = _llama_cpp(path, -1, ids, tmp_path)
+    ours = llm.rerank(QUERY, TEXTS)
+    print(path.name, ours, theirs[:, 0].tolist())
+    return ours, theirs
 
 
 def test_a_bert_encoder_embeds_as_transformers_does(bert_files):
@@ -320,9 +328,6 @@ def bert_reranker(tmp_path_factory: pytest.TempPathFactory):
     return model, head, path
 
 
-QUERY = "What is the capital of France?"
-
-
 def test_a_bert_cross_encoder_scores_pairs_as_transformers_does(bert_reranker):
     """A cross-encoder reads ``[CLS] query [SEP] document`` (llama.cpp's pairing) whole
     and scores its CLS state through the dense + tanh + projection head: transformers'
@@ -347,11 +352,8 @@ def test_a_bert_cross_encoder_matches_llama_cpp_on_the_same_file(bert_reranker, 
     """llama.cpp's rank pooling of the same pairs on the same file: its one output is
     ember's score."""
     path = bert_reranker[2]
-    llm = LLM(str(path), weights="f32", num_kv_blocks=16)
-    ids = [embedding.rerank_ids(llm.tokenizer, None, QUERY, d) for d in TEXTS]
-    theirs = _llama_cpp(path, -1, ids, tmp_path)
-    ours = llm.rerank(QUERY, TEXTS)
-    print("bert rerank", ours, theirs[:, 0].tolist())
+    ours, theirs = _rerank_beside_llama_cpp(LLM(str(path), weights="f32", num_kv_blocks=16),
+                                            path, tmp_path)
     assert theirs.shape[1] == 1
     # ~1e-4 apart on a logit: ggml's GELU is a tabulated approximation of erf's
     assert max(abs(a - b) for a, b in zip(ours, theirs[:, 0].tolist(), strict=True)) < 1e-3

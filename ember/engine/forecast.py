@@ -61,9 +61,7 @@ class Quote:
             for (p, t), n in source.items():
                 if p <= priority:
                     queued[t] += n
-        mine = queued.get(tenant, 0) + own
-        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
-        full, rest = divmod(ahead, self.per_step)
+        full, rest = divmod(fair_share_ahead(queued, tenant, own), self.per_step)
         part = (self.empty_step + (self.full_step - self.empty_step) * rest / self.per_step
                 if rest else 0.0)
         return full * self.full_step + part
@@ -157,6 +155,13 @@ class Forecast:
         return len(req.token_ids) - self.scheduler.kv.cached_estimate(req)
 
     def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
-        mine = queued.get(tenant, 0) + own
-        ahead = mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)
-        return self.prefill_time(ahead)
+        return self.prefill_time(fair_share_ahead(queued, tenant, own))
+
+
+def fair_share_ahead(queued: Mapping[str, int], tenant: str, own: int) -> int:
+    """Prompt tokens served before a request of ``tenant`` with ``own`` uncomputed
+    ones gets its first token, with ``queued`` tokens per tenant ahead: all of its own
+    tenant's and its own, and of each other tenant at most as many (fair share serves
+    them round by round)."""
+    mine = queued.get(tenant, 0) + own
+    return mine + sum(min(q, mine) for t, q in queued.items() if t != tenant)

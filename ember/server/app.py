@@ -29,7 +29,6 @@ import contextlib
 import functools
 import gc
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -60,6 +59,7 @@ from ember.server.errors import (
     APIError,
     as_api_errors,
     overloaded,
+    slo_unattainable,
     unsupported,
 )
 from ember.server.generation import Admitted, Streams
@@ -499,68 +499,39 @@ class AdmissionGate:
             await self._refuse(scope, receive, send, e)
             return
         objective, quote = self.server.config.slo_ttft, thread.quote()
-        size = _content_length(headers)
-        if objective is None or quote is None or size is None or size > GATE_BODY_BYTES:
+        size = headers.get(b"content-length", b"")
+        if (objective is None or quote is None or not size.isdigit()
+                or int(size) > GATE_BODY_BYTES):
             await self.app(scope, receive, send)
             return
         try:
-            raw = await asyncio.wait_for(_read_small_body(receive, size),
-                                         self.server.config.body_timeout)
-        except TimeoutError:
-            await self._refuse(scope, receive, send, APIError(
-                408, "the request body did not arrive within "
-                f"{self.server.config.body_timeout:g} s", code="request_timeout"), 408)
+            raw = await read_body(Request(scope, receive), GATE_BODY_BYTES,
+                                  self.server.config.body_timeout)
+        except APIError as e:  # 415 or 408, as the route would answer
+            await self._refuse(scope, receive, send, e)
             return
-        if raw is None:  # the client left, or sent more than it said
+        except ClientGone:
             return
         receive = replay_body(raw, receive)
         if b'"priority"' not in raw and b'"slo"' not in raw:
             late = (quote.ttft_at_least(tenant, on_the_way=thread.on_the_way())
                     - TTFT_MARGIN * objective)
             if late > 0:
-                wait = max(1, math.ceil(late))
-                e = APIError(429, "server overloaded: the queue ahead already takes a "
-                             f"request past the time-to-first-token objective "
-                             f"({objective:g} s); retry after {wait} s",
-                             type="rate_limit_error", code="slo_unattainable",
-                             headers={"Retry-After": str(wait)})
-                await self._refuse(scope, receive, send, e)
+                await self._refuse(scope, receive, send, slo_unattainable(
+                    "the queue ahead already takes a request past the time-to-first-"
+                    f"token objective ({objective:g} s)", late))
                 return
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any,
-                      e: APIError, status: int = 429) -> None:
-        self.server.metrics.count_http(scope["path"], status)
-        body = JSONBody(error_body(scope["path"], e), status_code=status,
+                      e: APIError) -> None:
+        self.server.metrics.count_http(scope["path"], e.status)
+        body = JSONBody(error_body(scope["path"], e), status_code=e.status,
                         headers={**e.headers, "Connection": "close"})
         await body(scope, receive, send)
 
 
 GATE_BODY_BYTES = 256 * 1024  # bodies the gate reads to check them (larger: the route's)
-
-
-def _content_length(headers: dict[bytes, bytes]) -> int | None:
-    value = headers.get(b"content-length")
-    if value is None or not value.isdigit():
-        return None
-    return int(value)
-
-
-async def _read_small_body(receive: Any, size: int) -> bytes | None:
-    """A body of ``size`` bytes (as Content-Length said), or None when the client
-    disconnects or sends more."""
-    parts, got = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        got += len(chunk)
-        if got > size:
-            return None
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 # ====================================================================== the app

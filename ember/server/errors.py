@@ -47,12 +47,18 @@ def overloaded(why: str) -> APIError:
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def unattainable(out: RequestOutput) -> APIError:
-    """A request the engine rejected because it would miss its TTFT objective."""
-    wait = max(1, math.ceil(out.retry_after or 1))
-    return APIError(429, f"server overloaded: {out.error}; retry after {wait} s",
+def slo_unattainable(why: str, late: float | None) -> APIError:
+    """A request refused because it would miss its TTFT objective by ``late`` seconds
+    (wherever that was decided: the HTTP gate, preparation, the engine)."""
+    wait = max(1, math.ceil(late or 1))
+    return APIError(429, f"server overloaded: {why}; retry after {wait} s",
                     type="rate_limit_error", code="slo_unattainable",
                     headers={"Retry-After": str(wait)})
+
+
+def unattainable(out: RequestOutput) -> APIError:
+    """A request the engine rejected because it would miss its TTFT objective."""
+    return slo_unattainable(out.error or "", out.retry_after)
 
 
 def failure(out: RequestOutput, names: dict[str, str]) -> APIError:
@@ -72,10 +78,7 @@ def as_api_errors(names: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except Unattainable as e:
-        wait = max(1, math.ceil(e.retry_after))
-        raise APIError(429, f"server overloaded: {e}; retry after {wait} s",
-                       type="rate_limit_error", code="slo_unattainable",
-                       headers={"Retry-After": str(wait)}) from None
+        raise slo_unattainable(str(e), e.retry_after) from None
     except TenantQueueFull as e:
         raise APIError(429, f"{e}; retry later", type="rate_limit_error",
                        code="tenant_queue_full",

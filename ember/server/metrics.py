@@ -172,27 +172,10 @@ class Metrics:
         total = s.get("kv_blocks_total", 0)
         usage = s.get("kv_blocks_used", 0) / total if total else 0.0
         lines: list[str] = []
-
-        def metric(name: str, kind: str, help: str, value: Any) -> None:
-            lines.extend(family(f"vllm:{name}", kind, help, [(f"{{{model}}}", value)]))
-
-        metric("num_requests_running", "gauge", "Requests running (ember_requests_running).",
-               s.get("requests_running", 0))
-        metric("num_requests_waiting", "gauge", "Requests waiting (ember_requests_waiting).",
-               s.get("requests_waiting", 0))
-        metric("kv_cache_usage_perc", "gauge", "Share of KV blocks in use, 0-1.", usage)
-        metric("gpu_cache_usage_perc", "gauge", "The same share, under the name vLLM "
-               "used before 0.10 (read by older routers), on CPU too.", usage)
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up.",
-               s.get("prefix_cache_queries", 0))
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens served from cache.",
-               s.get("prefix_cache_hits", 0))
-        metric("num_preemptions_total", "counter", "Requests preempted.",
-               s.get("preemptions", 0))
-        metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-               self.prompt_tokens)
-        metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
-               self.generation_tokens)
+        values = {**s, "kv_usage": usage, "prompt_tokens_finished": self.prompt_tokens,
+                  "generation_tokens_finished": self.generation_tokens}
+        for name, kind, key, help in _VLLM_SERIES:
+            lines += family(f"vllm:{name}", kind, help, [(f"{{{model}}}", values.get(key, 0))])
         running, waiting = (",".join(s.get(k, [])) for k in ("lora_running", "lora_waiting"))
         lines += family("vllm:lora_requests_info", "gauge",
                         "Adapters of running and waiting requests (value: the time of the "
@@ -210,6 +193,27 @@ class Metrics:
             lines += h.render(f"vllm:{name}", model)
         return lines
 
+
+# vLLM's name, its type, the ember figure it carries (a key of the engine's stats, or
+# of what _vllm_lines adds to them), and its help
+_VLLM_SERIES = (
+    ("num_requests_running", "gauge", "requests_running",
+     "Requests running (ember_requests_running)."),
+    ("num_requests_waiting", "gauge", "requests_waiting",
+     "Requests waiting (ember_requests_waiting)."),
+    ("kv_cache_usage_perc", "gauge", "kv_usage", "Share of KV blocks in use, 0-1."),
+    ("gpu_cache_usage_perc", "gauge", "kv_usage", "The same share, under the name vLLM "
+     "used before 0.10 (read by older routers), on CPU too."),
+    ("prefix_cache_queries_total", "counter", "prefix_cache_queries",
+     "Prompt tokens looked up."),
+    ("prefix_cache_hits_total", "counter", "prefix_cache_hits",
+     "Prompt tokens served from cache."),
+    ("num_preemptions_total", "counter", "preemptions", "Requests preempted."),
+    ("prompt_tokens_total", "counter", "prompt_tokens_finished",
+     "Prompt tokens of finished requests."),
+    ("generation_tokens_total", "counter", "generation_tokens_finished",
+     "Generated tokens of finished requests."),
+)
 
 _TENANT_GAUGES = (
     ("requests_running", "Requests running"), ("requests_waiting", "Requests waiting"),
