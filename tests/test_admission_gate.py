@@ -110,7 +110,7 @@ def slo_server() -> Server:
 def test_a_queue_past_the_ttft_objective_refuses_before_routing(slo_server):
     """The tenant's 1,000 queued tokens and its fair share of the other's: 2 s ahead
     of any request of its own, against a 1 s objective."""
-    assert BACKLOG.ttft_at_least("tenant") == pytest.approx(2.0)
+    assert BACKLOG.ttft("tenant") == pytest.approx(2.0)
     sent, reached = _call(AdmissionGate(None, slo_server), "/v1/chat/completions",
                           auth=f"Bearer {KEY}", body=CHAT)
     assert not reached
@@ -118,6 +118,15 @@ def test_a_queue_past_the_ttft_objective_refuses_before_routing(slo_server):
     assert start["status"] == 429
     assert dict(start["headers"])[b"retry-after"] == b"2"  # ceil(2.0 - 0.9 s)
     assert json.loads(body["body"])["error"]["code"] == "slo_unattainable"
+
+
+def test_the_quote_counts_what_the_engine_computed_since_it_was_made():
+    """The engine goes on stepping after a quote: half a second later, 500 of the 2,000
+    tokens ahead are done; long after, only the request's own prompt is left."""
+    quote = Quote(BACKLOG.queued, per_step=100, full_step=0.1, empty_step=0.02, at=100.0)
+    assert quote.ttft("tenant", now=100.0) == pytest.approx(2.0)
+    assert quote.ttft("tenant", now=100.5) == pytest.approx(1.5)
+    assert quote.ttft("tenant", own=100, now=150.0) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("body", [

@@ -6,6 +6,7 @@ function of what each step carries; tests read the steps the scheduler builds.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -271,6 +272,13 @@ def test_admission_refuses_only_what_its_prediction_says_would_miss(make_tiny_en
     engine.kv.check_no_leaks() if not engine.has_unfinished() else None
 
 
+def _step_and_hold_quote(engine: LLMEngine) -> None:
+    """A step, then its quote as if just made: these tests' engine does not go on
+    stepping while they prepare requests, as a served one would."""
+    engine.step()
+    engine.admission.quote = dataclasses.replace(engine.admission.quote, at=None)
+
+
 def test_a_request_the_last_quote_already_dooms_is_refused_while_prepared(make_tiny_engine):
     """After a step, the engine's quote holds the backlog: preparing a request whose
     queue ahead alone passes its TTFT objective raises Unattainable in the preparing
@@ -280,12 +288,12 @@ def test_a_request_the_last_quote_already_dooms_is_refused_while_prepared(make_t
 
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine)
-    engine.step()
+    _step_and_hold_quote(engine)
     probe = engine.prepare(prompt(100, 3), GREEDY, tenant="a")[0]
     exact = engine.scheduler.forecast.predict_ttft(probe)
     own = engine.kv.uncached_at_least(probe)
     assert own == len(probe.prompt_ids)  # nothing of it is cached
-    bound = engine.admission.quote.ttft_at_least("a", 0, own)
+    bound = engine.admission.quote.ttft("a", 0, own)
     assert 0.5 * exact < bound <= exact
     with pytest.raises(Unattainable) as refused:
         engine.prepare(prompt(100, 4), GREEDY, tenant="a", slo=SLO(ttft=0.5 * bound))
@@ -303,17 +311,22 @@ def test_requests_prepared_against_one_quote_count_each_other(make_tiny_engine):
 
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine)
-    engine.step()
+    _step_and_hold_quote(engine)
     quote = engine.admission.quote
-    one, two = quote.ttft_at_least("a", 0, 100), quote.ttft_at_least("a", 0, 200)
+    one, two = quote.ttft("a", 0, 100), quote.ttft("a", 0, 200)
     assert one < two
     slo = SLO(ttft=(one + two) / 2 / 0.9)  # room for one 100-token prompt, not two
     first = engine.prepare(prompt(100, 6), GREEDY, tenant="a", slo=slo)
     assert engine.admission.on_the_way() == {(0, "a"): 100}
     with pytest.raises(Unattainable):
         engine.prepare(prompt(100, 7), GREEDY, tenant="a", slo=slo)
-    engine.enqueue(first)  # it arrived: it is in the queue now, not on its way
+    engine.enqueue(first)  # in the queue now, but not in the quote those prepared
+    assert engine.admission.on_the_way() == {(0, "a"): 100}  # during this step read
+    with pytest.raises(Unattainable):
+        engine.prepare(prompt(100, 8), GREEDY, tenant="a", slo=slo)
+    _step_and_hold_quote(engine)  # the next quote holds it
     assert engine.admission.on_the_way() == {}
+    assert engine.admission.quote.queued[(0, "a")] > 0
 
 
 def test_the_quote_counts_what_the_prefix_cache_holds_of_a_prompt(make_tiny_engine):
@@ -497,3 +510,23 @@ def test_steps_much_slower_than_predicted_refit_the_cost_model_at_once():
     assert MIN_SAMPLES < REFIT_EVERY
     after = [model.predict(s) for s in shapes]
     assert all(a > 2 * b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@pytest.mark.parametrize("quoted", [True, False])
+def test_a_group_admitted_from_the_quote_is_given_up_only_past_its_objective(
+        make_tiny_engine, quoted):
+    """A group that passed the quote while it was prepared is refused when it reaches
+    the queue only if the engine's prediction passes the objective itself, not the
+    0.9 of it admission plans for: a prediction made a step later does not overturn
+    one answered at once for a few percent. One prepared without a quote is held to
+    the 0.9."""
+    engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
+    _queue_backlog(engine)
+    _step_and_hold_quote(engine)
+    if not quoted:
+        engine.admission.quote = None
+    req = engine.prepare(prompt(100, 4), GREEDY, tenant="a", slo=SLO(ttft=1e6))[0]
+    predicted = engine.scheduler.forecast.predict_ttft(req)
+    req.slo_ttft = predicted / 0.95 + 0.005  # between 0.9 and 1.0 of it (5 ms to enqueue)
+    engine.enqueue([req])
+    assert req.is_finished != quoted

@@ -24,6 +24,11 @@ from ember.errors import EmberError
 # Share of a TTFT objective the engine plans for: the rest is for what happens outside
 # it (reading and preparing the request, streaming the first token back).
 TTFT_MARGIN = 0.9
+# Share of it past which a request already admitted is given up (one that passed the
+# quote counts as admitted): the objective itself. Between the two is a band where a
+# prediction made a step later does not overturn one made at once, so the refusals
+# are answered while the request is prepared, not after the engine's next step.
+SHED_MARGIN = 1.0
 ON_THE_WAY_SECONDS = 30.0  # longest a prepared group counts before it reaches the queue
 
 
@@ -56,15 +61,22 @@ class Admission:
         self._lock = threading.Lock()  # guards _aborts (abort() comes from any thread)
         self.quote: Quote | None = None  # the last step's, for the preparing threads
         self.quoted_refusals = 0  # refused from the quote, before reaching the engine
-        # groups that passed the quote and are on their way to the queue (ahead of
-        # whoever is quoted next): request id -> (priority, tenant), prompt tokens, and
-        # when to stop counting it (a group dropped on a path that never said so)
+        # groups that passed the quote and that it does not hold yet (ahead of whoever
+        # is quoted next): request id -> (priority, tenant), prompt tokens, and when to
+        # stop counting it (a group dropped on a path that never said so)
         self._on_the_way: dict[str, tuple[tuple[int, str], int, float]] = {}
+        # of those, the ones queued since the last quote: the next one counts them
+        self._queued_since_quote: list[str] = []
         self._on_the_way_lock = threading.Lock()
 
     def publish_quote(self) -> None:
-        """After a step (engine thread): what a request arriving now would meet."""
+        """After a step (engine thread): what a request arriving now would meet. The
+        groups queued since the last quote are in this one: they stop counting apart."""
         self.quote = self.scheduler.forecast.quote()
+        with self._on_the_way_lock:
+            for rid in self._queued_since_quote:
+                self._on_the_way.pop(rid, None)
+            self._queued_since_quote = []
 
     def check_quote(self, group: list[Request]) -> None:
         """Raise :class:`Unattainable` when the last quote already puts a prepared
@@ -77,8 +89,8 @@ class Admission:
         key = (parent.priority, parent.tenant)
         with self._on_the_way_lock:
             now = time.monotonic()
-            predicted = now - parent.arrival_time + quote.ttft_at_least(
-                parent.tenant, parent.priority, own, self._tokens_on_the_way())
+            predicted = now - parent.arrival_time + quote.ttft(
+                parent.tenant, parent.priority, own, self._tokens_on_the_way(), now)
             late = predicted - TTFT_MARGIN * parent.slo_ttft
             if late <= 0:
                 self._on_the_way[parent.request_id] = (key, own, now + ON_THE_WAY_SECONDS)
@@ -87,11 +99,16 @@ class Admission:
         raise Unattainable(f"the request would miss its time-to-first-token objective "
                            f"({parent.slo_ttft:g} s): {predicted:.2f} s predicted", late)
 
-    def arrived(self, group: list[Request]) -> None:
-        """A group that passed the quote reached the queue, or will not (any thread)."""
+    def arrived(self, group: list[Request], queued: bool = False) -> None:
+        """A group that passed the quote will not reach the queue (any thread), or was
+        ``queued`` (engine thread): then it counts until the next quote holds it, or
+        the requests prepared during the step it joined would not see it."""
         if group and group[0].request_id in self._on_the_way:
             with self._on_the_way_lock:
-                self._on_the_way.pop(group[0].request_id, None)
+                if queued:
+                    self._queued_since_quote.append(group[0].request_id)
+                else:
+                    self._on_the_way.pop(group[0].request_id, None)
 
     def on_the_way(self) -> dict[tuple[int, str], int]:
         """The prompt tokens on their way to the queue, by (priority, tenant)."""
@@ -120,18 +137,21 @@ class Admission:
         ``rejected`` at the next step, with a ``retry_after``."""
         for req in group:
             if req.request_id in self.requests:
+                self.arrived(group)
                 raise InvalidRequest("request_id", f"request id {req.request_id!r} is "
                                                    "already in use", req.request_id)
-        self.arrived(group)
         parent, *siblings = group
         for req in group:
             self.requests[req.request_id] = req
         if parent.slo_ttft is not None:
             waited = time.monotonic() - parent.arrival_time
             predicted = waited + self.scheduler.forecast.predict_ttft(parent)
-            if predicted > TTFT_MARGIN * parent.slo_ttft:
-                self._refuse(group, predicted - TTFT_MARGIN * parent.slo_ttft)
+            margin = SHED_MARGIN if parent.request_id in self._on_the_way else TTFT_MARGIN
+            if predicted > margin * parent.slo_ttft:
+                self.arrived(group)
+                self._refuse(group, predicted - margin * parent.slo_ttft)
                 return
+        self.arrived(group, queued=True)
         parent.forks = siblings
         for sibling in siblings:
             self._fork_parent[sibling.request_id] = parent
@@ -176,7 +196,7 @@ class Admission:
     def _shed_hopeless(self) -> list[Request]:
         """Refuse waiting requests that can no longer start within their TTFT objective:
         serving them would spend capacity on answers that miss anyway."""
-        lost = self.scheduler.forecast.hopeless(time.monotonic(), TTFT_MARGIN)
+        lost = self.scheduler.forecast.hopeless(time.monotonic(), SHED_MARGIN)
         for req in lost:
             req.retry_after = req.slo_ttft
             finish(req, FinishReason.REJECTED, "the request cannot get its first token "

@@ -12,6 +12,7 @@ TPOT objectives).
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,19 +50,26 @@ class Quote:
     per_step: int  # prompt tokens a full prefill step carries
     full_step: float  # seconds of such a step
     empty_step: float  # seconds of a step with no prompt tokens (its decoding rows)
+    at: float | None = None  # when it was made (time.monotonic()); None: just now
 
-    def ttft_at_least(self, tenant: str, priority: int = 0, own: int = 0,
-                      on_the_way: Mapping[tuple[int, str], int] | None = None) -> float:
-        """A lower bound on the seconds until a request of ``tenant`` at ``priority``
-        with ``own`` uncomputed prompt tokens would get its first token: the queue
-        ahead of it (with ``on_the_way``: what was admitted since the quote) under fair
-        share, prefilled in full steps (the last one in part)."""
+    def ttft(self, tenant: str, priority: int = 0, own: int = 0,
+             on_the_way: Mapping[tuple[int, str], int] | None = None,
+             now: float | None = None) -> float:
+        """The seconds from ``now`` until a request of ``tenant`` at ``priority`` with
+        ``own`` uncomputed prompt tokens would get its first token: the queue ahead of
+        it (with ``on_the_way``: what was admitted since the quote) under fair share,
+        prefilled in full steps (the last one in part), less what the engine has
+        computed of it since the quote (it went on stepping meanwhile)."""
         queued: dict[str, int] = defaultdict(int)
         for source in (self.queued, on_the_way or {}):
             for (p, t), n in source.items():
                 if p <= priority:
                     queued[t] += n
-        full, rest = divmod(fair_share_ahead(queued, tenant, own), self.per_step)
+        ahead = fair_share_ahead(queued, tenant, own)
+        if now is not None and self.at is not None and ahead > own:
+            served = int(max(0.0, now - self.at) / self.full_step * self.per_step)
+            ahead = max(own, ahead - served)
+        full, rest = divmod(ahead, self.per_step)
         part = (self.empty_step + (self.full_step - self.empty_step) * rest / self.per_step
                 if rest else 0.0)
         return full * self.full_step + part
@@ -87,7 +95,7 @@ class Forecast:
             if r.remaining_prefill > 1:
                 queued[(r.priority, r.tenant)] += r.remaining_prefill
         step, per_step = self._steps()
-        return Quote(dict(queued), per_step, step(per_step), step(0))
+        return Quote(dict(queued), per_step, step(per_step), step(0), time.monotonic())
 
     def _steps(self) -> tuple[Callable[[int], float], int]:
         """The predicted seconds of a step carrying n prompt tokens beside the streams

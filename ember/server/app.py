@@ -473,10 +473,10 @@ class AdmissionGate:
     here, before JSON decoding, the chat template, tokenizing and the engine thread,
     makes it a few microseconds. The TTFT check reads the engine's last quote
     (:class:`~ember.engine.forecast.Quote`) for the key's tenant, counting nothing of
-    the request's own prompt — a lower bound, so nothing the exact check would admit is
-    refused here. A request naming its own ``priority`` or ``slo`` (which the gate does
-    not parse) and a body over GATE_BODY_BYTES pass through to the exact check. An
-    unauthenticated request passes through (the route answers 401).
+    the request's own prompt (the preparing thread adds it). A request naming its own
+    ``priority`` or ``slo`` (which the gate does not parse) and a body over
+    GATE_BODY_BYTES pass through to the later checks. An unauthenticated request passes
+    through (the route answers 401).
     """
 
     def __init__(self, app: Any, server: Server) -> None:
@@ -514,7 +514,7 @@ class AdmissionGate:
             return
         receive = replay_body(raw, receive)
         if b'"priority"' not in raw and b'"slo"' not in raw:
-            late = (quote.ttft_at_least(tenant, on_the_way=thread.on_the_way())
+            late = (quote.ttft(tenant, on_the_way=thread.on_the_way(), now=time.monotonic())
                     - TTFT_MARGIN * objective)
             if late > 0:
                 await self._refuse(scope, receive, send, slo_unattainable(
