@@ -16,9 +16,10 @@ pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError  # noqa: E402
 
 from ember.cluster import front as front_mod  # noqa: E402
+from ember.cluster import wire  # noqa: E402
 from ember.cluster.disagg import Planner  # noqa: E402
 from ember.cluster.front import ReplicaSet  # noqa: E402
-from ember.cluster.protocol import Handoff, Verdict  # noqa: E402
+from ember.cluster.protocol import Handoff, PurgeSpec, Verdict  # noqa: E402
 from ember.cluster.remote import DISPATCH_ATTEMPTS  # noqa: E402
 from ember.config import EngineConfig  # noqa: E402
 from ember.engine.admission import QueueFull  # noqa: E402
@@ -44,7 +45,7 @@ class Stream:
             await asyncio.sleep(3600)
         if isinstance(item, BaseException):
             raise item
-        return item
+        return wire.stream_item(item)  # as a replica sends it
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -61,10 +62,11 @@ class Handle:
     def options(self, **_):
         return self
 
-    def remote(self, spec):
+    def remote(self, message, blocks=None):
         """As Ray Serve would: the router places the request, then the replica answers."""
         from ember.cluster.router import view
 
+        spec = wire.received_spec(message, blocks)
         self.avoided.append(tuple(spec.avoid))
         self.specs.append((spec.prefill, spec.replica, spec.handoff))
         self.sent.append(spec)
@@ -251,9 +253,10 @@ class PurgingHandle(Handle):
         purger.reached, purger.purging = self.reached, True
         return purger
 
-    def remote(self, spec):
+    def remote(self, message, blocks=None):
         if not self.purging:
-            return super().remote(spec)
+            return super().remote(message, blocks)
+        spec = wire.unpack(message, PurgeSpec)
         self.reached.append(spec.replica)
         n = self.removed[spec.replica]
 
@@ -286,10 +289,11 @@ def test_a_purge_refuses_to_report_success_it_cannot_vouch_for(make) -> None:
     handle.removed["r2"] = 5
     original = PurgingHandle.remote
 
-    def misrouted(self, spec):
+    def misrouted(self, message):
+        spec = wire.unpack(message, PurgeSpec)
         if self.purging and spec.replica == "r2":
-            spec = type(spec)(spec.tenant, "r1")
-        return original(self, spec)
+            message = wire.pack(PurgeSpec(spec.tenant, "r1"))
+        return original(self, message)
 
     PurgingHandle.remote = misrouted
     try:
@@ -300,17 +304,18 @@ def test_a_purge_refuses_to_report_success_it_cannot_vouch_for(make) -> None:
 
 
 def test_a_purge_is_pinned_to_its_replica_by_either_router() -> None:
-    from ember.cluster.protocol import GroupSpec, PurgeSpec
+    from ember.cluster.protocol import GroupSpec
     from ember.cluster.router import _pinned
 
     class Pending:
-        def __init__(self, *args) -> None:
-            self.args = args
+        def __init__(self, message: bytes) -> None:
+            self.args = (message, None)
 
     by_id = {"r1": "replica-1", "r2": "replica-2"}
-    assert _pinned(Pending(PurgeSpec("t", "r2")), by_id) == [["replica-2"]]
-    assert _pinned(Pending(PurgeSpec("t", "gone")), by_id) == []
-    assert _pinned(Pending(GroupSpec("g", [1], [SamplingParams()], "t")), by_id) is None
+    assert _pinned(Pending(wire.pack(PurgeSpec("t", "r2"))), by_id) == [["replica-2"]]
+    assert _pinned(Pending(wire.pack(PurgeSpec("t", "gone"))), by_id) == []
+    group = GroupSpec("g", [1], [SamplingParams()], "t")
+    assert _pinned(Pending(wire.pack(group)), by_id) is None
 
 
 # ---------------------------------------------------------------- disaggregation

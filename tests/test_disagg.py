@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ember.cluster import wire
 from ember.cluster.disagg import Planner, ReplicaLoad, Terms, decide, transfer_seconds
 from ember.cluster.protocol import GroupSpec, Handoff, Verdict
 from ember.cluster.replica import EmberReplica
@@ -140,7 +141,8 @@ def _spec(request_id: str, tenant: str = "a", **kw) -> GroupSpec:
 
 def _run(replica: EmberReplica, spec: GroupSpec) -> list:
     async def collect() -> list:
-        return [item async for item in replica.generate(spec)]
+        return [wire.read_item(item)
+                async for item in replica.generate(*wire.call_args(spec))]
 
     return asyncio.run(collect())
 
@@ -244,8 +246,8 @@ def test_a_prefill_that_is_cancelled_releases_its_blocks(replicas) -> None:
     spec.prompt_ids = list(range(1000, 1000 + 1500))
 
     async def leave_after_the_verdict() -> None:
-        stream = prefill.generate(spec)
-        assert (await anext(stream)).error is None
+        stream = prefill.generate(*wire.call_args(spec))
+        assert wire.read_item(await anext(stream)).error is None
         await stream.aclose()  # the front's client left during the prefill
 
     asyncio.run(leave_after_the_verdict())

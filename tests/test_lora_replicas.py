@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ember.bench.lora import write_random_adapter
+from ember.cluster import wire
 from ember.cluster.front import FrontEngine
 from ember.cluster.protocol import GroupSpec, Verdict
 from ember.cluster.replica import EmberReplica
@@ -39,7 +40,8 @@ def setup(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
 def _generate(replica: EmberReplica, spec: GroupSpec) -> tuple[Verdict, list[int]]:
     async def run() -> tuple[Verdict, list[int]]:
         verdict, tokens = None, []
-        async for item in replica.generate(spec):
+        async for message in replica.generate(*wire.call_args(spec)):
+            item = wire.read_item(message)
             if isinstance(item, Verdict):
                 verdict = item
             elif item.finished:

@@ -37,6 +37,7 @@ from ember.cluster.remote import (
     replica_died,
 )
 from ember.cluster.router import RoutingView, view
+from ember.cluster.wire import ReplicaStream, call_args, pack
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.embedding import EmbeddingError
@@ -226,7 +227,7 @@ class ReplicaSet:
         while group.attempts < DISPATCH_ATTEMPTS:
             group.attempts += 1
             self.view.unplace(spec.request_id)  # the previous attempt's, if any
-            stream = self.handle.remote(spec)
+            stream = ReplicaStream(self.handle.remote(*call_args(spec)))
             try:
                 verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)
             except TimeoutError:
@@ -369,7 +370,7 @@ class ReplicaSet:
         total: dict[str, int] = {}
         for replica in replicas:
             try:
-                got = self._purge.remote(PurgeSpec(tenant, replica)).result(
+                got = self._purge.remote(pack(PurgeSpec(tenant, replica))).result(
                     timeout_s=PURGE_TIMEOUT_S)
             except Exception as e:
                 raise EngineStopped(f"replica {replica} did not purge tenant {tenant!r} "

@@ -1,4 +1,5 @@
-"""What travels between the front and the replicas (all of it picklable)."""
+"""What travels between the front and the replicas: plain dataclasses, sent as checked
+bytes by :mod:`ember.cluster.wire`."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+from ember.cluster import wire
 from ember.cluster.protocol import GroupSpec, Handoff, PurgeSpec, Verdict
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
@@ -91,9 +92,17 @@ class EmberReplica:
         self.thread = EngineThread(self.engine).start()
         self.replica = _replica_id()
 
-    async def generate(self, spec: GroupSpec) -> AsyncIterator[Verdict | RequestOutput | Handoff]:
-        """The group's verdict, then its outputs; for a prefill spec (``spec.prefill``),
-        the verdict and then the :class:`Handoff` of the prompt's KV."""
+    async def generate(self, message: bytes, blocks: Any = None
+                       ) -> AsyncIterator[bytes | tuple[bytes, Any]]:
+        """For a :class:`GroupSpec` (with its handoff's ``blocks`` beside it, as
+        :func:`wire.call_args` sends them): the group's verdict, then its outputs; for a
+        prefill spec (``spec.prefill``), the verdict and then the :class:`Handoff` of
+        the prompt's KV. Each item as :func:`wire.stream_item` makes it."""
+        spec = wire.received_spec(message, blocks)
+        async for item in self._generate(spec):
+            yield wire.stream_item(item)
+
+    async def _generate(self, spec: GroupSpec) -> AsyncIterator[Verdict | RequestOutput | Handoff]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -240,8 +249,10 @@ class EmberReplica:
                       seconds=time.monotonic() - began)
         return report
 
-    def purge_cache(self, spec: PurgeSpec) -> dict[str, Any]:
-        """Forget a tenant's cached prefixes here (RAM and disk tier); what went."""
+    def purge_cache(self, message: bytes) -> dict[str, Any]:
+        """Forget a tenant's cached prefixes here (RAM and disk tier), as the
+        :class:`PurgeSpec` in ``message`` asks; what went."""
+        spec = wire.unpack(message, PurgeSpec)
         return {"replica": self.replica, **self.thread.purge_cache(spec.tenant)}
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -191,8 +191,10 @@ def _pinned(pending: Any, by_id: dict[str, Any]) -> list[list] | None:
     disaggregated one's prefill or decode) there first, then the others it has not been
     refused by. None for any other request."""
     from ember.cluster.protocol import GroupSpec, PurgeSpec
+    from ember.cluster.wire import peek
 
-    for arg in pending.args if pending is not None else ():
+    for arg in pending.args[:1] if pending is not None else ():
+        arg = peek(arg) if isinstance(arg, bytes) else None
         if isinstance(arg, PurgeSpec):
             return [[by_id[arg.replica]]] if arg.replica in by_id else []
         if isinstance(arg, GroupSpec) and arg.replica in by_id and arg.replica not in arg.avoid:
@@ -210,13 +212,12 @@ def _placed_by(spec: Any, by: str) -> str:
 
 def _spec_of(pending: Any) -> Any:
     from ember.cluster.protocol import GroupSpec
+    from ember.cluster.wire import peek
 
-    if pending is None:
+    if pending is None or not pending.args or not isinstance(pending.args[0], bytes):
         return None
-    for arg in pending.args:
-        if isinstance(arg, GroupSpec):
-            return arg
-    return None
+    spec = peek(pending.args[0])
+    return spec if isinstance(spec, GroupSpec) else None
 
 
 try:  # Ray is optional: the policy above is usable (and tested) without it

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ember.sampling.constraints import StructuredOutput
+from ember.sampling.constraints import StructuredOutput
 
 
 class InvalidSamplingParams(ValueError):
