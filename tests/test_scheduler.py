@@ -341,6 +341,24 @@ def test_the_quote_counts_what_the_prefix_cache_holds_of_a_prompt(make_tiny_engi
     assert engine.kv.uncached_at_least(engine.prepare(ids, GREEDY, tenant="b")[0]) == 100
 
 
+def test_a_request_on_its_way_counts_as_the_queue_will_count_it(make_tiny_engine):
+    """Its own check takes what the prefix cache holds of its prompt; for those prepared
+    after it, it counts its whole prompt, as the queue does while it waits (what the
+    cache holds is taken when it is scheduled), so the engine's check when it arrives
+    sees the queue the preparing threads saw."""
+    engine = engine_with(make_tiny_engine)
+    ids = prompt(100, 9)
+    done = engine.add_request(ids, GREEDY, tenant="a")
+    while not done.is_finished:
+        engine.step()
+    _step_and_hold_quote(engine)
+    again = engine.prepare(ids, GREEDY, tenant="a", slo=SLO(ttft=60))[0]
+    assert engine.kv.uncached_at_least(again) == 4
+    assert engine.admission.on_the_way() == {(0, "a"): 100}
+    engine.enqueue([again])
+    assert engine.scheduler.forecast.quote().queued == {(0, "a"): 100}
+
+
 def test_another_tenants_backlog_counts_only_up_to_a_fair_share(make_tiny_engine):
     engine = engine_with(make_tiny_engine, max_num_batched_tokens=256)
     _queue_backlog(engine, 2000)  # tenant a

@@ -93,7 +93,10 @@ class Admission:
                 parent.tenant, parent.priority, own, self._tokens_on_the_way(), now)
             late = predicted - TTFT_MARGIN * parent.slo_ttft
             if late <= 0:
-                self._on_the_way[parent.request_id] = (key, own, now + ON_THE_WAY_SECONDS)
+                # counted as the queue will count it while it waits (its whole prompt:
+                # what the cache holds of it is known once it is scheduled)
+                self._on_the_way[parent.request_id] = (key, parent.remaining_prefill,
+                                                       now + ON_THE_WAY_SECONDS)
                 return
         self.quoted_refusals += 1
         raise Unattainable(f"the request would miss its time-to-first-token objective "
