@@ -141,6 +141,7 @@ def test_workloads_are_deterministic_for_a_seed():
 # ---------------------------------------------------------------- the load generator
 TTFT, GAP, TOKENS = 0.20, 0.05, 5
 RECEIVED: list[dict] = []  # the chat requests' bodies, in arrival order
+BUSY_UNTIL = [0.0]  # the stub answers the bench's one-token probe slowly until then
 # per streamed request, in arrival order: when its body had arrived and when each chunk
 # was sent (time.monotonic(): the stub runs in this process)
 SENT: list[tuple[float, list[float]]] = []
@@ -165,7 +166,12 @@ async def _stub(scope, receive, send) -> None:
     if auth.endswith("k-500"):
         await _respond(send, 500, b'{"error":{}}')
         return
-    RECEIVED.append(json.loads(body))
+    request = json.loads(body)
+    if request.get("max_tokens") == 1:  # the bench's probe: slow while "busy"
+        await asyncio.sleep(1.0 if time.monotonic() < BUSY_UNTIL[0] else 0.0)
+        await _respond(send, 200, b'{"choices":[]}')
+        return
+    RECEIVED.append(request)
     sent: list[float] = []
     SENT.append((time.monotonic(), sent))
     await send({"type": "http.response.start", "status": 200,
@@ -272,6 +278,21 @@ def test_bench_serve_writes_its_table_json_and_plots(stub_url, tmp_path: Path, c
     assert len(prompts) == 13 and not set(prompts[1:7]) & set(prompts[7:])
     for name in ("goodput", "latency", "tenants"):
         assert (tmp_path / f"p-{name}.png").stat().st_size > 1000
+
+
+def test_the_next_step_waits_until_the_endpoint_has_finished_the_last_ones_work(stub_url):
+    """A server still working after a step (what its clients gave up on) would run on
+    the cores the next step measures: the bench probes it with a one-token request
+    until it answers about as fast as when idle."""
+    from ember.bench.serve import _probe, _settle
+
+    ep = Endpoint(stub_url, "stub", ["k-ok"])
+    idle = _probe(ep, 10)
+    assert idle is not None and idle < 0.5
+    BUSY_UNTIL[0] = time.monotonic() + 2.0
+    waited = _settle(ep, idle, 10)
+    assert 1.5 <= waited < 5.0
+    assert _settle(ep, idle, 10) < 0.5  # idle now: one probe
 
 
 def test_an_over_saturated_step_stops_sending_and_says_so(stub_url):

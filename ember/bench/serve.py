@@ -41,17 +41,23 @@ class Plan:
     warmup: int
 
 
+SETTLE_LIMIT_S = 900.0  # longest wait for an endpoint to finish what a step left it
+
+
 def main(endpoints: list[Endpoint], plan: Plan, slo: Objectives, out: Path,
          plot: Path | None) -> list[dict[str, Any]]:
+    idle = {}
     for ep in endpoints:
         ep.model = ep.model or _served_model(ep)
         _warm_up(ep, plan)
+        idle[ep.label] = min(_probe(ep, plan.timeout) or plan.timeout for _ in range(3))
     rows = []
     steps = plan.rates or [None]
     for i, rate in enumerate(steps):
         order = endpoints if i % 2 == 0 else endpoints[::-1]
         for ep in order:
             rows.append(_step(ep, plan, rate, slo, plan.seed + i))
+            rows[-1]["settle_s"] = _settle(ep, idle[ep.label], plan.timeout)
             print(_format(rows[-1]), flush=True)
     rows.sort(key=lambda r: (endpoints.index(next(e for e in endpoints
                                                   if e.label == r["endpoint"])),
@@ -87,6 +93,34 @@ def _warm_up(ep: Endpoint, plan: Plan) -> None:
                     timeout=plan.timeout))
 
 
+def _probe(ep: Endpoint, timeout: float) -> float | None:
+    """Seconds a one-token chat request takes now (None: refused or failed)."""
+    body = {"model": ep.model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Say hi."}]}
+    start = time.monotonic()
+    try:
+        r = httpx.post(f"{ep.url}/v1/chat/completions", json=body, headers=ep.headers(0),
+                       timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return time.monotonic() - start if r.status_code == 200 else None
+
+
+def _settle(ep: Endpoint, idle: float, timeout: float) -> float:
+    """Wait until ``ep`` answers a one-token request about as fast as when it was idle
+    (twice that, or 0.1 s more); the seconds waited. A step cut short, or requests the
+    client gave up on, can leave a server working on for minutes (llama-server computes
+    a queued request whose client has gone until it has a token to write), and on the
+    same cores that work would run into the next step, of either endpoint."""
+    start = time.monotonic()
+    while time.monotonic() - start < SETTLE_LIMIT_S:
+        took = _probe(ep, timeout)
+        if took is not None and took <= max(2 * idle, idle + 0.1):
+            break
+        time.sleep(0.5)
+    return round(time.monotonic() - start, 1)
+
+
 def _step(ep: Endpoint, plan: Plan, rate: float | None, slo: Objectives,
           seed: int) -> dict[str, Any]:
     # each step its own seed: the last step's prompts would be prefix-cache hits in this one
@@ -119,6 +153,8 @@ _HEADER = (f"{'endpoint':<12} {'load':>7} {'sent':>5} {'ok':>5} {'429':>4} {'fai
 def _format(row: dict[str, Any]) -> str:
     load = f"{row['rate']:g}/s" if row["rate"] is not None else f"c={row['concurrency']}"
     flag = "  (over-saturated: stopped early)" if row["saturated"] else ""
+    if row.get("settle_s", 0) > 2:
+        flag += f"  (busy {row['settle_s']:g} s after the step: waited)"
     return (f"{row['endpoint']:<12} {load:>7} {row['sent']:>5} {row['completed']:>5} "
             f"{row['rejected']:>4} {row['failed']:>4} {row['good']:>5} "
             f"{row['throughput_rps']:>6.2f} {row['goodput_rps']:>7.2f} "
