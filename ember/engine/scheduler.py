@@ -100,7 +100,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.forecast = Forecast(self)
         self.pace = Pace()  # the share of TPOT objectives steps are planned to
-        self._long_share = 1.0  # of the prefill limit a long prompt may fill this step
 
     @property
     def num_unfinished(self) -> int:
@@ -170,9 +169,9 @@ class Scheduler:
         # when a short prompt can finish in this step, long prompts get only a share of
         # the limit in it, so a short request that arrived during a long prefill waits
         # for the step then running plus a short one, not two long ones
-        self._long_share = FIRST_TOKEN_SHARE if self._first_token_due() else 1.0
-        self._hand_out_prompt_tokens(out, limit, prefill_limit)
-        self._top_up(out, prefill_limit)
+        long_share = FIRST_TOKEN_SHARE if self._first_token_due() else 1.0
+        self._hand_out_prompt_tokens(out, limit, prefill_limit, long_share)
+        self._top_up(out, prefill_limit, long_share)
         for row in out.rows:
             if not row.samples or row.num_tokens > 1:  # a prompt chunk
                 row.request.last_chunk = row.num_tokens
@@ -226,7 +225,7 @@ class Scheduler:
         return STALL_MARGIN * self.pace.scale * min(tpots) if tpots else math.inf
 
     def _hand_out_prompt_tokens(self, out: SchedulerOutput, limit: float,
-                                prefill_limit: float) -> None:
+                                prefill_limit: float, long_share: float) -> None:
         """2: prompt chunks in rounds — priority class, then least-served tenant."""
         queues = self._prompt_queues()
         can_admit = True
@@ -247,14 +246,15 @@ class Scheduler:
                     continue  # its tenant's limit: it waits, nobody else's turn is held up
                 if now and not self._tenant_fits(req, len(req.token_ids)):
                     continue  # its prompt would take its tenant past its KV share
-                if not self._admit(req, out, limit, self._prompt_limit(req, prefill_limit)):
+                if not self._admit(req, out, limit,
+                                   self._prompt_limit(req, prefill_limit, long_share)):
                     can_admit = False  # blocked: later arrivals may not overtake it
                     continue
                 running[req.tenant] += req.group_size
             elif req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             else:
-                n = min(self._chunk(req, out, self._prompt_limit(req, prefill_limit),
+                n = min(self._chunk(req, out, self._prompt_limit(req, prefill_limit, long_share),
                                     floor=MIN_PREFILL),
                         self._growth_cap(req))
                 if n == 0 or not self._reserve_or_preempt(req, n, out):
@@ -348,7 +348,7 @@ class Scheduler:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return max(lo, floor)
 
-    def _top_up(self, out: SchedulerOutput, limit: float) -> None:
+    def _top_up(self, out: SchedulerOutput, limit: float, long_share: float) -> None:
         """3: budget nobody else could use goes to this step's prompt chunks."""
         for i, row in enumerate(out.rows):
             budget = self.max_num_batched_tokens - out.num_tokens
@@ -363,7 +363,7 @@ class Scheduler:
             extra = self._fit_time(shrunk, req.kv_len,
                                    min(req.remaining_prefill, row.num_tokens + budget,
                                        self._growth_cap(req)),
-                                   self._prompt_limit(req, limit)) - row.num_tokens
+                                   self._prompt_limit(req, limit, long_share)) - row.num_tokens
             if extra > 0 and self.kv.can_reserve(req, start + extra) and self._tenant_fits(
                     req, start + extra):
                 self.kv.reserve(req, start + extra)
@@ -381,11 +381,10 @@ class Scheduler:
         out.shape = out.shape.plus(n, req.kv_len + n)
         self._charge(req, n)
 
-    def _prompt_limit(self, req: Request, limit: float) -> float:
-        """The step time ``req``'s prompt chunk may fill: a long prompt's is cut to its
-        share while a short one can finish (see :meth:`schedule`)."""
-        return limit * self._long_share if req.remaining_prefill > self.max_prefill_chunk \
-            else limit
+    def _prompt_limit(self, req: Request, limit: float, long_share: float) -> float:
+        """The step time ``req``'s prompt chunk may fill: a long prompt's is cut to
+        ``long_share`` of it while a short one can finish (see :meth:`schedule`)."""
+        return limit * long_share if req.remaining_prefill > self.max_prefill_chunk else limit
 
     def _first_token_due(self) -> bool:
         """Whether a request still to get its first token has a prompt that fits in one
