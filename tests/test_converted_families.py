@@ -550,6 +550,7 @@ def test_a_hybrid_prompt_prefilled_on_one_replica_decodes_on_another(converted) 
 
     from test_batch_invariance import outcomes, params
 
+    from ember.cluster import wire
     from ember.cluster.protocol import GroupSpec, Handoff, Verdict
     from ember.cluster.replica import EmberReplica
     from ember.config import EngineConfig
@@ -566,7 +567,8 @@ def test_a_hybrid_prompt_prefilled_on_one_replica_decodes_on_another(converted) 
 
     def run(replica: EmberReplica, spec: GroupSpec) -> list:
         async def collect() -> list:
-            return [item async for item in replica.generate(spec)]
+            return [wire.read_item(item)
+                    async for item in replica.generate(*wire.call_args(spec))]
 
         return asyncio.run(collect())
 
