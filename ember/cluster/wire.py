@@ -84,7 +84,7 @@ def unpack(data: Any, *expected: type[T]) -> T:
         raise WireError(f"malformed {KINDS[kind].__name__}: {e}") from None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # a spec can hold a long prompt: keep few
 def peek(data: bytes) -> GroupSpec | PurgeSpec | None:
     """The spec a routed call carries, for the router (which sees each several times);
     None when ``data`` is not one."""
