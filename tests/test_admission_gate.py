@@ -24,11 +24,8 @@ class _Thread:
     def queue_full(self) -> bool:
         return self.full
 
-    def quote(self) -> Quote | None:
-        return self._quote
-
-    def on_the_way(self) -> dict:
-        return {}
+    def quoted(self) -> tuple[Quote | None, dict]:
+        return self._quote, {}
 
 
 def _call(gate: AdmissionGate, path: str, method: str = "POST",
@@ -127,6 +124,18 @@ def test_the_quote_counts_what_the_engine_computed_since_it_was_made():
     assert quote.ttft("tenant", now=100.0) == pytest.approx(2.0)
     assert quote.ttft("tenant", now=100.5) == pytest.approx(1.5)
     assert quote.ttft("tenant", own=100, now=150.0) == pytest.approx(0.1)
+
+
+def test_the_engines_progress_counts_only_against_the_queue_the_quote_held():
+    """Nothing is credited against requests admitted after the quote (an idle engine
+    computed none of them), and progress on another tenant's long backlog leaves a
+    newcomer its fair-share round of what remains."""
+    idle = Quote({}, per_step=100, full_step=0.1, empty_step=0.02, at=100.0)
+    assert idle.ttft("tenant", on_the_way={(0, "tenant"): 1000}, now=100.5) \
+        == pytest.approx(1.0)
+    busy = Quote({(0, "other"): 10_000}, per_step=100, full_step=0.1, empty_step=0.02,
+                  at=100.0)
+    assert busy.ttft("tenant", own=2000, now=101.0) == pytest.approx(4.0)  # 2000 + 2000
 
 
 @pytest.mark.parametrize("body", [

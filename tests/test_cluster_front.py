@@ -172,6 +172,15 @@ def test_an_invalid_request_is_the_replicas_error_as_is(make) -> None:
     assert (e.value.param, str(e.value)) == ("max_tokens", "max_tokens too big")
 
 
+def test_a_number_the_wire_cannot_carry_is_refused_by_name(make) -> None:
+    """The API bounds no seed: one past 64 bits is a 400 naming it, not a 500."""
+    rs, handle = make([[Verdict("r1"), out("g", [1], finished=True)]])
+    with pytest.raises(InvalidRequest) as e:
+        rs.engine.prepare(list(range(100, 140)), SamplingParams(max_tokens=4, seed=2**70),
+                          request_id="g", tenant="t")
+    assert e.value.param == "seed" and not handle.sent
+
+
 def test_death_before_any_token_fails_over_and_after_a_token_ends_with_an_error(make) -> None:
     rs, handle = make([[Verdict("r1"), ActorDiedError()],
                        [Verdict("r2"), out("g", [3]), out("g", [3, 4], finished=True)]])

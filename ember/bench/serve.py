@@ -50,7 +50,11 @@ def main(endpoints: list[Endpoint], plan: Plan, slo: Objectives, out: Path,
     for ep in endpoints:
         ep.model = ep.model or _served_model(ep)
         _warm_up(ep, plan)
-        idle[ep.label] = min(_probe(ep, plan.timeout) or plan.timeout for _ in range(3))
+        took = [t for t in (_probe(ep, plan.timeout) for _ in range(3)) if t is not None]
+        idle[ep.label] = min(took) if took else None
+        if not took:
+            print(f"{ep.label}: a one-token request got no answer: steps follow each other "
+                  "without waiting for it to settle", flush=True)
     rows = []
     steps = plan.rates or [None]
     for i, rate in enumerate(steps):
@@ -106,13 +110,16 @@ def _probe(ep: Endpoint, timeout: float) -> float | None:
     return time.monotonic() - start if r.status_code == 200 else None
 
 
-def _settle(ep: Endpoint, idle: float, timeout: float) -> float:
+def _settle(ep: Endpoint, idle: float | None, timeout: float) -> float:
     """Wait until ``ep`` answers a one-token request about as fast as when it was idle
     (twice that, or 0.1 s more); the seconds waited. A step cut short, or requests the
     client gave up on, can leave a server working on for minutes (llama-server computes
     a queued request whose client has gone until it has a token to write), and on the
-    same cores that work would run into the next step, of either endpoint."""
+    same cores that work would run into the next step, of either endpoint. No wait when
+    the endpoint never answered the probe idle (``idle`` None)."""
     start = time.monotonic()
+    if idle is None:
+        return 0.0
     while time.monotonic() - start < SETTLE_LIMIT_S:
         took = _probe(ep, timeout)
         if took is not None and took <= max(2 * idle, idle + 0.1):

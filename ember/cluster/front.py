@@ -37,7 +37,7 @@ from ember.cluster.remote import (
     replica_died,
 )
 from ember.cluster.router import RoutingView, view
-from ember.cluster.wire import ReplicaStream, call_args, pack
+from ember.cluster.wire import ReplicaStream, call_args, out_of_range, pack
 from ember.config import EngineConfig
 from ember.engine.admission import QueueFull
 from ember.engine.embedding import EmbeddingError
@@ -132,12 +132,9 @@ class ReplicaSet:
     def queue_full(self) -> bool:
         return self._queued() >= self._capacity()
 
-    def quote(self) -> None:
+    def quoted(self) -> tuple[None, dict[tuple[int, str], int]]:
         """No quote: each replica's engine checks what it is sent."""
-        return None
-
-    def on_the_way(self) -> dict[tuple[int, str], int]:
-        return {}
+        return None, {}
 
     def _capacity(self) -> int:
         return self.config.max_queue * self.replicas
@@ -227,6 +224,10 @@ class ReplicaSet:
         while group.attempts < DISPATCH_ATTEMPTS:
             group.attempts += 1
             self.view.unplace(spec.request_id)  # the previous attempt's, if any
+            param = out_of_range(spec)
+            if param is not None:
+                raise InvalidRequest(param, f"{param} is out of the 64-bit range the "
+                                            "replicas take")
             stream = ReplicaStream(self.handle.remote(*call_args(spec)))
             try:
                 verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)
@@ -238,7 +239,8 @@ class ReplicaSet:
                 stream.cancel()
                 raise
             except Exception as e:
-                if not replica_died(e):
+                if not replica_died(e):  # (a message one side cannot read: stop it)
+                    stream.cancel()
                     log.error("dispatching %s failed: %r", spec.request_id, e)
                     raise EngineStopped("a replica failed to take the request") from None
                 log.warning("replica died before answering %s: %r", spec.request_id, e)
@@ -285,6 +287,9 @@ class ReplicaSet:
             self._finish(group, "abort", None)
         except Exception as e:
             log.exception("stream of %s failed: %r", group.spec.request_id, e)
+            for stream in (group.prefill, group.stream):  # the replica would go on
+                if stream is not None:
+                    stream.cancel()
             self._finish(group, "error", "the replica stream failed")
         finally:
             self.view.unplace(group.spec.request_id)

@@ -92,7 +92,7 @@ class EmberReplica:
         self.thread = EngineThread(self.engine).start()
         self.replica = _replica_id()
 
-    async def generate(self, message: bytes, blocks: Any = None
+    async def generate(self, message: bytes, blocks: list[Any] | None = None
                        ) -> AsyncIterator[bytes | tuple[bytes, Any]]:
         """For a :class:`GroupSpec` (with its handoff's ``blocks`` beside it, as
         :func:`wire.call_args` sends them): the group's verdict, then its outputs; for a

@@ -21,7 +21,7 @@ import functools
 import struct
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -53,7 +53,11 @@ def pack(message: Any) -> bytes:
         kind = KINDS.index(type(message))
     except ValueError:
         raise TypeError(f"{type(message).__name__} is not a wire message") from None
-    body = _encoder.encode(message)
+    try:
+        body = _encoder.encode(message)
+    except OverflowError:  # msgpack's integers are 64-bit
+        raise WireError(f"a number in the {type(message).__name__} is out of the 64-bit "
+                        "range") from None
     return _HEADER.pack(MAGIC, VERSION, kind, len(body), zlib.crc32(body)) + body
 
 
@@ -95,20 +99,35 @@ def peek(data: bytes) -> GroupSpec | PurgeSpec | None:
 
 
 # ---------------------------------------------------------------- a call and its stream
-def call_args(spec: GroupSpec) -> tuple[bytes, Any]:
+def call_args(spec: GroupSpec) -> tuple[bytes, list[Any] | None]:
     """The arguments of ``EmberReplica.generate`` for ``spec``: its message, and the
-    blocks of its handoff (if any) beside it."""
-    blocks = spec.handoff.blocks if spec.handoff is not None else None
-    if spec.handoff is not None:
-        spec = replace(spec, handoff=replace(spec.handoff, blocks=None))
-    return pack(spec), blocks
+    blocks of its handoff (if any) beside it, in a list: Ray fetches an object
+    reference passed as an argument itself before the call, and the replica fetches
+    the blocks when it takes them (with a deadline, recomputing the prompt if they are
+    lost)."""
+    if spec.handoff is None:
+        return pack(spec), None
+    blocks = [spec.handoff.blocks]
+    return pack(replace(spec, handoff=replace(spec.handoff, blocks=None))), blocks
 
 
-def received_spec(message: bytes, blocks: Any) -> GroupSpec:
+def out_of_range(spec: GroupSpec) -> str | None:
+    """The first sampling parameter of ``spec`` whose integer msgpack cannot carry (the
+    API bounds none of seed, top_k, max_tokens above), for a 400 naming it."""
+    for params in spec.params:
+        for f in fields(params):
+            value = getattr(params, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, int) and not -(1 << 63) <= v < (1 << 64) for v in values):
+                return f.name
+    return None
+
+
+def received_spec(message: bytes, blocks: list[Any] | None) -> GroupSpec:
     """The replica's side of :func:`call_args`."""
     spec = unpack(message, GroupSpec)
     if spec.handoff is not None:
-        spec.handoff.blocks = blocks
+        spec.handoff.blocks = blocks[0] if blocks else None
     return spec
 
 

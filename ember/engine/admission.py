@@ -72,8 +72,9 @@ class Admission:
     def publish_quote(self) -> None:
         """After a step (engine thread): what a request arriving now would meet. The
         groups queued since the last quote are in this one: they stop counting apart."""
-        self.quote = self.scheduler.forecast.quote()
-        with self._on_the_way_lock:
+        quote = self.scheduler.forecast.quote()
+        with self._on_the_way_lock:  # the quote and the table change together
+            self.quote = quote
             for rid in self._queued_since_quote:
                 self._on_the_way.pop(rid, None)
             self._queued_since_quote = []
@@ -82,13 +83,13 @@ class Admission:
         """Raise :class:`Unattainable` when the last quote already puts a prepared
         group's first token past its TTFT objective (any thread): the queue ahead of
         it, and what its prompt must compute (what the prefix cache holds of it now)."""
-        parent, quote = group[0], self.quote
-        if parent.slo_ttft is None or quote is None:
+        parent = group[0]
+        if parent.slo_ttft is None or self.quote is None:
             return
         own = self.scheduler.kv.uncached_at_least(parent)
         key = (parent.priority, parent.tenant)
-        with self._on_the_way_lock:
-            now = time.monotonic()
+        with self._on_the_way_lock:  # the quote with the table as it was published
+            quote, now = self.quote, time.monotonic()
             predicted = now - parent.arrival_time + quote.ttft(
                 parent.tenant, parent.priority, own, self._tokens_on_the_way(), now)
             late = predicted - TTFT_MARGIN * parent.slo_ttft
@@ -115,8 +116,13 @@ class Admission:
 
     def on_the_way(self) -> dict[tuple[int, str], int]:
         """The prompt tokens on their way to the queue, by (priority, tenant)."""
+        return self.quoted()[1]
+
+    def quoted(self) -> tuple[Quote | None, dict[tuple[int, str], int]]:
+        """The last quote and the prompt tokens on their way beside it, read together
+        (any thread)."""
         with self._on_the_way_lock:
-            return self._tokens_on_the_way()
+            return self.quote, self._tokens_on_the_way()
 
     def _tokens_on_the_way(self) -> dict[tuple[int, str], int]:
         now, tokens = time.monotonic(), Counter[tuple[int, str]]()

@@ -59,16 +59,16 @@ class Quote:
         ``own`` uncomputed prompt tokens would get its first token: the queue ahead of
         it (with ``on_the_way``: what was admitted since the quote) under fair share,
         prefilled in full steps (the last one in part), less what the engine has
-        computed of it since the quote (it went on stepping meanwhile)."""
-        queued: dict[str, int] = defaultdict(int)
-        for source in (self.queued, on_the_way or {}):
-            for (p, t), n in source.items():
-                if p <= priority:
-                    queued[t] += n
-        ahead = fair_share_ahead(queued, tenant, own)
-        if now is not None and self.at is not None and ahead > own:
+        computed of it since the quote (it went on stepping meanwhile): of the queue the
+        quote held, as fair share serves it; never of what came after."""
+        quoted = _by_tenant(self.queued, priority)
+        if now is not None and self.at is not None and self.full_step > 0:
             served = int(max(0.0, now - self.at) / self.full_step * self.per_step)
-            ahead = max(own, ahead - served)
+            quoted = served_fairly(quoted, served)
+        queued = _by_tenant(on_the_way or {}, priority)
+        for t, n in quoted.items():
+            queued[t] += n
+        ahead = fair_share_ahead(queued, tenant, own)
         full, rest = divmod(ahead, self.per_step)
         part = (self.empty_step + (self.full_step - self.empty_step) * rest / self.per_step
                 if rest else 0.0)
@@ -164,6 +164,31 @@ class Forecast:
 
     def _eta(self, queued: dict[str, int], tenant: str, own: int) -> float:
         return self.prefill_time(fair_share_ahead(queued, tenant, own))
+
+
+def _by_tenant(queued: Mapping[tuple[int, str], int], priority: int) -> dict[str, int]:
+    """The tokens queued at ``priority`` or better, by tenant."""
+    tenants: dict[str, int] = defaultdict(int)
+    for (p, t), n in queued.items():
+        if p <= priority:
+            tenants[t] += n
+    return tenants
+
+
+def served_fairly(queued: Mapping[str, int], tokens: int) -> dict[str, int]:
+    """What is left of each tenant's ``queued`` tokens once ``tokens`` of them are
+    computed under fair share: every tenant at the same pace, until the smaller
+    queues run out."""
+    level, rest = 0.0, tokens
+    by_size = sorted(queued.values())
+    for i, q in enumerate(by_size):
+        sharing = len(by_size) - i
+        if (q - level) * sharing > rest:
+            level += rest / sharing
+            break
+        rest -= int((q - level) * sharing)
+        level = q
+    return {t: max(0, q - int(level)) for t, q in queued.items()}
 
 
 def fair_share_ahead(queued: Mapping[str, int], tenant: str, own: int) -> int:

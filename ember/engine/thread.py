@@ -127,13 +127,10 @@ class EngineThread:
     def _tenant_waiting(self, tenant: str) -> int:
         return sum(1 for r in list(self.engine.scheduler.waiting) if (r.tenant or "") == tenant)
 
-    def quote(self) -> Quote | None:
-        """What a request arriving now would meet, as of the last step (lock-free)."""
-        return self.engine.admission.quote
-
-    def on_the_way(self) -> dict[tuple[int, str], int]:
-        """Prompt tokens admitted since that quote, not yet queued."""
-        return self.engine.admission.on_the_way()
+    def quoted(self) -> tuple[Quote | None, dict[tuple[int, str], int]]:
+        """What a request arriving now would meet, as of the last step, and the prompt
+        tokens admitted since that quote that it does not hold yet."""
+        return self.engine.admission.quoted()
 
     def queue_full(self) -> bool:
         """Whether :meth:`slot` would raise ``QueueFull`` now (a lock-free read)."""

@@ -498,7 +498,7 @@ class AdmissionGate:
             await drain_request(scope, receive)
             await self._refuse(scope, receive, send, e)
             return
-        objective, quote = self.server.config.slo_ttft, thread.quote()
+        objective, quote = self.server.config.slo_ttft, thread.quoted()[0]
         size = headers.get(b"content-length", b"")
         if (objective is None or quote is None or not size.isdigit()
                 or int(size) > GATE_BODY_BYTES):
@@ -514,7 +514,8 @@ class AdmissionGate:
             return
         receive = replay_body(raw, receive)
         if b'"priority"' not in raw and b'"slo"' not in raw:
-            late = (quote.ttft(tenant, on_the_way=thread.on_the_way(), now=time.monotonic())
+            quote, on_the_way = thread.quoted()  # as of now, not before the body came
+            late = (quote.ttft(tenant, on_the_way=on_the_way, now=time.monotonic())
                     - TTFT_MARGIN * objective)
             if late > 0:
                 await self._refuse(scope, receive, send, slo_unattainable(
