@@ -141,3 +141,21 @@ def test_n_choices_are_submitted_as_one_group(engine_thread):
     assert et.drain(timeout=10)
     finished = {o.request_id for o in outs if o.finished}
     assert len(finished) == 3 and first in finished
+
+
+def test_a_group_the_stopping_engine_cannot_take_stops_counting_as_on_its_way(
+        engine_thread):
+    """Prepared against the quote, then handed over as the engine stops: it will never
+    reach the queue, so it must not count ahead of anyone for its 30 s expiry."""
+    from ember.engine.intake import SLO
+
+    thread = engine_thread()
+    thread.call(lambda engine: engine.admission.publish_quote())  # a quote to check against
+    with thread.slot() as slot:
+        group = thread.engine.prepare([1, 2, 3, 4], SamplingParams(max_tokens=2),
+                                      slo=SLO(ttft=60))
+        assert thread.engine.admission.on_the_way() == {(0, ""): 4}
+        thread.shutdown(timeout=5)
+        with pytest.raises(EngineStopped):
+            slot.submit(group, lambda out: None)
+    assert thread.engine.admission.on_the_way() == {}

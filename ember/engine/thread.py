@@ -241,6 +241,7 @@ class EngineThread:
         with self._lock:
             if self._stopping or not self.alive:
                 self._places.give_back(tenant)
+                self.discard(group)  # it will not reach the queue: stop counting it
                 raise EngineStopped("the engine is not running")
             self._in_inbox.update(ids)
         self._inbox.put(_Submit(group, callback, tenant))
