@@ -221,13 +221,12 @@ class ReplicaSet:
 
     async def _try_replicas(self, group: RemoteGroup) -> tuple[Any, Verdict]:
         spec, refusal = group.spec, None
+        param = out_of_range(spec)
+        if param is not None:
+            raise InvalidRequest(param, f"{param} is out of the 64-bit range the replicas take")
         while group.attempts < DISPATCH_ATTEMPTS:
             group.attempts += 1
             self.view.unplace(spec.request_id)  # the previous attempt's, if any
-            param = out_of_range(spec)
-            if param is not None:
-                raise InvalidRequest(param, f"{param} is out of the 64-bit range the "
-                                            "replicas take")
             stream = ReplicaStream(self.handle.remote(*call_args(spec)))
             try:
                 verdict = await asyncio.wait_for(stream.__anext__(), DISPATCH_TIMEOUT_S)

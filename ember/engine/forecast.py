@@ -89,13 +89,9 @@ class Forecast:
 
     def quote(self) -> Quote:
         """The state a request arriving now would meet (see :class:`Quote`)."""
-        queued: dict[tuple[int, str], int] = defaultdict(int)
-        sched = self.scheduler
-        for r in sched.running + sched.waiting:
-            if r.remaining_prefill > 1:
-                queued[(r.priority, r.tenant)] += r.remaining_prefill
         step, per_step = self._steps()
-        return Quote(dict(queued), per_step, step(per_step), step(0), time.monotonic())
+        return Quote(self._prompts_queued(), per_step, step(per_step), step(0),
+                     time.monotonic())
 
     def _steps(self) -> tuple[Callable[[int], float], int]:
         """The predicted seconds of a step carrying n prompt tokens beside the streams
@@ -126,7 +122,7 @@ class Forecast:
         and from each other tenant at most as many as its own tenant has ahead plus
         its own (fair share serves them round by round), at :meth:`prefill_time`.
         """
-        queued = self._queued_prompt_tokens(req.priority)
+        queued = _by_tenant(self._prompts_queued(), req.priority)
         own = self._uncached(req)
         return self._eta(queued, req.tenant, own)
 
@@ -135,7 +131,7 @@ class Forecast:
         their TTFT objective: the time they have waited plus the predicted rest exceeds
         it. They are taken in the order they would be served, each counting those
         before it."""
-        queued = self._queued_prompt_tokens(None, running_only=True)
+        queued = _by_tenant(self._prompts_queued(running_only=True))
         lost = []
         for req in sorted(self.scheduler.waiting, key=lambda r: (r.priority, r.arrival_time)):
             own = self._uncached(req)
@@ -147,15 +143,14 @@ class Forecast:
             queued[req.tenant] += own
         return lost
 
-    def _queued_prompt_tokens(self, priority: int | None,
-                              running_only: bool = False) -> dict[str, int]:
-        queued: dict[str, int] = defaultdict(int)
+    def _prompts_queued(self, running_only: bool = False) -> dict[tuple[int, str], int]:
+        """Prompt tokens still to compute, by (priority, tenant)."""
+        queued: dict[tuple[int, str], int] = defaultdict(int)
         sched = self.scheduler
-        pool = sched.running if running_only else sched.running + sched.waiting
-        for r in pool:
-            if (priority is None or r.priority <= priority) and r.remaining_prefill > 1:
-                queued[r.tenant] += r.remaining_prefill
-        return queued
+        for r in sched.running if running_only else sched.running + sched.waiting:
+            if r.remaining_prefill > 1:
+                queued[(r.priority, r.tenant)] += r.remaining_prefill
+        return dict(queued)
 
     def _uncached(self, req: Request) -> int:
         if req.kv_len:
@@ -166,8 +161,9 @@ class Forecast:
         return self.prefill_time(fair_share_ahead(queued, tenant, own))
 
 
-def _by_tenant(queued: Mapping[tuple[int, str], int], priority: int) -> dict[str, int]:
-    """The tokens queued at ``priority`` or better, by tenant."""
+def _by_tenant(queued: Mapping[tuple[int, str], int],
+               priority: float = math.inf) -> dict[str, int]:
+    """The tokens queued at ``priority`` or better (default: all), by tenant."""
     tenants: dict[str, int] = defaultdict(int)
     for (p, t), n in queued.items():
         if p <= priority:
