@@ -142,6 +142,7 @@ def test_workloads_are_deterministic_for_a_seed():
 TTFT, GAP, TOKENS = 0.20, 0.05, 5
 RECEIVED: list[dict] = []  # the chat requests' bodies, in arrival order
 BUSY_UNTIL = [0.0]  # the stub answers the bench's one-token probe slowly until then
+PROBES: list[float] = []  # when each probe arrived
 # per streamed request, in arrival order: when its body had arrived and when each chunk
 # was sent (time.monotonic(): the stub runs in this process)
 SENT: list[tuple[float, list[float]]] = []
@@ -168,6 +169,7 @@ async def _stub(scope, receive, send) -> None:
         return
     request = json.loads(body)
     if request.get("max_tokens") == 1:  # the bench's probe: slow while "busy"
+        PROBES.append(time.monotonic())
         await asyncio.sleep(1.0 if time.monotonic() < BUSY_UNTIL[0] else 0.0)
         await _respond(send, 200, b'{"choices":[]}')
         return
@@ -290,9 +292,14 @@ def test_the_next_step_waits_until_the_endpoint_has_finished_the_last_ones_work(
     idle = _probe(ep, 10)
     assert idle is not None and idle < 0.5
     BUSY_UNTIL[0] = time.monotonic() + 2.0
+    PROBES.clear()
     waited = _settle(ep, idle, 10)
-    assert 1.5 <= waited < 5.0
-    assert _settle(ep, idle, 10) < 0.5  # idle now: one probe
+    assert waited >= 1.5 and time.monotonic() >= BUSY_UNTIL[0]
+    # it stopped at the first probe that found the stub idle
+    assert sum(t >= BUSY_UNTIL[0] for t in PROBES) == 1 and len(PROBES) >= 2
+    PROBES.clear()
+    _settle(ep, idle, 10)
+    assert len(PROBES) == 1  # idle now: one probe
 
 
 def test_an_over_saturated_step_stops_sending_and_says_so(stub_url):
